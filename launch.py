@@ -1,0 +1,24 @@
+"""titan_hydra's one entry point: compose (Hydra) -> validate -> launch.
+
+    python launch.py                                  # debug Llama 3 on the built-in corpus, CPU
+    python launch.py --cfg job                        # print the composed config, run nothing
+    python launch.py dry_run=true                     # print the plan, train nothing
+    python launch.py -m optimizer.lr=1e-4,3e-4        # a sweep
+"""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+import titan_hydra.config  # noqa: F401  (registers schemas and resolvers before composing)
+from titan_hydra.launch.entry import launch
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    return launch(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Metrics: throughput math, peaks, memory, and every backend read back from disk."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from titan_hydra.metrics import throughput as tp
+from titan_hydra.metrics.backends import ConsoleBackend, JsonlBackend, TensorBoardBackend
+from titan_hydra.metrics.logger import MetricLogger
+from titan_hydra.metrics.memory import MemoryMonitor
+from titan_hydra.metrics.wandb_reader import find_wandb_files, read_offline_run
+
+CONFIG = {"model": {"dim": 256, "layers": [1, 2, 3]}, "optimizer": {"lr": 3e-4}, "seed": 7}
+ROWS = [(1, {"loss": 6.5, "lr": 1e-4}), (2, {"loss": 5.25, "lr": 2e-4}),
+        (3, {"loss": 4.125, "lr": 3e-4, "val/loss": 4.5})]
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TITAN_HYDRA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tp, "_PEAK_CACHE", {})
+    return tmp_path / "cache"
+
+
+def test_throughput_meter_exact(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(tp.time, "perf_counter", lambda: now[0])
+    m = tp.ThroughputMeter(flops_per_token=6e9, peak_tflops=100.0, world_size=1)
+    m.update(1000)
+    m.update(1000)
+    now[0] = 102.0
+    r = m.report()
+    assert r["tps"] == pytest.approx(1000.0)
+    assert r["tflops"] == pytest.approx(6.0)
+    assert r["mfu"] == pytest.approx(6.0)
+    assert "tps_global" not in r
+    # The window restarted at the report.
+    m.update(500)
+    now[0] = 103.0
+    assert m.report()["tps"] == pytest.approx(500.0)
+    # reset() restarts the window and forgets counted tokens.
+    m.update(10_000)
+    now[0] = 110.0
+    m.reset()
+    m.update(400)
+    now[0] = 112.0
+    assert m.report()["tps"] == pytest.approx(200.0)
+
+
+def test_throughput_meter_global_and_zero_window(monkeypatch):
+    monkeypatch.setattr(tp.time, "perf_counter", lambda: 5.0)
+    m = tp.ThroughputMeter(flops_per_token=1.0, peak_tflops=1.0, world_size=4)
+    m.update(10)
+    r = m.report()  # zero elapsed time must not divide by zero
+    assert r["tps"] == 0.0 and r["mfu"] == 0.0 and r["tps_global"] == 0.0
+
+
+def test_peak_override_and_cuda_lookup(monkeypatch):
+    assert tp.device_peak_tflops(torch.device("cpu"), override=123.0) == 123.0
+    names = {"NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H100 PCIe": 756.0,
+             "NVIDIA H200": 989.0, "NVIDIA A100-SXM4-80GB": 312.0}
+    for name, peak in names.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None, n=name: n)
+        assert tp.device_peak_tflops(torch.device("cuda", 0)) == peak, name
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100-SXM4-80GB")
+    # cuBLASModule proxies a C++ flag (monkeypatch cannot undo it): restore by hand.
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert tp.device_peak_tflops(torch.device("cuda", 0), dtype=torch.float32) == 156.0
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert tp.device_peak_tflops(torch.device("cuda", 0), dtype=torch.float32) == 19.5
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def test_cpu_peak_measured_then_cached(cache_dir, monkeypatch):
+    calls = []
+    real = tp._time_matmul
+    monkeypatch.setattr(tp, "_time_matmul", lambda *a, **k: calls.append(a) or real(*a, **k))
+    peak = tp.device_peak_tflops(torch.device("cpu"), torch.bfloat16)
+    assert peak > 0 and len(calls) == 1
+    assert (cache_dir / "cpu_peak.json").exists()
+    assert tp.measure_cpu_peak_tflops(torch.bfloat16) == peak  # in-process cache
+    tp._PEAK_CACHE.clear()  # as a fresh process would start
+    assert tp.measure_cpu_peak_tflops(torch.bfloat16) == peak  # from disk
+    assert len(calls) == 1
+    stored = json.loads((cache_dir / "cpu_peak.json").read_text())
+    (key,) = stored
+    assert f"threads={torch.get_num_threads()}" in key and "bfloat16" in key
+
+
+def test_memory_monitor_cpu():
+    mon = MemoryMonitor(torch.device("cpu"))
+    before = mon.report()
+    assert before["memory_current_gib"] > 0 and 0 < before["memory_peak_pct"] < 100
+    x = torch.ones(50 * 1024 * 1024, dtype=torch.float32)  # 200 MiB, written (touched)
+    after = mon.report()
+    assert after["memory_peak_gib"] - before["memory_peak_gib"] >= 0.15
+    del x
+    if not mon.peak_reset_supported:
+        pytest.skip("/proc/self/clear_refs not writable here: peak cannot be reset")
+    mon.reset_peak()
+    reset = mon.report()
+    assert reset["memory_peak_gib"] < after["memory_peak_gib"] - 0.1
+
+
+def test_jsonl_backend(tmp_path):
+    b = JsonlBackend(tmp_path)
+    for step, m in ROWS:
+        b.log(m, step)
+    b.close()
+    b.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r, (_, m) in zip(rows, ROWS):
+        assert {k: r[k] for k in m} == m and r["time"] > 1e9
+
+
+def test_tensorboard_backend(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    b = TensorBoardBackend(tmp_path)
+    b.log_config(CONFIG)
+    for step, m in ROWS:
+        b.log(m, step)
+    b.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert "val/loss" in acc.Tags()["scalars"]
+    loss = [(e.step, e.value) for e in acc.Scalars("loss")]
+    assert loss == [(s, pytest.approx(m["loss"])) for s, m in ROWS]
+    assert [(e.step, e.value) for e in acc.Scalars("val/loss")] == [(3, 4.5)]
+
+
+def test_console_backend(capsys):
+    b = ConsoleBackend(None)
+    b.log({"loss": 6.12344, "grad_norm": 1.234, "lr": 3e-4, "tps": 6512.3, "tflops": 0.421,
+           "mfu": 12.34, "memory_peak_gib": 1.214, "data_time": 0.0003, "val/loss": 5.5}, 10)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ("step    10 | loss 6.1234 | grad_norm 1.23 | lr 3.0e-04 | tps 6,512 | "
+                      "tflops 0.42 | mfu 12.3% | mem 1.21GiB | data 0.3ms")
+    assert out[1] == "val     10 | loss 5.5000"
+
+
+def _wandb_logger(run_dir):
+    spec = {"_target_": "titan_hydra.metrics.backends.WandbBackend",
+            "project": "test", "mode": "offline", "group": "g1", "tags": ["a", "b"]}
+    return MetricLogger(run_dir, rank=0, backends={"wandb": spec, "jsonl": None},
+                        config=CONFIG)
+
+
+def test_wandb_offline_roundtrip(tmp_path):
+    with _wandb_logger(tmp_path) as ml:
+        for step, m in ROWS:
+            ml.log({**m, "loss": torch.tensor(m["loss"])}, step)
+    assert not (tmp_path / "metrics.jsonl").exists()  # None disables a backend
+    run = read_offline_run(tmp_path)
+    assert run["config"] == CONFIG
+    assert run["run"]["group"] == "g1" and run["run"]["tags"] == ["a", "b"]
+    assert run["exit_code"] == 0
+    hist = run["history"]
+    assert [h["_step"] for h in hist] == [1, 2, 3]
+    assert [h["loss"] for h in hist] == [m["loss"] for _, m in ROWS]
+    assert hist[2]["val/loss"] == 4.5 and run["summary"]["loss"] == 4.125
+
+
+def test_wandb_sequential_runs_are_distinct(tmp_path):
+    for i in range(2):
+        ml = _wandb_logger(tmp_path)
+        ml.log({"loss": float(i)}, 1)
+        ml.close()
+        ml.close()  # idempotent
+    files = find_wandb_files(tmp_path)
+    assert len(files) == 2 and files[0].parent != files[1].parent
+    assert read_offline_run(files[0])["history"][0]["loss"] == 0
+    assert read_offline_run(files[1])["history"][0]["loss"] == 1
+
+
+def test_logger_builds_from_hydra_config_and_closes_all(tmp_path):
+    from omegaconf import OmegaConf
+
+    class Broken:
+        closed = False
+
+        def log(self, metrics, step):
+            raise RuntimeError("disk full")
+
+        def close(self):
+            Broken.closed = True
+            raise RuntimeError("still broken")
+
+    backends = OmegaConf.create({
+        "jsonl": {"_target_": "titan_hydra.metrics.backends.JsonlBackend"},
+        "tensorboard": {"_target_": "titan_hydra.metrics.backends.TensorBoardBackend"},
+    })
+    ml = MetricLogger(tmp_path, 0, {**backends, "broken": Broken()}, OmegaConf.create(CONFIG))
+    ml.log({"loss": 1.5}, 1)  # the broken backend is dropped, the others keep logging
+    assert "broken" not in ml.backends and Broken.closed
+    ml.log({"loss": 1.25}, 2)
+    ml.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["loss"] for x in lines] == [1.5, 1.25]
+    assert any((tmp_path / "tb").iterdir())
+
+
+def test_logger_nonzero_rank_creates_nothing(tmp_path):
+    backends = {"jsonl": {"_target_": "titan_hydra.metrics.backends.JsonlBackend"},
+                "wandb": {"_target_": "titan_hydra.metrics.backends.WandbBackend"},
+                "tensorboard": {"_target_": "titan_hydra.metrics.backends.TensorBoardBackend"}}
+    with MetricLogger(tmp_path / "run", rank=1, backends=backends, config=CONFIG) as ml:
+        ml.log({"loss": 1.0}, 1)
+    assert not (tmp_path / "run").exists() and os.listdir(tmp_path) == []

@@ -1,0 +1,336 @@
+"""Structured config schema, registered in Hydra's ConfigStore.
+
+Every config group has a dataclass here. The YAML options under ``conf/<group>/`` extend the
+group's schema (``defaults: [<group>_schema, _self_]``) and the primary config extends
+``titan_schema``, so a misspelled key (``training.stepz=5``) or a wrong type
+(``training.steps=abc``) fails while Hydra composes, before any process starts.
+
+Objects the recipe builds carry a ``_target_`` (model, parallelism, optimizer, LR schedule,
+float8 converter, dataset, logger backends) and are created with ``hydra.utils.instantiate``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+
+class Precision(str, Enum):
+    """Training precision: bf16 autocast / FSDP param dtype, or plain fp32."""
+
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
+@dataclass
+class ModelConfig:
+    """Llama-family architecture; fields mirror ``titan_hydra.models.llama3.LlamaArgs``."""
+
+    _target_: str = "titan_hydra.models.llama3.Llama3"
+    flavor: str = "custom"
+    dim: int = 256
+    n_layers: int = 6
+    n_heads: int = 16
+    n_kv_heads: Optional[int] = None
+    vocab_size: int = 2048
+    multiple_of: int = 256
+    ffn_dim_multiplier: Optional[float] = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    max_seq_len: int = 2048
+    depth_init: bool = True
+
+
+@dataclass
+class ParallelismConfig:
+    """Degrees of every parallel dimension; world size = dp_replicate*dp_shard*cp*tp*pp.
+
+    ``dp_shard=-1`` takes whatever the other degrees leave of the world size.
+    """
+
+    _target_: str = "titan_hydra.parallel.dims.ParallelDims"
+    name: str = "single"
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    # FSDP / DDP
+    fsdp_reshard_after_forward: str = "default"  # default | always | never
+    fsdp_cpu_offload: bool = False
+    # tensor parallel
+    tp_sequence_parallel: bool = True
+    tp_loss_parallel: bool = True
+    tp_async: bool = False
+    # pipeline parallel
+    pp_schedule: str = "1F1B"
+    pp_microbatches: Optional[int] = None
+    pp_layers_per_stage: Optional[int] = None
+    pp_split_points: List[str] = field(default_factory=list)
+    # context parallel
+    cp_rotate_method: str = "allgather"  # allgather | alltoall
+
+
+@dataclass
+class OptimizerConfig:
+    """A torch optimizer built as a partial and called with the model's parameters."""
+
+    _target_: str = "torch.optim.AdamW"
+    _partial_: bool = True
+    lr: float = 8e-4
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    foreach: Optional[bool] = None
+
+
+@dataclass
+class LRSchedulerConfig:
+    """Warmup -> stable -> decay, as a partial called with (optimizer, total steps)."""
+
+    _target_: str = "titan_hydra.train.lr_schedule.build_lr_scheduler"
+    _partial_: bool = True
+    name: str = "warmup_cosine"
+    warmup_steps: int = 10
+    decay_ratio: Optional[float] = None  # fraction of steps spent decaying; None = all after warmup
+    decay_type: str = "cosine"  # linear | cosine | sqrt | none
+    min_lr_factor: float = 0.0
+
+
+@dataclass
+class Float8Config:
+    """torchao Float8 training (``recipe: none`` leaves the model untouched)."""
+
+    _target_: str = "titan_hydra.quant.float8.Float8Converter"
+    recipe: str = "none"  # none | tensorwise | rowwise
+    enable_fsdp_float8_all_gather: bool = False
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    filter_fqns: List[str] = field(default_factory=lambda: ["output"])
+    auto_filter_small_kn: bool = True
+    emulate: bool = False
+
+
+@dataclass
+class ClusterConfig:
+    """Where and how ranks run: device, backend, processes, launcher settings."""
+
+    name: str = "local_cpu"
+    device: str = "cpu"  # cpu | cuda
+    backend: str = "gloo"  # gloo | nccl
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    threads_per_proc: Optional[int] = None
+    max_restarts: int = 0
+    master_port: Optional[int] = None
+    peak_tflops: Optional[float] = None  # per-device peak for MFU; None = table or measured
+    # SLURM (used by slurm clusters through hydra/launcher=submitit_slurm)
+    partition: Optional[str] = None
+    gpus_per_node: int = 0
+    cpus_per_task: Optional[int] = None
+    mem_gb: Optional[int] = None
+    timeout_min: int = 60
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    setup: List[str] = field(default_factory=list)
+
+
+@dataclass
+class DataConfig:
+    """Dataset + tokenizer; ``source`` picks builtin / json / parquet / text / hf."""
+
+    _target_: str = "titan_hydra.data.dataset.TokenDataset"
+    name: str = "builtin"
+    source: str = "builtin"
+    path: Optional[str] = None
+    tokenizer: str = "builtin"
+    seq_len: int = "${training.seq_len}"  # type: ignore[assignment]
+    text_field: str = "text"
+    val_path: Optional[str] = None
+    val_fraction: float = 0.05
+    shuffle: bool = True
+    seed: int = "${training.seed}"  # type: ignore[assignment]
+    hf_name: Optional[str] = None
+    hf_config: Optional[str] = None
+    streaming: bool = False
+    max_documents: Optional[int] = None
+    cache_dir: Optional[str] = None
+
+
+@dataclass
+class CheckpointConfig:
+    """Distributed checkpointing (DCP)."""
+
+    enable: bool = False
+    folder: str = "checkpoint"
+    interval: int = 500
+    keep_latest_k: int = 3
+    async_mode: str = "disabled"  # disabled | async
+    load_step: int = -1
+    initial_load_path: Optional[str] = None
+    initial_load_model_only: bool = True
+    exclude_from_loading: List[str] = field(default_factory=list)
+    last_save_model_only: bool = False
+    export_dtype: str = "float32"
+
+
+@dataclass
+class ActivationCheckpointConfig:
+    mode: str = "none"  # none | full | selective_op | selective_layer
+    selective_layer_freq: int = 2
+
+
+@dataclass
+class CompileConfig:
+    mode: str = "none"  # none | model | model_loss
+    backend: str = "inductor"
+
+
+@dataclass
+class ConsoleBackendConfig:
+    _target_: str = "titan_hydra.metrics.backends.ConsoleBackend"
+
+
+@dataclass
+class JsonlBackendConfig:
+    _target_: str = "titan_hydra.metrics.backends.JsonlBackend"
+    filename: str = "metrics.jsonl"
+
+
+@dataclass
+class TensorBoardBackendConfig:
+    _target_: str = "titan_hydra.metrics.backends.TensorBoardBackend"
+    subdir: str = "tb"
+
+
+@dataclass
+class WandbBackendConfig:
+    _target_: str = "titan_hydra.metrics.backends.WandbBackend"
+    project: str = "titan_hydra"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    name: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+    mode: str = "offline"  # offline | online | disabled
+    notes: Optional[str] = None
+
+
+@dataclass
+class LoggerConfig:
+    """Metric sinks; set one to null (``logger.wandb=null``) to turn it off."""
+
+    console: Optional[ConsoleBackendConfig] = field(default_factory=ConsoleBackendConfig)
+    jsonl: Optional[JsonlBackendConfig] = field(default_factory=JsonlBackendConfig)
+    tensorboard: Optional[TensorBoardBackendConfig] = field(default_factory=TensorBoardBackendConfig)
+    wandb: Optional[WandbBackendConfig] = field(default_factory=WandbBackendConfig)
+
+
+@dataclass
+class ProfilingConfig:
+    enable: bool = False
+    traces_folder: str = "profile_traces"
+    profile_freq: int = 10
+    warmup: int = 3
+    active: int = 1
+    enable_memory_snapshot: bool = False
+    memory_snapshot_folder: str = "memory_snapshot"
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 50
+    local_batch_size: int = 8
+    global_batch_size: int = -1  # -1 = local_batch_size * data-parallel degree (no accumulation)
+    seq_len: int = 256
+    max_norm: float = 1.0
+    seed: int = 42
+    mixed_precision: Precision = Precision.bf16
+    deterministic: bool = False
+    log_freq: int = 1
+    val_freq: int = 25  # 0 disables validation
+    val_steps: int = 4
+    val_local_batch_size: Optional[int] = None
+
+
+@dataclass
+class TitanConfig:
+    model: ModelConfig = MISSING
+    parallelism: ParallelismConfig = MISSING
+    optimizer: OptimizerConfig = MISSING
+    lr_scheduler: LRSchedulerConfig = MISSING
+    float8: Float8Config = MISSING
+    cluster: ClusterConfig = MISSING
+    data: DataConfig = MISSING
+    checkpoint: CheckpointConfig = MISSING
+    activation_checkpoint: ActivationCheckpointConfig = MISSING
+    compile: CompileConfig = MISSING
+    logger: LoggerConfig = MISSING
+    profiling: ProfilingConfig = MISSING
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    dry_run: bool = False
+    run_name: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+
+
+GROUP_SCHEMAS = {
+    "model": ModelConfig,
+    "parallelism": ParallelismConfig,
+    "optimizer": OptimizerConfig,
+    "lr_scheduler": LRSchedulerConfig,
+    "float8": Float8Config,
+    "cluster": ClusterConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "activation_checkpoint": ActivationCheckpointConfig,
+    "compile": CompileConfig,
+    "logger": LoggerConfig,
+    "profiling": ProfilingConfig,
+}
+
+_RUN_STAMP: Optional[str] = None
+
+
+def run_subdir() -> str:
+    """A run directory name that every rank of one run computes identically.
+
+    Under torchrun each rank composes its own config, so a timestamp would split ranks into
+    different directories. torchrun's rendezvous id (random per ``--standalone`` run, or the
+    user's ``--rdzv-id``) and SLURM's job id are shared by all ranks and survive a requeue.
+    """
+    global _RUN_STAMP
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and os.environ.get("TITAN_HYDRA_WORKER") is None:
+        return f"torchrun/{run_id}"
+    job = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    if job and os.environ.get("SUBMITIT_FOLDER") is None and os.environ.get("SLURM_STEP_ID"):
+        task = os.environ.get("SLURM_ARRAY_TASK_ID")
+        return f"slurm/{job}" + (f"_{task}" if task else "")
+    if _RUN_STAMP is None:
+        _RUN_STAMP = time.strftime("%Y-%m-%d/%H-%M-%S")
+    return _RUN_STAMP
+
+
+def register_configs() -> None:
+    """Register the schemas and resolvers with Hydra (idempotent)."""
+    if not OmegaConf.has_resolver("th_run_subdir"):
+        OmegaConf.register_new_resolver("th_run_subdir", run_subdir)
+    cs = ConfigStore.instance()
+    cs.store(name="titan_schema", node=TitanConfig)
+    for group, schema in GROUP_SCHEMAS.items():
+        cs.store(group=group, name=f"{group}_schema", node=schema)
+
+
+register_configs()
+
+
+def to_container(cfg: Any) -> dict:
+    """Resolved plain-dict view of a config (for loggers and W&B)."""
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]

@@ -1,0 +1,59 @@
+"""From a composed config to running ranks.
+
+``launch(cfg)`` validates (one-line ``error:`` and exit 2 on bad input), prints the plan for
+``dry_run``, and otherwise runs the pretraining recipe: in this process when it is the only
+rank or when an outer launcher (torchrun, SLURM) already made this process a rank, or in
+workers that the local launcher spawns through torch elastic.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from titan_hydra.errors import UserError
+from titan_hydra.validate import build_dims, validate, world_size_of
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def run_dir_of(cfg: DictConfig) -> str:
+    try:
+        return HydraConfig.get().runtime.output_dir
+    except ValueError:  # not under Hydra (tests calling launch directly)
+        return os.getcwd()
+
+
+def launch(cfg: DictConfig) -> float | None:
+    """Validate, then dry-run or train. Returns the final validation loss (for sweepers)."""
+    try:
+        validate(cfg)
+        dims = build_dims(cfg)
+    except UserError as e:
+        fail(str(e))
+    if cfg.dry_run:
+        from titan_hydra.estimate import plan
+
+        print(plan(cfg, dims).format(), flush=True)
+        return None
+    run_dir = run_dir_of(cfg)
+    inside_rank = "LOCAL_RANK" in os.environ or world_size_of(cfg) == 1
+    try:
+        if inside_rank:
+            from titan_hydra.train.pretrain import run
+
+            summary = run(cfg, run_dir)
+        else:
+            from titan_hydra.launch.local import run_local
+
+            summary = run_local(cfg, run_dir)
+    except UserError as e:
+        fail(str(e))
+    val = summary.get("final_val_loss") if summary else None
+    return float(val) if val is not None else (summary or {}).get("final_loss")

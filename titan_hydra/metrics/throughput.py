@@ -1,0 +1,191 @@
+"""Tokens/s, achieved TFLOP/s and MFU per rank.
+
+MFU needs a denominator: the device's dense peak. GPUs have a published number
+(looked up by name); a CPU has none, so we measure one with a few large matmuls
+and cache it (in-process and on disk) because it costs ~1 s and would otherwise
+be paid by every run and every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("titan_hydra")
+
+# Dense (no 2:4 sparsity) bf16/fp16 tensor-core peaks in TFLOP/s, from vendor data sheets.
+# Looked up by substring of torch.cuda.get_device_name(); longest key wins, so
+# "H100 PCIe" beats "H100" and "H200" beats "H20".
+PEAK_TFLOPS: dict[str, float] = {
+    "B200": 2250.0,
+    "GH200": 989.0,
+    "H200": 989.0,
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H100": 989.0,  # SXM ("NVIDIA H100 80GB HBM3")
+    "H800": 989.0,
+    "H20": 148.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "A10G": 70.0,
+    "V100": 125.0,
+}
+# TF32 tensor-core peaks (used for fp32 when TF32 matmuls are allowed) and plain fp32 peaks.
+PEAK_TFLOPS_TF32: dict[str, float] = {
+    "B200": 1100.0, "GH200": 494.0, "H200": 494.0, "H100 PCIe": 378.0, "H100 NVL": 418.0,
+    "H100": 494.0, "H800": 494.0, "A100": 156.0, "A800": 156.0, "L40S": 183.0, "L4": 60.0,
+}
+PEAK_TFLOPS_FP32: dict[str, float] = {
+    "B200": 80.0, "GH200": 67.0, "H200": 67.0, "H100 PCIe": 51.0, "H100 NVL": 60.0,
+    "H100": 67.0, "H800": 67.0, "A100": 19.5, "A800": 19.5, "L40S": 91.6, "L4": 30.3, "V100": 15.7,
+}
+
+_PEAK_CACHE: dict[tuple[str, int], float] = {}  # (dtype, threads) -> TFLOP/s, this process
+
+
+def _lookup(table: dict[str, float], name: str) -> float | None:
+    for key in sorted(table, key=len, reverse=True):
+        if key.lower() in name.lower():
+            return table[key]
+    return None
+
+
+def device_peak_tflops(device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
+                       override: float | None = None) -> float:
+    """Dense peak TFLOP/s of one device for `dtype`; `override` (e.g. from config) wins."""
+    if override is not None:
+        return float(override)
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        if dtype in (torch.bfloat16, torch.float16):
+            table = PEAK_TFLOPS
+        elif torch.backends.cuda.matmul.allow_tf32:
+            table = PEAK_TFLOPS_TF32
+        else:
+            table = PEAK_TFLOPS_FP32
+        peak = _lookup(table, name)
+        if peak is not None:
+            return peak
+        log.warning("unknown GPU %r for MFU: measuring a matmul peak instead "
+                    "(set an explicit peak to silence this)", name)
+        return _time_matmul(device, dtype, 4096, 10)
+    return measure_cpu_peak_tflops(dtype)
+
+
+def _time_matmul(device: torch.device, dtype: torch.dtype, size: int, reps: int,
+                 budget_s: float = 1.0) -> float:
+    """Best single-matmul TFLOP/s over up to `reps` timed runs after a warm-up.
+
+    Best-of, not mean: shared/virtual CPUs see neighbours' load, and the best run is
+    the closest to what the hardware can do. Stops early (after >= 2 timed runs)
+    once `budget_s` is spent, since fp32 on a slow CPU takes ~0.1-0.3 s per matmul.
+    """
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.mm(a, b)
+    sync()
+    best, start = float("inf"), time.perf_counter()
+    for i in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+        if i >= 1 and time.perf_counter() - start > budget_s:
+            break
+    return 2.0 * size**3 / best / 1e12
+
+
+def _cache_file() -> Path:
+    """Disk cache; TITAN_HYDRA_CACHE_DIR redirects it (tests, read-only homes)."""
+    root = os.environ.get("TITAN_HYDRA_CACHE_DIR") or Path.home() / ".cache" / "titan_hydra"
+    return Path(root) / "cpu_peak.json"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def measure_cpu_peak_tflops(dtype: torch.dtype = torch.bfloat16, size: int = 2048,
+                            reps: int = 10) -> float:
+    """Measured CPU matmul peak (TFLOP/s) with the current torch thread count.
+
+    The number depends on the thread count (torchrun sets 1 per rank), so the key
+    includes it; the disk key also includes the CPU model and torch version, which
+    change the achievable peak (AMX/oneDNN paths).
+    """
+    threads = torch.get_num_threads()
+    mem_key = (str(dtype), threads)
+    if mem_key in _PEAK_CACHE:
+        return _PEAK_CACHE[mem_key]
+    disk_key = f"{_cpu_model()}|threads={threads}|{dtype}|torch={torch.__version__}|size={size}"
+    path = _cache_file()
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if isinstance(cached.get(disk_key), (int, float)) and cached[disk_key] > 0:
+        _PEAK_CACHE[mem_key] = float(cached[disk_key])
+        return _PEAK_CACHE[mem_key]
+    with torch.no_grad():
+        peak = _time_matmul(torch.device("cpu"), dtype, size, reps)
+    _PEAK_CACHE[mem_key] = peak
+    try:  # best effort: a read-only or racing cache must never fail a run
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cached[disk_key] = peak
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.debug("could not write %s: %s", path, e)
+    return peak
+
+
+class ThroughputMeter:
+    """Per-rank throughput over the window since the last report.
+
+    Counts only what the caller says this rank processed, so numbers are per rank;
+    `tps_global` (= tps * world_size) is added when world_size > 1, assuming ranks
+    run in lock-step, which synchronous data-parallel training does.
+    """
+
+    def __init__(self, flops_per_token: float, peak_tflops: float, world_size: int = 1):
+        self.flops_per_token = float(flops_per_token)
+        self.peak_tflops = float(peak_tflops)
+        self.world_size = int(world_size)
+        self.reset()
+
+    def reset(self) -> None:
+        self._tokens = 0
+        self._t0 = time.perf_counter()
+
+    def update(self, tokens: int) -> None:
+        self._tokens += int(tokens)
+
+    def report(self) -> dict[str, float]:
+        now = time.perf_counter()
+        elapsed = now - self._t0
+        tps = self._tokens / elapsed if elapsed > 0 else 0.0
+        tflops = tps * self.flops_per_token / 1e12
+        mfu = 100.0 * tflops / self.peak_tflops if self.peak_tflops > 0 else 0.0
+        self._tokens, self._t0 = 0, now
+        out = {"tps": tps, "tflops": tflops, "mfu": mfu}
+        if self.world_size > 1:
+            out["tps_global"] = tps * self.world_size
+        return out

@@ -1,0 +1,161 @@
+"""The per-rank pretraining program: build everything from the config, then train.
+
+Runs identically in a single process, in each worker spawned by the local launcher, under
+torchrun, and in each SLURM task. Order: distributed init -> mesh -> data -> model on meta ->
+layout -> materialize + init -> optimizer / LR schedule -> (restore) -> train -> close.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from titan_hydra.errors import instantiate_checked as instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from titan_hydra.config import to_container
+from titan_hydra.errors import UserError
+from titan_hydra.metrics.logger import MetricLogger
+from titan_hydra.metrics.memory import MemoryMonitor
+from titan_hydra.metrics.throughput import ThroughputMeter, device_peak_tflops
+from titan_hydra.models.llama3 import flops_per_token
+from titan_hydra.parallel.apply import parallelize
+from titan_hydra.train.trainer import Trainer
+
+
+def world_info() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from the torch.distributed environment variables."""
+    return (
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+    )
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def setup_device(cluster: DictConfig, local_rank: int) -> torch.device:
+    if cluster.device == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("cluster.device=cuda but no CUDA device is visible; use cluster=local_cpu")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(cluster: DictConfig, world_size: int) -> None:
+    if world_size > 1 and not dist.is_initialized():
+        backend = cluster.backend
+        if cluster.device == "cpu" and backend != "gloo":
+            raise UserError(f"cluster.backend={backend} cannot run on CPU; use cluster.backend=gloo")
+        dist.init_process_group(backend=backend)
+
+
+def mixed_precision_of(cfg: DictConfig) -> str:
+    mp = cfg.training.mixed_precision
+    return str(getattr(mp, "value", mp))
+
+
+def build_dataset(cfg: DictConfig):
+    """The `data` group's dataset; ``name`` labels the option and is not a constructor argument."""
+    node = OmegaConf.to_container(cfg.data, resolve=True)
+    node.pop("name", None)
+    return instantiate(node, _convert_="all")
+
+
+def run(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
+    """Train one rank. Returns the run summary (losses, final validation loss...)."""
+    rank, local_rank, world_size = world_info()
+    if cfg.cluster.threads_per_proc:
+        torch.set_num_threads(int(cfg.cluster.threads_per_proc))
+    device = setup_device(cfg.cluster, local_rank)
+    init_distributed(cfg.cluster, world_size)
+    try:
+        return _run(cfg, run_dir, rank, world_size, device)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(cfg: DictConfig, run_dir: str, rank: int, world_size: int, device: torch.device) -> dict[str, Any]:
+    training = cfg.training
+    seed_everything(training.seed, training.deterministic)
+    dims = instantiate(cfg.parallelism, world_size=world_size, _convert_="all")
+    dims.build_mesh(device.type)
+
+    # Data first: bad records must fail before the model is built.
+    dataset = build_dataset(cfg)
+    dp_rank, dp_degree = dims.dp_rank(), dims.dp_degree
+    local_bs = training.local_batch_size
+    global_bs = training.global_batch_size if training.global_batch_size > 0 else local_bs * dp_degree
+    grad_accum = global_bs // (local_bs * dp_degree)
+    train_loader = dataset.loader("train", local_bs, dp_rank=dp_rank, dp_degree=dp_degree)
+    val_bs = training.val_local_batch_size or local_bs
+
+    def val_loader_factory():
+        return dataset.loader("val", val_bs, dp_rank=dp_rank, dp_degree=dp_degree, infinite=False)
+
+    # Model on meta, layout applied, then materialized on the device and initialized.
+    with torch.device("meta"):
+        model = instantiate(cfg.model, _convert_="all")
+    fpt = flops_per_token(model.args, training.seq_len)
+    float8 = instantiate(cfg.float8, _convert_="all")
+    model = float8.convert(model)
+    pm = parallelize(model, dims, cfg, device)
+    torch.manual_seed(training.seed)
+    for part in pm.model_parts:
+        part.to_empty(device=device)
+        with torch.no_grad():
+            part.init_weights(buffer_device=device)
+
+    params = [p for part in pm.model_parts for p in part.parameters()]
+    optimizer = instantiate(cfg.optimizer)(params)
+    lr_scheduler = instantiate(cfg.lr_scheduler)(optimizer, training.steps)
+
+    config_dict = to_container(cfg)
+    metric_logger = MetricLogger(run_dir, rank, backends=dict(cfg.logger), config=config_dict)
+    peak = device_peak_tflops(
+        device,
+        torch.bfloat16 if mixed_precision_of(cfg) == "bf16" else torch.float32,
+        override=cfg.cluster.peak_tflops,
+    )
+    trainer = Trainer(
+        model_parts=pm.model_parts,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        train_loader=train_loader,
+        val_loader_factory=val_loader_factory,
+        dims=dims,
+        steps=training.steps,
+        grad_accum_steps=grad_accum,
+        max_norm=training.max_norm,
+        log_freq=training.log_freq,
+        val_freq=training.val_freq,
+        val_steps=training.val_steps,
+        metric_logger=metric_logger,
+        throughput=ThroughputMeter(fpt, peak, world_size=world_size),
+        memory=MemoryMonitor(device),
+        step_context=pm.step_context,
+        pp_schedule=pm.pp_schedule,
+        pp_has_first_stage=pm.pp_has_first_stage,
+        pp_has_last_stage=pm.pp_has_last_stage,
+        device=device,
+    )
+    try:
+        summary = trainer.train()
+    finally:
+        metric_logger.close()
+    summary["run_dir"] = run_dir
+    summary["dataset_stats"] = getattr(dataset, "stats", {})
+    return summary

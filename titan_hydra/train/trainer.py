@@ -1,0 +1,217 @@
+"""The training loop: one loop for every parallel layout.
+
+Everything layout-specific arrives already built: the model parts (one module, or this rank's
+pipeline stages), an optional pipeline schedule, the per-step context (autocast, loss
+parallel, context-parallel sharding) and ParallelDims for reductions. The loop itself only
+accumulates gradients, clips, steps, validates, logs and checks the loss is finite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager
+
+import torch
+
+from titan_hydra.errors import TrainingDiverged
+from titan_hydra.train.grad_clip import clip_grad_norm_
+from titan_hydra.train.loss import cross_entropy_loss
+
+
+@dataclass
+class TrainState:
+    """Progress that a checkpoint must carry besides model/optimizer/data."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    losses: list[float] = field(default_factory=list)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "losses": list(self.losses)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.step = int(sd["step"])
+        self.tokens_seen = int(sd["tokens_seen"])
+        self.losses = [float(x) for x in sd.get("losses", [])]
+
+
+class Trainer:
+    def __init__(
+        self,
+        *,
+        model_parts: list[torch.nn.Module],
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
+        train_loader,
+        val_loader_factory: Callable[[], Any] | None,
+        dims,
+        steps: int,
+        grad_accum_steps: int,
+        max_norm: float,
+        log_freq: int,
+        val_freq: int,
+        val_steps: int,
+        metric_logger,
+        throughput,
+        memory,
+        step_context: Callable[[torch.Tensor, torch.Tensor], ContextManager],
+        pp_schedule=None,
+        pp_has_first_stage: bool = True,
+        pp_has_last_stage: bool = True,
+        device: torch.device = torch.device("cpu"),
+        checkpointer=None,
+        profiler=None,
+        loss_fn: Callable = cross_entropy_loss,
+    ) -> None:
+        self.model_parts = model_parts
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.train_loader = train_loader
+        self.val_loader_factory = val_loader_factory
+        self.dims = dims
+        self.steps = steps
+        self.grad_accum_steps = grad_accum_steps
+        self.max_norm = max_norm
+        self.log_freq = log_freq
+        self.val_freq = val_freq
+        self.val_steps = val_steps
+        self.metric_logger = metric_logger
+        self.throughput = throughput
+        self.memory = memory
+        self.step_context = step_context
+        self.pp_schedule = pp_schedule
+        self.pp_has_first_stage = pp_has_first_stage
+        self.pp_has_last_stage = pp_has_last_stage
+        self.device = device
+        self.checkpointer = checkpointer
+        self.profiler = profiler
+        self.loss_fn = loss_fn
+        self.state = TrainState()
+        self.last_val_loss: float | None = None
+
+    # --- one microbatch -------------------------------------------------------------
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward + backward of one microbatch; returns its (local) mean loss, detached."""
+        inputs = inputs.to(self.device, non_blocking=True)
+        labels = labels.to(self.device, non_blocking=True)
+        with self.step_context(inputs, labels):
+            if self.pp_schedule is not None:
+                return self._pipeline_forward_backward(inputs, labels)
+            logits = self.model_parts[0](inputs)
+            loss = self.loss_fn(logits, labels)
+            # Scale so accumulated gradients equal those of one big batch.
+            (loss / self.grad_accum_steps).backward()
+            del logits
+        return loss.detach()
+
+    def _pipeline_forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        targets = labels if self.pp_has_last_stage else None
+        if self.pp_has_first_stage:
+            self.pp_schedule.step(inputs, target=targets, losses=losses)
+        else:
+            self.pp_schedule.step(target=targets, losses=losses)
+        if self.pp_has_last_stage:
+            loss = torch.mean(torch.stack([x.detach().float() for x in losses]))
+        else:
+            loss = torch.zeros((), device=self.device)
+        return self.dims.broadcast_pp_loss(loss)
+
+    # --- one optimizer step -----------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        data_time = 0.0
+        losses = []
+        tokens = 0
+        for _ in range(self.grad_accum_steps):
+            t0 = time.perf_counter()
+            inputs, labels = next(self.train_loader)
+            data_time += time.perf_counter() - t0
+            tokens += inputs.numel()
+            losses.append(self.forward_backward(inputs, labels))
+        params = [p for m in self.model_parts for p in m.parameters()]
+        grad_norm = clip_grad_norm_(params, self.max_norm, pp_group=self.dims.pp_group())
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        local_loss = torch.stack(losses).mean()
+        loss = self.dims.global_mean(local_loss)
+        if not math.isfinite(loss):
+            raise TrainingDiverged(
+                f"loss is {loss} at step {self.state.step + 1}; lower optimizer.lr, keep "
+                "training.max_norm > 0, or use training.mixed_precision=fp32"
+            )
+        self.throughput.update(tokens)
+        self.state.tokens_seen += tokens * self.dims.dp_degree
+        return {
+            "loss": loss,
+            "grad_norm": float(grad_norm.item()),
+            "lr": lr,
+            "data_time": data_time,
+        }
+
+    # --- validation ------------------------------------------------------------------
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Mean loss over the first ``val_steps`` held-out batches (same batches every time)."""
+        if self.pp_schedule is not None:
+            return self._pipeline_validate()
+        for m in self.model_parts:
+            m.eval()
+        loader = self.val_loader_factory()
+        total = torch.zeros((), device=self.device)
+        count = 0
+        for inputs, labels in loader:
+            if count >= self.val_steps:
+                break
+            inputs = inputs.to(self.device)
+            labels = labels.to(self.device)
+            with self.step_context(inputs, labels):
+                total += self.loss_fn(self.model_parts[0](inputs), labels).detach().float()
+            count += 1
+        for m in self.model_parts:
+            m.train()
+        loss = self.dims.global_mean(total / max(count, 1))
+        return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}
+
+    def _pipeline_validate(self) -> dict[str, float]:
+        """Pipeline schedules only run training steps; evaluate through ``pp_eval``."""
+        return self.dims.pp_eval(self)
+
+    # --- the loop --------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        for m in self.model_parts:
+            m.train()
+        self.throughput.reset()
+        self.memory.reset_peak()
+        while self.state.step < self.steps:
+            metrics = self.train_step()
+            self.state.step += 1
+            self.state.losses.append(metrics["loss"])
+            step = self.state.step
+            if step % self.log_freq == 0 or step == self.steps or step == 1:
+                metrics.update(self.throughput.report())
+                mem = self.memory.report()
+                metrics["memory"] = mem.get("memory_peak_gib", 0.0)
+                metrics.update(mem)
+                self.metric_logger.log(metrics, step)
+                self.memory.reset_peak()
+            if self.val_freq > 0 and (step % self.val_freq == 0 or step == self.steps):
+                val = self.validate()
+                self.last_val_loss = val["val/loss"]
+                self.metric_logger.log(val, step)
+                self.throughput.reset()  # validation time is not training throughput
+            if self.checkpointer is not None:
+                self.checkpointer.maybe_save(step, last=step == self.steps)
+            if self.profiler is not None:
+                self.profiler.step()
+        return {
+            "steps": self.state.step,
+            "losses": list(self.state.losses),
+            "final_loss": self.state.losses[-1] if self.state.losses else None,
+            "final_val_loss": self.last_val_loss,
+            "tokens_seen": self.state.tokens_seen,
+        }

@@ -1,0 +1,136 @@
+"""Cross-field rules the schema cannot express, checked before any process starts.
+
+Each rule raises ConfigError with one line: what is wrong, and which key fixes it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from titan_hydra.errors import instantiate_checked as instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from titan_hydra.errors import ConfigError
+
+CHOICES = {
+    "compile.mode": ("none", "model", "model_loss"),
+    "activation_checkpoint.mode": ("none", "full", "selective_op", "selective_layer"),
+    "float8.recipe": ("none", "tensorwise", "rowwise"),
+    "lr_scheduler.decay_type": ("linear", "cosine", "sqrt", "none"),
+    "logger.wandb.mode": ("offline", "online", "disabled"),
+    "cluster.device": ("cpu", "cuda"),
+    "cluster.backend": ("gloo", "nccl"),
+    "data.source": ("builtin", "json", "parquet", "text", "hf"),
+    "checkpoint.async_mode": ("disabled", "async"),
+}
+
+
+def _positive(cfg: DictConfig, key: str, allow_zero: bool = False) -> None:
+    value = OmegaConf.select(cfg, key)
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{key}={value} must be {bound}")
+
+
+def world_size_of(cfg: DictConfig) -> int:
+    """World size: under torchrun/SLURM the environment says; otherwise the cluster config."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return int(cfg.cluster.nnodes) * int(cfg.cluster.nproc_per_node)
+
+
+def build_dims(cfg: DictConfig):
+    return instantiate(cfg.parallelism, world_size=world_size_of(cfg), _convert_="all")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ConfigError on the first broken rule."""
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+    for key in ("training.steps", "training.local_batch_size", "training.seq_len", "training.log_freq",
+                "training.val_steps", "cluster.nproc_per_node", "cluster.nnodes", "optimizer.lr",
+                "model.dim", "model.n_layers", "model.n_heads", "model.vocab_size"):
+        _positive(cfg, key)
+    for key in ("training.max_norm", "training.val_freq", "lr_scheduler.warmup_steps"):
+        _positive(cfg, key, allow_zero=True)
+
+    t, m, s = cfg.training, cfg.model, cfg.lr_scheduler
+    if s.warmup_steps > t.steps:
+        raise ConfigError(
+            f"lr_scheduler.warmup_steps={s.warmup_steps} exceeds training.steps={t.steps}; lower the warmup"
+        )
+    if s.decay_ratio is not None and not 0.0 <= s.decay_ratio <= 1.0:
+        raise ConfigError(f"lr_scheduler.decay_ratio={s.decay_ratio} must be within [0, 1]")
+    if not 0.0 <= s.min_lr_factor <= 1.0:
+        raise ConfigError(f"lr_scheduler.min_lr_factor={s.min_lr_factor} must be within [0, 1]")
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(
+            f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; shorten the sequence"
+        )
+    if m.dim % m.n_heads != 0:
+        raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
+    kv = m.n_kv_heads or m.n_heads
+    if m.n_heads % kv != 0:
+        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={kv}")
+    if (m.dim // m.n_heads) % 2 != 0:
+        raise ConfigError(f"head dim {m.dim // m.n_heads} must be even for rotary embeddings")
+
+    dims = build_dims(cfg)
+    if m.n_heads % dims.tp != 0 or kv % dims.tp != 0:
+        raise ConfigError(
+            f"parallelism.tp={dims.tp} must divide model.n_heads={m.n_heads} and n_kv_heads={kv}"
+        )
+    if dims.pp > m.n_layers:
+        raise ConfigError(f"parallelism.pp={dims.pp} exceeds model.n_layers={m.n_layers}")
+    if dims.cp > 1 and t.seq_len % (2 * dims.cp) != 0:
+        raise ConfigError(
+            f"training.seq_len={t.seq_len} must be divisible by 2*parallelism.cp={2 * dims.cp} "
+            "(causal load balancing splits each sequence into 2*cp chunks)"
+        )
+    if t.global_batch_size > 0 and t.global_batch_size % (t.local_batch_size * dims.dp_degree) != 0:
+        raise ConfigError(
+            f"training.global_batch_size={t.global_batch_size} is not a multiple of local_batch_size "
+            f"{t.local_batch_size} x data-parallel degree {dims.dp_degree}"
+        )
+
+    _validate_environment(cfg)
+    _validate_data(cfg)
+
+
+def _validate_environment(cfg: DictConfig) -> None:
+    import torch
+
+    c = cfg.cluster
+    if c.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("cluster.device=cuda but no CUDA device is visible; use cluster=local_cpu")
+    if c.device == "cpu" and c.backend == "nccl":
+        raise ConfigError("cluster.backend=nccl needs CUDA; use cluster.backend=gloo on CPU")
+
+
+def _validate_data(cfg: DictConfig) -> None:
+    d = cfg.data
+    if d.source in ("json", "parquet", "text"):
+        if OmegaConf.is_missing(d, "path") or not d.path:
+            raise ConfigError(f"data={d.name} needs a file: set data.path=<file, directory or glob>")
+        path = Path(d.path).expanduser()
+        if not any(ch in d.path for ch in "*?[") and not path.exists():
+            raise ConfigError(f"data.path={d.path} does not exist")
+    if d.source == "hf" and not d.hf_name:
+        raise ConfigError("data.source=hf needs data.hf_name (e.g. allenai/c4)")
+    if d.tokenizer != "builtin" and not Path(d.tokenizer).expanduser().exists():
+        raise ConfigError(
+            f"data.tokenizer={d.tokenizer} does not exist; give a tokenizer.json file or its directory"
+        )
+    from titan_hydra.data.tokenizer import Tokenizer
+
+    tok = Tokenizer(d.tokenizer)
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"tokenizer vocab {tok.vocab_size} exceeds model.vocab_size={cfg.model.vocab_size}; "
+            "raise model.vocab_size or use a smaller tokenizer"
+        )
