@@ -258,6 +258,11 @@ class TrainingConfig:
     val_freq: int = 25  # 0 disables validation
     val_steps: int = 4
     val_local_batch_size: Optional[int] = None
+    # How initial weights are made. full: rank 0 initializes the whole model from the seed and
+    # broadcasts it into every layout's shards, so all layouts start from identical weights
+    # (loss parity). sharded: each rank initializes its own shards (no full copy in memory;
+    # weights then depend on the layout). auto: full below 1.5B parameters.
+    init_mode: str = "auto"
 
 
 @dataclass

@@ -23,6 +23,7 @@ CHOICES = {
     "cluster.backend": ("gloo", "nccl"),
     "data.source": ("builtin", "json", "parquet", "text", "hf"),
     "checkpoint.async_mode": ("disabled", "async"),
+    "training.init_mode": ("auto", "full", "sharded"),
 }
 
 

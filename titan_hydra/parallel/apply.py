@@ -1,8 +1,10 @@
 """Apply the configured layout to a meta-device model, in the order that composes.
 
-float8 -> (PP split) -> TP -> AC -> compile -> FSDP/HSDP/DDP, as torchtitan does: TP must
-see plain nn.Linear weights before FSDP wraps them in DTensors, AC/compile wrap whole blocks,
-and FSDP goes last so that it shards whatever the other techniques produced.
+float8 (done by the recipe) -> PP split -> per stage: TP -> AC -> compile -> FSDP/HSDP/DDP,
+as torchtitan does: TP must see plain nn.Linear weights before FSDP wraps them in DTensors,
+AC/compile wrap whole blocks, and FSDP goes last so that it shards whatever the others made.
+Each technique lives in its own module; this file only decides the order and what the
+trainer's per-step context is (autocast, loss parallel, context-parallel sharding).
 """
 
 from __future__ import annotations
@@ -29,21 +31,63 @@ class ParallelModel:
     notes: list[str] = field(default_factory=list)
 
 
-def autocast_context(device: torch.device, mixed_precision: str, params_in_bf16: bool):
-    """bf16 autocast when mixed precision is asked for and FSDP does not already cast params."""
-    if mixed_precision != "bf16" or params_in_bf16:
-        return contextlib.nullcontext
-    return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+def mixed_precision_of(cfg: DictConfig) -> str:
+    mp = cfg.training.mixed_precision
+    return str(getattr(mp, "value", mp))
+
+
+def parallelize_part(part: torch.nn.Module, dims: ParallelDims, cfg: DictConfig, device: torch.device) -> torch.nn.Module:
+    """TP -> AC -> compile -> data parallel on one model (or one pipeline stage)."""
+    if dims.tp_enabled:
+        from titan_hydra.parallel.tp import apply_tp
+
+        apply_tp(part, dims, cfg)
+    if cfg.activation_checkpoint.mode != "none":
+        from titan_hydra.parallel.ac import apply_ac
+
+        apply_ac(part, cfg.activation_checkpoint)
+    if cfg.compile.mode != "none":
+        from titan_hydra.parallel.compile import apply_compile
+
+        apply_compile(part, cfg.compile)
+    if dims.fsdp_enabled or dims.dp_replicate_enabled:
+        from titan_hydra.parallel.fsdp import apply_data_parallel
+
+        apply_data_parallel(part, dims, cfg, device)
+    return part
+
+
+def uses_fsdp_mixed_precision(dims: ParallelDims) -> bool:
+    """FSDP/HSDP cast parameters to bf16 themselves (MixedPrecisionPolicy); no autocast then."""
+    return dims.fsdp_enabled
+
+
+def make_step_context(parts: list[torch.nn.Module], dims: ParallelDims, cfg: DictConfig, device: torch.device):
+    """The context each microbatch's forward+backward runs in."""
+    bf16_autocast = mixed_precision_of(cfg) == "bf16" and not uses_fsdp_mixed_precision(dims)
+
+    def step_context(inputs: torch.Tensor, labels: torch.Tensor) -> ContextManager:
+        stack = contextlib.ExitStack()
+        if dims.cp_enabled:
+            from titan_hydra.parallel.cp import cp_context
+
+            stack.enter_context(cp_context(parts, dims, inputs, labels))
+        if dims.loss_parallel_enabled:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            stack.enter_context(loss_parallel())
+        if bf16_autocast:
+            stack.enter_context(torch.autocast(device_type=device.type, dtype=torch.bfloat16))
+        return stack
+
+    return step_context
 
 
 def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg: DictConfig, device: torch.device) -> ParallelModel:
-    """Return the model parts of this rank with every configured technique applied (still on meta)."""
-    mixed_precision = str(cfg.training.mixed_precision.value if hasattr(cfg.training.mixed_precision, "value") else cfg.training.mixed_precision)
-    if dims.world_size > 1:
-        raise NotImplementedError("multi-process layouts are added by the parallelism modules")
-    autocast = autocast_context(device, mixed_precision, params_in_bf16=False)
+    """Return this rank's model parts with every configured technique applied (still on meta)."""
+    if dims.pp_enabled:
+        from titan_hydra.parallel.pp import build_pipeline
 
-    def step_context(inputs: torch.Tensor, labels: torch.Tensor) -> ContextManager:
-        return autocast()
-
-    return ParallelModel(model_parts=[model], step_context=step_context)
+        return build_pipeline(model, dims, cfg, device, parallelize_part, make_step_context)
+    part = parallelize_part(model, dims, cfg, device)
+    return ParallelModel(model_parts=[part], step_context=make_step_context([part], dims, cfg, device))

@@ -22,7 +22,7 @@ from titan_hydra.errors import UserError
 from titan_hydra.metrics.logger import MetricLogger
 from titan_hydra.metrics.memory import MemoryMonitor
 from titan_hydra.metrics.throughput import ThroughputMeter, device_peak_tflops
-from titan_hydra.models.llama3 import flops_per_token
+from titan_hydra.models.llama3 import flops_per_token, num_params
 from titan_hydra.parallel.apply import parallelize
 from titan_hydra.train.trainer import Trainer
 
@@ -65,6 +65,44 @@ def init_distributed(cluster: DictConfig, world_size: int) -> None:
 def mixed_precision_of(cfg: DictConfig) -> str:
     mp = cfg.training.mixed_precision
     return str(getattr(mp, "value", mp))
+
+
+FULL_INIT_MAX_PARAMS = 1.5e9
+
+
+def init_weights(cfg: DictConfig, parts: list[torch.nn.Module], device: torch.device, world_size: int, rank: int) -> None:
+    """Materialize the meta-device parts and give them their initial weights.
+
+    With ``init_mode=full`` (auto below 1.5B parameters) rank 0 builds the whole model on CPU
+    from the seed and its full state dict is broadcast into every rank's shards, so every
+    layout starts from the weights a single process would have. ``sharded`` lets each rank
+    initialize its own shards: no full copy anywhere, but weights differ between layouts.
+    """
+    seed = cfg.training.seed
+    for part in parts:
+        part.to_empty(device=device)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            part.init_weights(buffer_device=device)
+    mode = cfg.training.init_mode
+    n_params = num_params(parts[0].args)
+    if mode == "auto":
+        mode = "full" if n_params <= FULL_INIT_MAX_PARAMS else "sharded"
+    if mode != "full" or (world_size == 1 and len(parts) == 1):
+        return  # one process already initialized the full model from the seed
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full_sd: dict[str, torch.Tensor] = {}
+    if rank == 0:
+        with torch.device("cpu"):
+            torch.manual_seed(seed)
+            full = instantiate(cfg.model, _convert_="all")
+            full.init_weights()
+        full_sd = full.state_dict()
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=world_size > 1, strict=False)
+    for part in parts:
+        set_model_state_dict(part, full_sd, options=options)
+    torch.manual_seed(seed)
 
 
 def build_dataset(cfg: DictConfig):
@@ -113,11 +151,7 @@ def _run(cfg: DictConfig, run_dir: str, rank: int, world_size: int, device: torc
     float8 = instantiate(cfg.float8, _convert_="all")
     model = float8.convert(model)
     pm = parallelize(model, dims, cfg, device)
-    torch.manual_seed(training.seed)
-    for part in pm.model_parts:
-        part.to_empty(device=device)
-        with torch.no_grad():
-            part.init_weights(buffer_device=device)
+    init_weights(cfg, pm.model_parts, device, world_size, rank)
 
     params = [p for part in pm.model_parts for p in part.parameters()]
     optimizer = instantiate(cfg.optimizer)(params)
