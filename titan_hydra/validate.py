@@ -100,7 +100,25 @@ def validate(cfg: DictConfig) -> None:
         )
 
     _validate_environment(cfg)
+    _validate_parallel_modules(cfg, dims)
     _validate_data(cfg)
+
+
+PARALLEL_MODULES = ("fsdp", "tp", "pp", "cp", "ac", "compile")
+
+
+def _validate_parallel_modules(cfg: DictConfig, dims) -> None:
+    """Each parallelism module may define ``check_config(cfg, dims)`` for its own rules."""
+    import importlib
+
+    for name in PARALLEL_MODULES:
+        try:
+            module = importlib.import_module(f"titan_hydra.parallel.{name}")
+        except ModuleNotFoundError:
+            continue
+        check = getattr(module, "check_config", None)
+        if check is not None:
+            check(cfg, dims)
 
 
 def _validate_environment(cfg: DictConfig) -> None:
