@@ -105,6 +105,19 @@ def init_weights(cfg: DictConfig, parts: list[torch.nn.Module], device: torch.de
     torch.manual_seed(seed)
 
 
+def gather_full_state(parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """Full (unsharded) CPU copies of this rank's parameters, keyed by FQN."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    out: dict[str, torch.Tensor] = {}
+    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    for part in parts:
+        for k, v in get_model_state_dict(part, options=options).items():
+            v = v.full_tensor() if hasattr(v, "full_tensor") else v
+            out[k] = v.detach().cpu().clone()
+    return out
+
+
 def build_dataset(cfg: DictConfig):
     """The `data` group's dataset; ``name`` labels the option and is not a constructor argument."""
     node = OmegaConf.to_container(cfg.data, resolve=True)
@@ -112,21 +125,27 @@ def build_dataset(cfg: DictConfig):
     return instantiate(node, _convert_="all")
 
 
-def run(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
-    """Train one rank. Returns the run summary (losses, final validation loss...)."""
+def run(cfg: DictConfig, run_dir: str, return_state: bool = False) -> dict[str, Any]:
+    """Train one rank. Returns the run summary (losses, final validation loss...).
+
+    ``return_state=True`` adds ``full_state``: this rank's trained parameters gathered to
+    full CPU tensors (tests compare them across layouts).
+    """
     rank, local_rank, world_size = world_info()
     if cfg.cluster.threads_per_proc:
         torch.set_num_threads(int(cfg.cluster.threads_per_proc))
     device = setup_device(cfg.cluster, local_rank)
     init_distributed(cfg.cluster, world_size)
     try:
-        return _run(cfg, run_dir, rank, world_size, device)
+        return _run(cfg, run_dir, rank, world_size, device, return_state)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _run(cfg: DictConfig, run_dir: str, rank: int, world_size: int, device: torch.device) -> dict[str, Any]:
+def _run(
+    cfg: DictConfig, run_dir: str, rank: int, world_size: int, device: torch.device, return_state: bool = False
+) -> dict[str, Any]:
     training = cfg.training
     seed_everything(training.seed, training.deterministic)
     dims = instantiate(cfg.parallelism, world_size=world_size, _convert_="all")
@@ -191,5 +210,7 @@ def _run(cfg: DictConfig, run_dir: str, rank: int, world_size: int, device: torc
     finally:
         metric_logger.close()
     summary["run_dir"] = run_dir
+    if return_state:
+        summary["full_state"] = gather_full_state(pm.model_parts)
     summary["dataset_stats"] = getattr(dataset, "stats", {})
     return summary
