@@ -20,14 +20,14 @@ _FMT: dict[str, tuple[str, Callable[[float], str]]] = {
     "grad_norm": ("grad_norm", lambda v: f"{v:.3g}"),
     "lr": ("lr", lambda v: f"{v:.1e}"),
     "tps": ("tps", lambda v: f"{v:,.0f}"),
-    "tflops": ("tflops", lambda v: f"{v:.2f}"),
+    "tflops": ("tflops", lambda v: f"{v:.3g}"),
     "mfu": ("mfu", lambda v: f"{v:.1f}%"),
     "memory_peak_gib": ("mem", lambda v: f"{v:.2f}GiB"),
     "data_time": ("data", lambda v: f"{1e3 * v:.1f}ms"),  # seconds in, ms shown
 }
 _DEFAULT = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
 # Logged to the other sinks, too detailed for the one-line console view.
-_CONSOLE_HIDDEN = {"memory_peak_pct", "memory_current_gib", "memory_reserved_gib",
+_CONSOLE_HIDDEN = {"memory", "memory_peak_pct", "memory_current_gib", "memory_reserved_gib",
                    "memory_alloc_retries", "tps_global", "time"}
 
 

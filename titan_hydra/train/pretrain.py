@@ -95,8 +95,8 @@ def init_weights(cfg: DictConfig, parts: list[torch.nn.Module], device: torch.de
     full_sd: dict[str, torch.Tensor] = {}
     if rank == 0:
         with torch.device("cpu"):
-            torch.manual_seed(seed)
             full = instantiate(cfg.model, _convert_="all")
+            torch.manual_seed(seed)  # after construction: same RNG stream as the meta path above
             full.init_weights()
         full_sd = full.state_dict()
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=world_size > 1, strict=False)
@@ -116,6 +116,17 @@ def gather_full_state(parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
             v = v.full_tensor() if hasattr(v, "full_tensor") else v
             out[k] = v.detach().cpu().clone()
     return out
+
+
+def logger_backends(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
+    """Logger configs with run-specific W&B defaults: name from run_name or the run dir, tags."""
+    backends = OmegaConf.to_container(cfg.logger, resolve=True)
+    wandb = backends.get("wandb")
+    if wandb is not None:
+        if not wandb.get("name"):
+            wandb["name"] = cfg.run_name or os.path.basename(os.path.normpath(run_dir))
+        wandb["tags"] = list(wandb.get("tags") or []) + [t for t in cfg.tags if t not in (wandb.get("tags") or [])]
+    return backends
 
 
 def build_dataset(cfg: DictConfig):
@@ -177,7 +188,7 @@ def _run(
     lr_scheduler = instantiate(cfg.lr_scheduler)(optimizer, training.steps)
 
     config_dict = to_container(cfg)
-    metric_logger = MetricLogger(run_dir, rank, backends=dict(cfg.logger), config=config_dict)
+    metric_logger = MetricLogger(run_dir, rank, backends=logger_backends(cfg, run_dir), config=config_dict)
     peak = device_peak_tflops(
         device,
         torch.bfloat16 if mixed_precision_of(cfg) == "bf16" else torch.float32,
