@@ -143,7 +143,7 @@ def test_console_backend(capsys):
            "mfu": 12.34, "memory_peak_gib": 1.214, "data_time": 0.0003, "val/loss": 5.5}, 10)
     out = capsys.readouterr().out.splitlines()
     assert out[0] == ("step    10 | loss 6.1234 | grad_norm 1.23 | lr 3.0e-04 | tps 6,512 | "
-                      "tflops 0.42 | mfu 12.3% | mem 1.21GiB | data 0.3ms")
+                      "tflops 0.421 | mfu 12.3% | mem 1.21GiB | data 0.3ms")
     assert out[1] == "val     10 | loss 5.5000"
 
 
