@@ -144,7 +144,9 @@ class Trainer:
                 f"loss is {loss} at step {self.state.step + 1}; lower optimizer.lr, keep "
                 "training.max_norm > 0, or use training.mixed_precision=fp32"
             )
-        self.throughput.update(tokens)
+        # Per-device throughput: the tokens of this data-parallel replica are shared by its
+        # tp*pp*cp devices (each computes that fraction of the FLOPs).
+        self.throughput.update(tokens / (self.dims.tp * self.dims.pp * self.dims.cp))
         self.state.tokens_seen += tokens * self.dims.dp_degree
         return {
             "loss": loss,

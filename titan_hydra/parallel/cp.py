@@ -1,0 +1,81 @@
+"""Context parallelism: each CP rank holds a slice of every sequence; attention runs as a ring.
+
+Why it looks like this: torch's ``context_parallel`` context shards the given buffers along
+their sequence dim (in place) and swaps SDPA for ring attention while it is active, so the
+model stays parallelism-free. With causal load balancing (head-tail), CP rank r of c holds
+sequence chunks r and 2c-1-r of 2c, so every rank does the same attention work.
+
+What must be sharded together: tokens, labels and the rotary tables. The model slices its
+rope tables ``[:S]`` with S the (local) sequence length, so the tables are first cut to the
+global ``training.seq_len`` (kept lazily here, once per length, full tables remembered), then
+sharded with the same permutation as the tokens; each rank thus rotates its tokens by their
+true global positions. The context restores the tables on exit; tokens/labels stay sharded.
+
+Gradients: FSDP shards over the flattened ``dp_shard_cp`` mesh and averages gradients over
+it; each CP rank's loss is the mean over an equal-size slice, so that average (and the
+trainer's ``global_mean`` over ``dp_cp``) equals the single-process mean exactly.
+
+The private-API shim that makes ring attention run on CPU lives in ``cp_cpu_attention.py``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import ContextManager
+
+import torch
+from omegaconf import DictConfig
+
+from titan_hydra.errors import ConfigError
+from titan_hydra.parallel.dims import ParallelDims
+
+ROPE_BUFFERS = ("rope_cos", "rope_sin")
+
+# part -> its full-length rope tables, so that a later, longer sequence can be served again.
+_FULL_ROPE: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[torch.Tensor, ...]]" = weakref.WeakKeyDictionary()
+
+
+def fit_rope_buffers(part: torch.nn.Module, seq_len: int) -> list[torch.Tensor]:
+    """Make ``part``'s rope tables exactly ``seq_len`` rows long; return them (or [] if none)."""
+    if not all(isinstance(getattr(part, n, None), torch.Tensor) for n in ROPE_BUFFERS):
+        return []
+    rows = getattr(part, ROPE_BUFFERS[0]).shape[0]
+    if rows > seq_len:
+        _FULL_ROPE[part] = tuple(getattr(part, n) for n in ROPE_BUFFERS)
+    if rows != seq_len:
+        full = _FULL_ROPE.get(part)
+        if full is None or full[0].shape[0] < seq_len:
+            raise ValueError(f"rope tables have {rows} rows, fewer than the sequence length {seq_len}")
+        for name, table in zip(ROPE_BUFFERS, full):
+            setattr(part, name, table[:seq_len].clone())
+    return [getattr(part, n) for n in ROPE_BUFFERS]
+
+
+def cp_context(parts: list[torch.nn.Module], dims: ParallelDims, inputs: torch.Tensor, labels: torch.Tensor) -> ContextManager:
+    """Shard this microbatch's tokens, labels and rope tables over the cp mesh; ring attention inside."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    from titan_hydra.parallel.cp_cpu_attention import configure_ring_attention
+
+    mesh = dims.submesh("cp")
+    configure_ring_attention(dims.cp_rotate_method, mesh.device_type)
+    seq_len = inputs.shape[1]
+    buffers, seq_dims = [inputs, labels], [1, 1]
+    for part in parts:
+        tables = fit_rope_buffers(part, seq_len)
+        buffers += tables
+        seq_dims += [0] * len(tables)
+    return context_parallel(mesh, buffers=buffers, buffer_seq_dims=seq_dims, no_restore_buffers={inputs, labels})
+
+
+def check_config(cfg: DictConfig, dims: ParallelDims) -> None:
+    """Context-parallel settings that cannot work, each as a one-line ConfigError."""
+    if not dims.cp_enabled:
+        return
+    if cfg.cluster.device == "cpu":
+        from titan_hydra.parallel.cp_cpu_attention import CPShimUnavailable, check_available
+
+        try:
+            check_available()
+        except CPShimUnavailable as e:
+            raise ConfigError(f"parallelism.cp={dims.cp} on CPU is unavailable: {e}; set parallelism.cp=1") from e
