@@ -161,6 +161,9 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        # The tables arrive whole: only here is the true sequence length known (a pipeline
+        # stage's input may be sequence-sharded by TP and gathered just before attention).
+        cos, sin = cos[:seqlen], sin[:seqlen]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         n_rep = q.shape[2] // k.shape[2]
         if n_rep > 1:  # kv head j serves query heads j*n_rep .. (j+1)*n_rep-1, as in Meta's repeat_kv
@@ -250,8 +253,7 @@ class Llama3(nn.Module):
         [B, S, dim]; without ``output`` the return value is hidden states.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seqlen = tokens.shape[1]
-        cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
+        cos, sin = self.rope_cos, self.rope_sin
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.norm is not None:

@@ -1,0 +1,212 @@
+"""Tensor parallelism (+ sequence parallel, + loss parallel) on CPU/gloo: parity with one process.
+
+Tolerances: fp32 layouts must match the single-process losses within 1e-5 (measured max
+difference ~1e-6: TP only changes the order of the matmul reductions). bf16 compares tp(2)
+with single-process bf16 autocast: both round the same op inputs, but the row-wise layers
+sum two bf16 partial products across ranks where one process sums once, so the curves
+differ by rounding only; see BF16_ATOL for the measured value.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+from conftest import compose_cfg
+from parity import BASE, assert_parity, reference_losses, run_layout
+from titan_hydra.errors import ConfigError
+from titan_hydra.validate import validate
+
+# fp32: measured max |loss - single| over 10 steps: tp(2)+SP+LP 9.5e-7, tp(2) plain 0,
+# fsdp(2) x tp(2) 9.5e-7.
+ATOL = 1e-5
+# bf16 tp(2) vs single bf16 autocast: measured max |diff| 3.6e-5 to 4e-5 over 10 steps; ~7x headroom.
+BF16_ATOL = 3e-4
+# Trained parameters, tp(2)+SP+LP vs single, fp32 after 10 AdamW steps: measured max |diff| 4.8e-7.
+PARAM_ATOL = 1e-5
+
+
+# --------------------------------------------------------------------------- loss parity
+@pytest.fixture(scope="module")
+def tp_trained(tmp_path_factory):
+    """tp(2) with sequence + loss parallel (the preset) and a single process, both through
+    run_local with gathered trained parameters."""
+    from titan_hydra.launch.local import run_local
+
+    out = {}
+    for name, overrides, nproc in (("tp", ["parallelism=tp"], 2), ("single", ["parallelism=single"], 1)):
+        cfg = compose_cfg(BASE + [f"cluster.nproc_per_node={nproc}", "training.local_batch_size=8", *overrides])
+        out[name] = run_local(cfg, str(tmp_path_factory.mktemp(name)), return_state=True)
+    return out
+
+
+def test_tp_sp_loss_parallel_fp32_parity(tp_trained, tmp_path_factory):
+    losses = tp_trained["tp"]["losses"]
+    ref = reference_losses(tmp_path_factory)
+    print("FP32DIFF tp_sp_lp", max(abs(a - b) for a, b in zip(losses, ref)))
+    assert_parity(losses, ref, atol=ATOL)
+
+
+def test_tp_trained_params_match_single(tp_trained):
+    tp, single = tp_trained["tp"]["full_state"], tp_trained["single"]["full_state"]
+    assert tp.keys() == single.keys()
+    for k, v in single.items():
+        assert tp[k].shape == v.shape, k
+    diffs = {k: (tp[k] - v).abs().max().item() for k, v in single.items()}
+    worst = max(diffs, key=diffs.get)
+    print("PARAMDIFF", worst, diffs[worst])
+    assert diffs[worst] <= PARAM_ATOL, f"{worst}: max |tp - single| = {diffs[worst]:.3g}"
+
+
+@pytest.mark.parametrize(
+    "name, overrides, nproc, dp",
+    [
+        (
+            "tp_plain",
+            ["parallelism=tp", "parallelism.tp_sequence_parallel=false", "parallelism.tp_loss_parallel=false"],
+            2,
+            1,
+        ),
+        ("fsdp_2_x_tp_2", ["parallelism=fsdp_tp"], 4, 2),
+    ],
+)
+def test_fp32_loss_parity(tmp_path, tmp_path_factory, name, overrides, nproc, dp):
+    losses = run_layout(tmp_path, overrides, nproc=nproc, dp=dp)
+    ref = reference_losses(tmp_path_factory)
+    print("FP32DIFF", name, max(abs(a - b) for a, b in zip(losses, ref)))
+    assert_parity(losses, ref, atol=ATOL)
+
+
+def test_bf16_loss_parity(tmp_path, tmp_path_factory):
+    bf16 = ("training.mixed_precision=bf16",)
+    losses = run_layout(tmp_path, ["parallelism=tp", *bf16], nproc=2, dp=1)
+    ref = reference_losses(tmp_path_factory, bf16)
+    print("BF16DIFF", max(abs(a - b) for a, b in zip(losses, ref)))
+    assert_parity(losses, ref, atol=BF16_ATOL)
+
+
+# --------------------------------------------------------------------------- shard shapes
+KW = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=2048, max_seq_len=64, multiple_of=256)
+# dim 64, 4 heads of 16, 2 kv heads, SwiGLU hidden 256, vocab 2048; halves on each of 2 ranks.
+BLOCK_LOCAL = {
+    "attention.wq.weight": (32, 64),
+    "attention.wk.weight": (16, 64),
+    "attention.wv.weight": (16, 64),
+    "attention.wo.weight": (64, 32),
+    "feed_forward.w1.weight": (128, 64),
+    "feed_forward.w2.weight": (64, 128),
+    "feed_forward.w3.weight": (128, 64),
+    "attention_norm.weight": (64,),
+    "ffn_norm.weight": (64,),
+}
+EXPECTED_LOCAL = {
+    "tok_embeddings.weight": (1024, 64),
+    **{f"layers.{i}.{k}": v for i in (0, 1) for k, v in BLOCK_LOCAL.items()},
+    "norm.weight": (64,),
+    "output.weight": (1024, 64),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _shape_worker(rank: int, port: int, out: dict) -> None:
+    """One of 2 ranks: TP'd full models (SP on/off) and a pipeline-like stage; record shapes
+    and the max |logits - single-process logits| of one forward."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from titan_hydra.models.llama3 import Llama3
+    from titan_hydra.parallel.dims import ParallelDims
+    from titan_hydra.parallel.tp import apply_tp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        ref = Llama3(**KW)
+        ref.init_weights()
+        tokens = torch.randint(0, KW["vocab_size"], (2, 64))
+        ref_logits = ref(tokens)
+        for sp in (True, False):
+            dims = ParallelDims(world_size=2, dp_shard=1, tp=2, tp_sequence_parallel=sp, tp_loss_parallel=False)
+            dims.build_mesh("cpu")
+            with torch.device("meta"):
+                model = Llama3(**KW)
+            apply_tp(model, dims, None)
+            out[(rank, sp, "local")] = {
+                k: tuple(p.to_local().shape) if isinstance(p, DTensor) else None
+                for k, p in model.named_parameters()
+            }
+            out[(rank, sp, "placements")] = {
+                k: str(p.placements) for k, p in model.named_parameters() if isinstance(p, DTensor)
+            }
+            model.to_empty(device="cpu")
+            model.init_weights(buffer_device="cpu")
+            with torch.no_grad():
+                for k, p in model.named_parameters():
+                    p.copy_(torch.distributed.tensor.distribute_tensor(ref.state_dict()[k], p.device_mesh, p.placements))
+                out[(rank, sp, "logits_diff")] = (model(tokens) - ref_logits).abs().max().item()
+        # A middle pipeline stage: no embeddings, no norm/output, only layer "1".
+        with torch.device("meta"):
+            stage = Llama3(**KW)
+        stage.tok_embeddings = stage.norm = stage.output = None
+        del stage.layers["0"]
+        apply_tp(stage, dims, None)
+        out[(rank, "stage")] = {k: tuple(p.to_local().shape) for k, p in stage.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp_local_shard_shapes_and_forward():
+    """Each rank holds half of every sharded weight; norms are replicated DTensors on the TP
+    mesh (with and without sequence parallel); one forward matches the unsharded model."""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_shape_worker, args=(_free_port(), out), nprocs=2)
+        out = dict(out)
+    for rank in (0, 1):
+        for sp in (True, False):
+            assert out[(rank, sp, "local")] == EXPECTED_LOCAL
+            placements = out[(rank, sp, "placements")]
+            assert placements["layers.0.attention.wq.weight"] == "(Shard(dim=0),)"
+            assert placements["layers.0.attention.wo.weight"] == "(Shard(dim=1),)"
+            assert placements["layers.0.ffn_norm.weight"] == "(Replicate(),)"
+            assert out[(rank, sp, "logits_diff")] <= 1e-5, out[(rank, sp, "logits_diff")]
+        assert out[(rank, "stage")] == {f"layers.1.{k}": v for k, v in BLOCK_LOCAL.items()}
+
+
+# --------------------------------------------------------------------------- config errors
+def _check(overrides: list[str]) -> str:
+    cfg = compose_cfg(["cluster.nproc_per_node=2", *overrides])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def test_async_tp_refused_on_cpu():
+    message = _check(["parallelism=tp", "parallelism.tp_async=true"])
+    assert "parallelism.tp_async" in message and "CUDA" in message and "NCCL" in message
+
+
+def test_sequence_parallel_needs_divisible_seq_len():
+    message = _check(["parallelism=tp", "training.seq_len=63"])
+    assert "training.seq_len=63" in message and "tp_sequence_parallel" in message
+
+
+def test_tp_preset_pins_world_size():
+    """parallelism=tp is pure TP (dp_shard 1): 4 processes is a one-line error, fsdp_tp fits."""
+    message = _check(["parallelism=tp", "cluster.nproc_per_node=4"])
+    assert "world size 4" in message
+    validate(compose_cfg(["parallelism=fsdp_tp", "cluster.nproc_per_node=4"]))
