@@ -6,6 +6,12 @@ fail here, with one line, and workers don't all tokenize at once), then starts t
 through torch elastic's launcher API with a c10d rendezvous on a free local port. Elastic
 restarts (``cluster.max_restarts``) re-run the workers with the same config and run dir, which
 is what lets a restarted run find its checkpoint.
+
+A worker that fails on bad input (a UserError) is reported by the parent as that UserError,
+so ``launch.py`` prints one ``error: ...`` line and exits non-zero, as a single process would.
+``torchrun --standalone --nproc-per-node N launch.py ...`` bypasses this module: every rank
+composes the same config, shares the run dir through TORCHELASTIC_RUN_ID (config.run_subdir)
+and runs the recipe in-rank (launch/entry.py).
 """
 
 from __future__ import annotations
@@ -27,13 +33,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@record
-def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
-    """Entry point of one elastic worker (module level so that spawn can pickle it)."""
-    os.environ["TITAN_HYDRA_WORKER"] = "1"
-    from titan_hydra.train.pretrain import run
+# The per-rank program the workers run, as "module:function" (a string pickles to any start
+# method; tests and other recipes point it elsewhere).
+DEFAULT_PROGRAM = "titan_hydra.train.pretrain:run"
 
-    return run(cfg, run_dir)
+
+class WorkerUserError(UserError):
+    """A UserError raised inside a worker; its type name marks it in the elastic error file."""
+
+
+def load_program(spec: str):
+    import importlib
+
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@record
+def worker_main(cfg: DictConfig, run_dir: str, return_state: bool = False, program: str = DEFAULT_PROGRAM):
+    """Entry point of one elastic worker (module level so that spawn can pickle it).
+
+    A UserError is re-raised as WorkerUserError so that the parent can tell bad input (one
+    line, no traceback) from a bug (traceback kept in the error file).
+    """
+    os.environ["TITAN_HYDRA_WORKER"] = "1"
+    try:
+        return load_program(program)(cfg, run_dir, return_state=return_state)
+    except UserError as e:
+        raise WorkerUserError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from e
 
 
 def threads_per_worker(cfg: DictConfig) -> int:
@@ -42,10 +69,16 @@ def threads_per_worker(cfg: DictConfig) -> int:
     return max(1, (os.cpu_count() or 1) // int(cfg.cluster.nproc_per_node))
 
 
-def run_local(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
-    """Run all ranks of this node; returns rank 0's summary."""
+def run_local(
+    cfg: DictConfig, run_dir: str, return_state: bool = False, program: str | None = None
+) -> dict[str, Any]:
+    """Run all ranks of this node; returns rank 0's summary.
+
+    A worker's UserError comes back as UserError (the caller prints one ``error:`` line);
+    any other worker failure raises RuntimeError naming the rank and its error file.
+    """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     from titan_hydra.train.pretrain import build_dataset
 
@@ -55,13 +88,24 @@ def run_local(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
             "or start each node with torchrun"
         )
     build_dataset(cfg)  # fills the token cache; bad data fails here, before any worker starts
-    nproc = int(cfg.cluster.nproc_per_node)
-    port = cfg.cluster.master_port or free_port()
     os.environ["OMP_NUM_THREADS"] = str(threads_per_worker(cfg))
-    launch_config = LaunchConfig(
+    entry = elastic_launch(launch_config_of(cfg), worker_main)
+    try:
+        results = entry(cfg, run_dir, return_state, program or DEFAULT_PROGRAM)
+    except ChildFailedError as e:
+        raise error_of(e) from None
+    return results[0]
+
+
+def launch_config_of(cfg: DictConfig):
+    """One node, c10d rendezvous on a free local port, spawned workers."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    port = cfg.cluster.master_port or free_port()
+    return LaunchConfig(
         min_nodes=1,
         max_nodes=1,
-        nproc_per_node=nproc,
+        nproc_per_node=int(cfg.cluster.nproc_per_node),
         run_id=f"titan-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{port}",
@@ -70,13 +114,23 @@ def run_local(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         monitor_interval=0.2,
         start_method="spawn",
     )
-    try:
-        results = elastic_launch(launch_config, worker_main)(cfg, run_dir)
-    except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        message = failure.message
-        if isinstance(message, dict):
-            message = message.get("message", str(message))
-        first = str(message).strip().splitlines()[-1] if message else f"exit code {failure.exitcode}"
-        raise RuntimeError(f"rank {rank} failed: {first} (see {failure.error_file} for its traceback)") from None
-    return results[0]
+
+
+def _message_of(failure) -> str:
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", str(message))
+    return str(message or "").strip()
+
+
+def error_of(e) -> Exception:
+    """UserError if any rank failed on bad input (others then die as a consequence), else RuntimeError."""
+    marker = f"{WorkerUserError.__name__}: "
+    for rank, failure in sorted(e.failures.items()):
+        message = _message_of(failure)
+        if message.startswith(marker):
+            return UserError(message[len(marker):].splitlines()[0])
+    rank, failure = e.get_first_failure()
+    message = _message_of(failure)
+    last = message.splitlines()[-1] if message else f"exit code {failure.exitcode}"
+    return RuntimeError(f"rank {rank} failed: {last} (see {failure.error_file} for its traceback)")

@@ -1,0 +1,82 @@
+"""The local launcher: torchrun and the built-in elastic spawn give the same run; a worker's
+bad-input error reaches the user as one ``error:`` line with a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import REPO, compose_cfg, run_launch
+from parity import read_losses
+
+# A short fsdp(2) run: 4 steps of a 2-layer model, one thread per rank.
+ARGS = [
+    "parallelism=fsdp",
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "training.seq_len=64",
+    "training.steps=4",
+    "training.local_batch_size=2",
+    "training.mixed_precision=fp32",
+    "training.val_freq=0",
+    "lr_scheduler.warmup_steps=1",
+    "data.max_documents=40",
+    "logger=minimal",
+    "cluster.threads_per_proc=1",
+]
+
+
+def _torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "launch.py"), *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "WANDB_SILENT": "true"})
+
+
+def test_torchrun_matches_spawn(tmp_path):
+    spawn_dir = tmp_path / "spawn"
+    proc = run_launch(ARGS + ["cluster.nproc_per_node=2", f"hydra.run.dir={spawn_dir}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    spawned = read_losses(spawn_dir)
+
+    proc = _torchrun(ARGS, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    # Both ranks composed their own config yet share one run dir (outputs/torchrun/<run id>).
+    run_dirs = list((tmp_path / "outputs" / "torchrun").iterdir())
+    assert len(run_dirs) == 1, run_dirs
+    torchrun = read_losses(run_dirs[0])
+
+    assert len(spawned) == 4
+    assert torchrun == spawned  # same config, same ranks, same reduction order: bit-identical
+
+
+def bad_data_program(cfg, run_dir: str, return_state: bool = False):
+    """A rank program that finds bad data only inside the worker (the parent's data was fine)."""
+    from titan_hydra.train.pretrain import build_dataset
+
+    bad = Path(run_dir) / "bad.jsonl"
+    bad.write_text(json.dumps({"txt": "no text field"}) + "\n")
+    cfg = OmegaConf.merge(cfg, {"data": {"name": "json", "source": "json", "path": str(bad)}})
+    build_dataset(cfg)
+
+
+def test_worker_user_error_is_one_line(tmp_path, monkeypatch, capsys):
+    from titan_hydra.launch import entry, local
+
+    monkeypatch.setattr(local, "DEFAULT_PROGRAM", f"{__name__}:bad_data_program")
+    monkeypatch.chdir(tmp_path)  # launch() uses the cwd as run dir outside Hydra
+    cfg = compose_cfg(ARGS + ["cluster.nproc_per_node=2"])
+    with pytest.raises(SystemExit) as exit_info:
+        entry.launch(cfg)
+    assert exit_info.value.code == 2
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+    assert lines == [
+        f"error: bad record in {tmp_path / 'bad.jsonl'} line 1: missing text field 'text' (set data.text_field=...)"
+    ]

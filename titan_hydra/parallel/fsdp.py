@@ -1,0 +1,143 @@
+"""Data parallelism: FSDP2 (``fully_shard``), HSDP and DDP, all on torch's FSDP2 runtime.
+
+Why one runtime for all three: FSDP, HSDP and DDP differ only in the data-parallel mesh and
+in whether parameters are sharded. torch 2.13 ships an FSDP2-based ``replicate``
+(``torch.distributed._composable.replicate_with_fsdp``) whose parameters are DTensors with a
+``Replicate()`` placement, so DDP composes with TP (2-D DTensors), DCP checkpoints, the
+DTensor-aware gradient clipping and ``get_model_state_dict`` exactly like FSDP does. The
+classic ``DistributedDataParallel`` wrapper would hide the model behind ``.module`` (FQNs
+change) and does not take DTensor parameters.
+
+Grouping (one all-gather / reduce-scatter per group): token embeddings, each transformer
+block, norm+output together, then the root (which only owns what is left, e.g. nothing).
+
+Reductions: gloo has no ``ReduceOp.PREMUL_SUM`` and no ``ReduceOp.AVG`` for these
+collectives, which FSDP picks by default to average gradients. On gloo we force plain-SUM
+collectives; FSDP then divides by the data-parallel size itself (before/after the sum), so
+gradients stay the mean over dp ranks, matching the trainer's per-rank mean loss.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from omegaconf import DictConfig
+
+from titan_hydra.errors import ConfigError
+from titan_hydra.parallel.dims import ParallelDims
+
+
+def _mixed_precision_of(cfg: DictConfig) -> str:
+    mp = cfg.training.mixed_precision
+    return str(getattr(mp, "value", mp))
+
+
+def mp_policy_of(cfg: DictConfig, dims: ParallelDims):
+    """bf16: bf16 compute params, fp32 gradient reduction. DDP keeps fp32 params (apply.py autocasts)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if _mixed_precision_of(cfg) == "bf16" and dims.fsdp_enabled:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+
+
+def offload_policy_of(dims: ParallelDims, device: torch.device):
+    """CPU offload; pinned host memory only exists with an accelerator (FACTS.md)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if dims.fsdp_cpu_offload:
+        return CPUOffloadPolicy(pin_memory=device.type != "cpu")
+    return OffloadPolicy()
+
+
+def _shard_dim_name(mesh) -> str:
+    """Name of the sharding dim in the world mesh: flattened dp_shard_cp, or whichever exists."""
+    names = mesh.mesh_dim_names
+    if "dp_shard" in names and "cp" in names:
+        return "dp_shard_cp"
+    return "dp_shard" if "dp_shard" in names else "cp"
+
+
+def dp_mesh_of(dims: ParallelDims):
+    """The mesh FSDP/HSDP/DDP runs on: 1-D shard, 2-D (replicate, shard), or 1-D replicate."""
+    if not dims.fsdp_enabled:
+        return dims.submesh("dp_replicate")
+    if not dims.dp_replicate_enabled:
+        return dims.submesh("dp_shard_cp")
+    root = dims._mesh
+    shard = _shard_dim_name(root)
+    with warnings.catch_warnings():
+        # torch 2.13 warns that slicing a flattened dim (dp_shard_cp) from the root mesh will be
+        # deprecated; it still works and is the only way to pair it with dp_replicate in 2-D.
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return root["dp_replicate", shard]
+
+
+def block_reshard_after_forward(dims: ParallelDims, is_last: bool) -> bool:
+    """``default``: reshard every block but the last (backward needs it at once); with PP never,
+    since each microbatch would all-gather again."""
+    policy = dims.fsdp_reshard_after_forward
+    if policy == "always":
+        return True
+    if policy == "never":
+        return False
+    return not dims.pp_enabled and not is_last
+
+
+def _groups(model: torch.nn.Module) -> list[tuple[object, bool]]:
+    """(module or [modules], is_last_in_forward) in forward order, the root excluded."""
+    groups: list[tuple[object, bool]] = []
+    if getattr(model, "tok_embeddings", None) is not None:
+        groups.append((model.tok_embeddings, False))
+    blocks = list(model.layers.values()) if hasattr(model, "layers") else []
+    head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
+    for i, block in enumerate(blocks):
+        groups.append((block, i == len(blocks) - 1 and not head))
+    if head:
+        groups.append((head if len(head) > 1 else head[0], True))
+    return groups
+
+
+def use_sum_reductions(model: torch.nn.Module) -> None:
+    """Make every FSDP/replicate group reduce with ReduceOp.SUM (+ its own divide): gloo-safe."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def apply_data_parallel(model: torch.nn.Module, dims: ParallelDims, cfg: DictConfig, device: torch.device) -> None:
+    """FSDP2 (dp_shard/cp > 1, 2-D HSDP with dp_replicate > 1) or FSDP2-based DDP, in place."""
+    mesh = dp_mesh_of(dims)
+    mp = mp_policy_of(cfg, dims)
+    if dims.fsdp_enabled:
+        from torch.distributed.fsdp import fully_shard
+
+        offload = offload_policy_of(dims, device)
+        for module, is_last in _groups(model):
+            fully_shard(
+                module,
+                mesh=mesh,
+                reshard_after_forward=block_reshard_after_forward(dims, is_last),
+                mp_policy=mp,
+                offload_policy=offload,
+            )
+        fully_shard(model, mesh=mesh, reshard_after_forward=None, mp_policy=mp, offload_policy=offload)
+    else:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        for module, _ in _groups(model):
+            replicate(module, mesh=mesh, mp_policy=mp)
+        replicate(model, mesh=mesh, mp_policy=mp)
+    if cfg.cluster.backend == "gloo":
+        use_sum_reductions(model)
+
+
+def check_config(cfg: DictConfig, dims: ParallelDims) -> None:
+    """Data-parallel settings that cannot work, each as a one-line ConfigError."""
+    if dims.fsdp_cpu_offload and not dims.fsdp_enabled:
+        raise ConfigError(
+            "parallelism.fsdp_cpu_offload=true needs FSDP (parallelism.dp_shard > 1); set it to false"
+        )
