@@ -131,7 +131,11 @@ class ClusterConfig:
     max_restarts: int = 0
     master_port: Optional[int] = None
     peak_tflops: Optional[float] = None  # per-device peak for MFU; None = table or measured
-    # SLURM (used by slurm clusters through hydra/launcher=submitit_slurm)
+    # SLURM (used by slurm clusters through hydra/launcher=titan_slurm; see launch/slurm.py)
+    launcher: str = "local"  # local | slurm
+    tasks_per_node: Optional[int] = None  # SLURM tasks (= ranks) per node; slurm clusters tie nproc_per_node to it
+    max_requeue: int = 3  # requeues after timeout/preemption (submitit max_num_timeout)
+    signal_delay_s: int = 120  # SLURM signals this long before the time limit
     partition: Optional[str] = None
     gpus_per_node: int = 0
     cpus_per_task: Optional[int] = None
@@ -180,6 +184,7 @@ class CheckpointConfig:
     exclude_from_loading: List[str] = field(default_factory=list)
     last_save_model_only: bool = False
     export_dtype: str = "float32"
+    create_seed_checkpoint: bool = False  # one process: save the initialized model as step-0, train nothing
 
 
 @dataclass

@@ -21,8 +21,10 @@ CHOICES = {
     "logger.wandb.mode": ("offline", "online", "disabled"),
     "cluster.device": ("cpu", "cuda"),
     "cluster.backend": ("gloo", "nccl"),
+    "cluster.launcher": ("local", "slurm"),
     "data.source": ("builtin", "json", "parquet", "text", "hf"),
     "checkpoint.async_mode": ("disabled", "async"),
+    "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
     "training.init_mode": ("auto", "full", "sharded"),
 }
 

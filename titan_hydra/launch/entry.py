@@ -32,6 +32,10 @@ def run_dir_of(cfg: DictConfig) -> str:
 
 def launch(cfg: DictConfig) -> float | None:
     """Validate, then dry-run or train. Returns the final validation loss (for sweepers)."""
+    from titan_hydra.launch.slurm import export_dist_env, in_slurm_step, in_submitit_job
+    from titan_hydra.launch.sweep import apply_sweep_identity
+
+    export_dist_env(cfg)  # a SLURM / submitit task becomes its rank
     try:
         validate(cfg)
         dims = build_dims(cfg)
@@ -43,9 +47,15 @@ def launch(cfg: DictConfig) -> float | None:
         print(plan(cfg, dims).format(), flush=True)
         return None
     run_dir = run_dir_of(cfg)
+    apply_sweep_identity(cfg)  # W&B group / name of a multirun job
+    submit_to_slurm = cfg.cluster.launcher == "slurm" and not (in_slurm_step() or in_submitit_job())
     inside_rank = "LOCAL_RANK" in os.environ or world_size_of(cfg) == 1
     try:
-        if inside_rank:
+        if submit_to_slurm:
+            from titan_hydra.launch.slurm import submit
+
+            summary = submit(cfg, run_dir)
+        elif inside_rank:
             from titan_hydra.train.pretrain import run
 
             summary = run(cfg, run_dir)

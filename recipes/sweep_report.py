@@ -1,0 +1,190 @@
+"""Summarize a multirun sweep: one row per job, loss curves and throughput plots.
+
+    python recipes/sweep_report.py multirun/2025-01-31/12-00-00
+
+Writes into that dir: ``report.md`` and ``report.csv`` (overrides, final loss, validation loss,
+tok/s, MFU, peak memory, status) and ``loss_curves.png`` / ``throughput.png`` (matplotlib).
+Jobs come from the numbered run dirs and from ``jobs.json`` (written by the SLURM launcher
+before submission), so a job that failed, or never started, is a ``failed`` row rather than
+missing. A job's status is its ``status.json`` (titan_hydra.launch.sweep), else inferred from
+whether metrics.jsonl reached ``training.steps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+COLUMNS = ["job", "overrides", "status", "final_loss", "val_loss", "tok_per_s", "mfu_pct", "peak_mem_gib", "steps", "error"]
+
+
+@dataclass
+class JobRow:
+    job: int
+    overrides: str = ""
+    status: str = "failed"
+    final_loss: float | None = None
+    val_loss: float | None = None
+    tok_per_s: float | None = None
+    mfu_pct: float | None = None
+    peak_mem_gib: float | None = None
+    steps: int = 0
+    error: str = ""
+    curve: list[tuple[int, float]] = field(default_factory=list)
+    tps_curve: list[float] = field(default_factory=list)
+
+
+def _read_yaml(path: Path) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(path)) if path.exists() else None
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a job killed mid-write leaves a partial last line
+    return rows
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def job_row(num: int, run_dir: Path, manifest_overrides: list[str] | None) -> JobRow:
+    overrides = _read_yaml(run_dir / ".hydra" / "overrides.yaml") or manifest_overrides or []
+    row = JobRow(job=num, overrides=" ".join(overrides))
+    if not run_dir.exists():
+        row.error = "never started (no run dir)"
+        return row
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    train = [r for r in metrics if "loss" in r]
+    val = [r for r in metrics if "val/loss" in r]
+    row.curve = [(int(r["step"]), float(r["loss"])) for r in train]
+    row.tps_curve = [float(r["tps"]) for r in train if r.get("tps") is not None]
+    row.steps = max((s for s, _ in row.curve), default=0)
+    row.final_loss = train[-1]["loss"] if train else None
+    row.val_loss = val[-1]["val/loss"] if val else None
+    steady = train[1:] or train  # the first step includes warm-up
+    row.tok_per_s = _mean([r["tps"] for r in steady if r.get("tps") is not None])
+    row.mfu_pct = _mean([r["mfu"] for r in steady if r.get("mfu") is not None])
+    peaks = [r.get("memory_peak_gib", r.get("memory")) for r in train]
+    row.peak_mem_gib = max((p for p in peaks if p is not None), default=None)
+    row.status, row.error = job_status(run_dir, row.steps)
+    return row
+
+
+def job_status(run_dir: Path, steps_done: int) -> tuple[str, str]:
+    status_file = run_dir / "status.json"
+    if status_file.exists():
+        record = json.loads(status_file.read_text())
+        if record.get("status") == "COMPLETED":
+            return "completed", ""
+        return "failed", record.get("error", "")
+    config = _read_yaml(run_dir / ".hydra" / "config.yaml") or {}
+    wanted = (config.get("training") or {}).get("steps")
+    if wanted and steps_done >= wanted:
+        return "completed", ""
+    return "failed", f"stopped at step {steps_done}" + (f" of {wanted}" if wanted else "")
+
+
+def collect(sweep_dir: Path) -> list[JobRow]:
+    manifest: dict[int, list[str]] = {}
+    if (sweep_dir / "jobs.json").exists():
+        for job in json.loads((sweep_dir / "jobs.json").read_text()):
+            manifest[int(job["num"])] = job["overrides"]
+    nums = set(manifest) | {int(p.name) for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()}
+    return [job_row(n, sweep_dir / str(n), manifest.get(n)) for n in sorted(nums)]
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def write_tables(rows: list[JobRow], sweep_dir: Path) -> None:
+    with open(sweep_dir / "report.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: v for k, v in asdict(r).items() if k in COLUMNS})
+    lines = [
+        f"# Sweep report: {sweep_dir}",
+        "",
+        f"{sum(r.status == 'completed' for r in rows)} of {len(rows)} jobs completed.",
+        "",
+        "| job | overrides | status | final loss | val loss | tok/s | MFU % | peak mem GiB | steps |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        status = r.status if not r.error else f"{r.status}: {r.error}".replace("|", "/")
+        lines.append(
+            f"| {r.job} | `{r.overrides}` | {status} | {_fmt(r.final_loss, '.4f')} | {_fmt(r.val_loss, '.4f')} | "
+            f"{_fmt(r.tok_per_s, ',.0f')} | {_fmt(r.mfu_pct, '.2f')} | {_fmt(r.peak_mem_gib, '.2f')} | {r.steps} |"
+        )
+    lines += ["", "![loss curves](loss_curves.png)", "", "![throughput](throughput.png)", ""]
+    (sweep_dir / "report.md").write_text("\n".join(lines))
+
+
+def write_plots(rows: list[JobRow], sweep_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in rows:
+        if r.curve:
+            ax.plot(*zip(*r.curve), label=f"#{r.job} {r.overrides}"[:60], linestyle="-" if r.status == "completed" else ":")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title("Loss curves")
+    if any(r.curve for r in rows):
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(sweep_dir / "loss_curves.png", dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = [f"#{r.job}" for r in rows]
+    ax.bar(labels, [r.tok_per_s or 0.0 for r in rows], color=["C0" if r.status == "completed" else "C3" for r in rows])
+    ax.set_ylabel("tokens / s (mean after step 1)")
+    ax.set_title("Throughput per job (red: failed)")
+    fig.tight_layout()
+    fig.savefig(sweep_dir / "throughput.png", dpi=100)
+    plt.close(fig)
+
+
+def report(sweep_dir: Path) -> list[JobRow]:
+    rows = collect(sweep_dir)
+    write_tables(rows, sweep_dir)
+    write_plots(rows, sweep_dir)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sweep_dir", type=Path, help="a multirun dir (hydra.sweep.dir)")
+    args = parser.parse_args(argv)
+    if not args.sweep_dir.is_dir():
+        print(f"error: {args.sweep_dir} is not a directory", file=sys.stderr)
+        return 2
+    rows = report(args.sweep_dir)
+    if not rows:
+        print(f"error: no jobs found in {args.sweep_dir}", file=sys.stderr)
+        return 2
+    print((args.sweep_dir / "report.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,328 @@
+"""SLURM launching through submitit: one SLURM task per torch.distributed rank.
+
+Two ways in, one mechanism:
+- ``python launch.py cluster=slurm_local`` (no ``-m``): ``submit()`` sends one job through
+  submitit and waits for rank 0's summary. The run dir was chosen by the submitting process and
+  travels inside the pickled job, so every task and every requeue of the job writes there.
+- ``python launch.py -m ... cluster=slurm_local``: the `cluster` option selects the Hydra
+  launcher ``hydra/launcher=titan_slurm`` (``SlurmLauncher`` below, a subclass of
+  hydra-submitit-launcher's). Each sweep job is one SLURM array element; its run dir is
+  ``<sweep dir>/<job num>``, fixed before submission, so requeues find their checkpoint.
+
+Inside a job each task derives RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from
+SLURM (``export_dist_env``) and runs the recipe as that rank; multi-node is the same code.
+On SLURM's pre-timeout / preemption signal submitit calls the job's ``checkpoint()``, which
+resubmits the same call (``DelayedSubmission``); the requeued job restores the latest
+checkpoint of its run dir (``checkpoint=default``) and continues.
+
+Bad input (no ``sbatch``, an unknown partition, a sweep override that does not compose or
+validate) fails in the submitting process with one ``error: ...`` line, before any submission.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+from typing import Any, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from titan_hydra.errors import UserError
+
+try:  # the Hydra plugin is a dependency; keep this module importable without it for unit use
+    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import (
+        SlurmLauncher as _HydraSlurmLauncher,
+    )
+except ImportError:  # pragma: no cover
+    _HydraSlurmLauncher = object  # type: ignore[assignment,misc]
+
+
+# ---------------------------------------------------------------- the torch.distributed environment
+
+
+def in_slurm_step() -> bool:
+    """True inside an ``srun`` step (each task of a submitit SLURM job is one)."""
+    return "SLURM_PROCID" in os.environ and "SLURM_STEP_ID" in os.environ
+
+
+def in_submitit_job() -> bool:
+    return bool(os.environ.get("SUBMITIT_EXECUTOR"))
+
+
+def _first_host(nodelist: str) -> str:
+    """First host of a SLURM node list (``scontrol show hostnames`` expands ranges)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, timeout=30, check=True).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return nodelist.split(",")[0].split("[")[0]
+
+
+def port_of(job_id: str) -> int:
+    """A port every task of one job computes alike (and a requeue of it too)."""
+    return 20000 + zlib.crc32(job_id.encode()) % 30000
+
+
+def slurm_dist_env(master_port: int | None = None) -> dict[str, str]:
+    """RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT from SLURM."""
+    e = os.environ
+    ntasks = int(e.get("SLURM_NTASKS") or e.get("SLURM_NPROCS") or 1)
+    nnodes = int(e.get("SLURM_JOB_NUM_NODES") or e.get("SLURM_NNODES") or 1)
+    nodelist = e.get("SLURM_JOB_NODELIST") or e.get("SLURM_NODELIST") or "127.0.0.1"
+    return {
+        "RANK": e.get("SLURM_PROCID", "0"),
+        "LOCAL_RANK": e.get("SLURM_LOCALID", "0"),
+        "WORLD_SIZE": str(ntasks),
+        "LOCAL_WORLD_SIZE": str(max(1, ntasks // nnodes)),
+        "MASTER_ADDR": e.get("MASTER_ADDR") or _first_host(nodelist),
+        "MASTER_PORT": str(master_port or e.get("MASTER_PORT") or port_of(e.get("SLURM_JOB_ID", "0"))),
+    }
+
+
+def submitit_dist_env() -> dict[str, str]:
+    """The same variables from submitit's job environment (SLURM or submitit_local)."""
+    from submitit.helpers import TorchDistributedEnvironment
+
+    d = TorchDistributedEnvironment()
+    return {"RANK": str(d.rank), "LOCAL_RANK": str(d.local_rank), "WORLD_SIZE": str(d.world_size),
+            "LOCAL_WORLD_SIZE": str(d.local_world_size), "MASTER_ADDR": d.master_addr,
+            "MASTER_PORT": str(d.master_port)}
+
+
+def export_dist_env(cfg: DictConfig) -> bool:
+    """Make this process a rank when an outer launcher (SLURM, submitit) started it as a task.
+
+    Exports when this process is one of several tasks, or when the cluster is a SLURM one.
+    A single submitit_local task of a multi-process local cluster keeps spawning its own
+    workers instead. Returns whether anything was exported.
+    """
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return False  # torchrun or an earlier call already did it
+    if in_submitit_job():
+        env = submitit_dist_env()
+    elif in_slurm_step():
+        env = slurm_dist_env()
+    else:
+        return False
+    if int(env["WORLD_SIZE"]) == 1 and cfg.cluster.launcher != "slurm":
+        return False
+    if cfg.cluster.master_port:
+        env["MASTER_PORT"] = str(cfg.cluster.master_port)
+    os.environ.update(env)
+    threads = cfg.cluster.threads_per_proc or cfg.cluster.cpus_per_task
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        import torch
+
+        torch.set_num_threads(int(threads))
+    return True
+
+
+# ---------------------------------------------------------------- checks before submitting
+
+
+def check_slurm(cfg: DictConfig) -> None:
+    """One-line UserError when this machine cannot submit the job the cluster config asks for."""
+    c = cfg.cluster
+    if shutil.which("sbatch") is None:
+        raise UserError(
+            f"cluster={c.name} submits to SLURM but 'sbatch' is not on PATH; run on a SLURM login node "
+            "(or start the local test cluster: scripts/slurm/start.sh) or use cluster=local_cpu"
+        )
+    if c.tasks_per_node is not None and int(c.tasks_per_node) != int(c.nproc_per_node):
+        raise UserError(
+            f"cluster.tasks_per_node={c.tasks_per_node} differs from cluster.nproc_per_node={c.nproc_per_node}; "
+            "on SLURM set cluster.tasks_per_node only"
+        )
+    if c.partition:
+        known = partitions()
+        if known is not None and c.partition not in known:
+            raise UserError(
+                f"cluster.partition={c.partition} is not a partition of this SLURM cluster "
+                f"(it has: {', '.join(sorted(known)) or 'none'})"
+            )
+
+
+def partitions() -> set[str] | None:
+    """Partition names as sinfo lists them (None if sinfo cannot answer)."""
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-o", "%R"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if proc.returncode != 0:
+        raise UserError(f"SLURM does not answer (sinfo: {proc.stderr.strip().splitlines()[-1:] or ['?']}[0])")
+    return {line.strip() for line in proc.stdout.splitlines() if line.strip()}
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+# ---------------------------------------------------------------- one job without -m
+
+
+def executor_params(cfg: DictConfig, name: str = "titan_hydra") -> dict[str, Any]:
+    """submitit AutoExecutor parameters from the cluster config (None / 0 GPUs left out)."""
+    c = cfg.cluster
+    params: dict[str, Any] = {
+        "name": name,
+        "nodes": int(c.nnodes),
+        "tasks_per_node": int(c.nproc_per_node),
+        "timeout_min": int(c.timeout_min),
+        "cpus_per_task": c.cpus_per_task,
+        "mem_gb": c.mem_gb,
+        "gpus_per_node": c.gpus_per_node or None,
+        "slurm_partition": c.partition,
+        "slurm_account": c.account,
+        "slurm_qos": c.qos,
+        "slurm_constraint": c.constraint,
+        "slurm_setup": list(c.setup) or None,
+        "slurm_signal_delay_s": int(c.signal_delay_s),
+    }
+    return {k: v for k, v in params.items() if v is not None}
+
+
+class RankTask:
+    """What each SLURM task of a ``submit()`` job runs: become a rank, train, return a summary.
+
+    ``checkpoint()`` is submitit's requeue hook: it resubmits this same task, which resumes
+    from the run dir's latest checkpoint.
+    """
+
+    def __init__(self, cfg: DictConfig, run_dir: str):
+        self.cfg = cfg
+        self.run_dir = run_dir
+
+    def __call__(self) -> dict[str, Any]:
+        from titan_hydra.train.pretrain import run
+
+        export_dist_env(self.cfg)
+        summary = run(self.cfg, self.run_dir)
+        return {k: v for k, v in summary.items() if k in ("final_loss", "final_val_loss", "losses", "run_dir")}
+
+    def checkpoint(self) -> Any:
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(RankTask(self.cfg, self.run_dir))
+
+
+def submit(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
+    """Submit one job for this run, wait for it, return rank 0's summary."""
+    import submitit
+
+    check_slurm(cfg)
+    executor = submitit.AutoExecutor(folder=str(Path(run_dir) / ".submitit" / "%j"), cluster="slurm",
+                                     slurm_max_num_timeout=int(cfg.cluster.max_requeue))
+    executor.update_parameters(**executor_params(cfg))
+    job = executor.submit(RankTask(cfg, run_dir))
+    print(f"submitted SLURM job {job.job_id}; run dir {run_dir}", flush=True)
+    try:
+        return job.results()[0]
+    except submitit.core.utils.UncompletedJobError as e:
+        raise RuntimeError(f"SLURM job {job.job_id} did not complete: {str(e).splitlines()[0]}") from None
+    except submitit.core.utils.FailedJobError as e:
+        raise RuntimeError(f"SLURM job {job.job_id} failed; see {job.paths.stderr}\n{str(e)[-2000:]}") from None
+
+
+# ---------------------------------------------------------------- the Hydra launcher (-m)
+
+
+class SlurmLauncher(_HydraSlurmLauncher):  # type: ignore[misc,valid-type]
+    """hydra-submitit-launcher's SLURM launcher, made rank-aware and careful.
+
+    - every task becomes a rank in ``launch.py``'s entry (``export_dist_env``).
+    - ``launch`` composes and validates every sweep job here, before submitting any.
+    - a failed job returns a FAILED JobReturn (the sweep report lists it) instead of raising
+      from the middle of the result loop.
+    - ``cluster.setup`` lines are added to the sbatch script.
+    ``checkpoint`` (inherited) resubmits the same call on timeout/preemption.
+    """
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
+        assert self.config is not None
+        try:
+            check_slurm(self.config)
+            for overrides in job_overrides:
+                check_sweep_job(self.hydra_context, self.config, list(overrides))
+        except UserError as e:
+            fail(str(e))
+        write_manifest(Path(str(self.config.hydra.sweep.dir)), job_overrides, initial_job_idx)
+        if self.config.cluster.setup:
+            self.params["setup"] = list(self.config.cluster.setup)
+        if not self.params.get("gpus_per_node"):
+            self.params.pop("gpus_per_node", None)
+        return self._launch_tolerant(job_overrides, initial_job_idx)
+
+    def _launch_tolerant(self, job_overrides, initial_job_idx):
+        """Submit all jobs as one SLURM array, then collect each job's JobReturn."""
+        import submitit
+        from hydra.core.singleton import Singleton
+        from hydra.core.utils import filter_overrides
+        from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+
+        p = dict(self.params)
+        executor = submitit.AutoExecutor(folder=p.pop("submitit_folder"), cluster=self._EXECUTOR,
+                                         slurm_max_num_timeout=p.pop("max_num_timeout", 0))
+        common = set(OmegaConf.structured(BaseQueueConf).keys())
+        executor.update_parameters(**{k if k in common else f"slurm_{k}": v for k, v in p.items()})
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        args = []
+        for i, overrides in enumerate(job_overrides):
+            num = initial_job_idx + i
+            print(f"\t#{num} : {' '.join(filter_overrides(overrides))}", flush=True)
+            args.append((list(overrides), "hydra.sweep.dir", num, f"job_id_for_{num}", Singleton.get_state()))
+        jobs = executor.map_array(self, *zip(*args))
+        print(f"submitted SLURM array {jobs[0].job_id.split('_')[0]} ({len(jobs)} jobs), sweep dir {sweep_dir}",
+              flush=True)
+        return [result_of(job) for job in jobs]
+
+
+def result_of(job):
+    """The job's JobReturn (rank 0's); a failed job becomes a FAILED JobReturn, not an exception."""
+    from hydra.core.utils import JobReturn, JobStatus
+
+    try:
+        return job.results()[0]
+    except Exception as e:  # noqa: BLE001  (any failure of a job is that job's row)
+        ret = JobReturn()
+        ret.status = JobStatus.FAILED
+        ret._return_value = RuntimeError(f"SLURM job {job.job_id} failed: {str(e).strip()[-1500:]}")
+        print(f"SLURM job {job.job_id} failed (see {job.paths.stderr})", file=sys.stderr, flush=True)
+        return ret
+
+
+def check_sweep_job(hydra_context, config: DictConfig, overrides: list[str]) -> None:
+    """Compose one sweep job's config and validate it, as the job itself would."""
+    from hydra.errors import ConfigCompositionException, HydraException
+
+    from titan_hydra.validate import validate
+
+    shown = " ".join(overrides)
+    try:
+        job_cfg = hydra_context.config_loader.load_sweep_config(config, overrides)
+    except (ConfigCompositionException, HydraException) as e:
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise UserError(f"sweep job [{shown}] does not compose: {first}") from None
+    try:
+        validate(job_cfg)
+    except UserError as e:
+        raise UserError(f"sweep job [{shown}]: {e}") from None
+
+
+def write_manifest(sweep_dir: Path, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> None:
+    """jobs.json in the sweep dir: every job's number and overrides, so that the sweep report
+    can list a job that never started (its run dir does not exist) as failed."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    path = sweep_dir / "jobs.json"
+    jobs = json.loads(path.read_text()) if path.exists() else []
+    jobs += [{"num": initial_job_idx + i, "overrides": list(o)} for i, o in enumerate(job_overrides)]
+    path.write_text(json.dumps(jobs, indent=1))
