@@ -101,6 +101,10 @@ def launch_config_of(cfg: DictConfig):
     """One node, c10d rendezvous on a free local port, spawned workers."""
     from torch.distributed.launcher.api import LaunchConfig
 
+    if int(cfg.cluster.max_restarts) > 0:
+        # Restarted workers must not reuse the dead attempt's rendezvous store: its stale gloo
+        # addresses make init_process_group fail with "connectFullMesh ... Connection refused".
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     port = cfg.cluster.master_port or free_port()
     return LaunchConfig(
         min_nodes=1,

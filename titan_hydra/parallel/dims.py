@@ -176,14 +176,19 @@ class ParallelDims:
         return None if mesh is None else mesh.get_group()
 
     def broadcast_pp_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Give every pipeline rank the last stage's loss (only the last stage computes it)."""
+        """Give every pipeline rank the last stage's loss (only the last stage computes it).
+
+        A sum where the other ranks contribute 0: the last stage is not always on the last pp
+        rank (V-shaped schedules put it on pp rank 0).
+        """
         mesh = self.submesh("pp")
         if mesh is None:
             return loss
         loss = loss.detach().float().clone()
-        last = dist.get_global_rank(mesh.get_group(), mesh.size() - 1)
-        dist.broadcast(loss, src=last, group=mesh.get_group())
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=mesh.get_group())
         return loss
 
     def pp_eval(self, trainer) -> dict[str, float]:
-        raise NotImplementedError("validation under pipeline parallelism is provided by titan_hydra.parallel.pp")
+        from titan_hydra.parallel.pp import pipeline_validate
+
+        return pipeline_validate(trainer)

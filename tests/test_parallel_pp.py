@@ -1,0 +1,157 @@
+"""Pipeline parallelism: every torch schedule, and PP composed with FSDP / TP, must reproduce
+the single-process run step for step (fp32 losses and clipped grad norms within 1e-5,
+validation loss within 1e-5); plus the stage plan and its pre-launch config errors.
+
+All runs clip at max_norm=0.3 (below the ~0.5 natural norm), so every step exercises the
+pipeline-group reduction of the grad norm; some schedules also accumulate gradients over
+two steps, which checks the loss scaling that replaces torch's ``scale_grads``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import compose_cfg
+from parity import GLOBAL_BATCH, run_layout
+from titan_hydra.errors import ConfigError
+from titan_hydra.parallel.dims import ParallelDims
+from titan_hydra.parallel.pp import stage_ids_for_rank, stage_layer_ranges
+from titan_hydra.validate import validate
+
+ATOL = 1e-5
+# Validate at step 5 and at the end; clip every step.
+COMMON = ["training.val_freq=5", "training.val_steps=2", "training.max_norm=0.3"]
+
+
+def read_metrics(run_dir: Path) -> dict[str, list[float]]:
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return {
+        "loss": [r["loss"] for r in rows if "loss" in r],
+        "grad_norm": [r["grad_norm"] for r in rows if "grad_norm" in r],
+        "val": [r["val/loss"] for r in rows if "val/loss" in r],
+    }
+
+
+def train(tmp_path: Path, overrides: list[str], nproc: int, dp: int, dp_degree: int = 1) -> dict[str, list[float]]:
+    """``dp`` sets the local batch (GLOBAL_BATCH // dp); ``dp_degree`` is the layout's real
+    data-parallel degree, which decides the validation batch that covers the same sequences."""
+    t0 = time.perf_counter()
+    val_bs = f"training.val_local_batch_size={GLOBAL_BATCH // dp_degree}"
+    run_layout(tmp_path, COMMON + [val_bs] + overrides, nproc=nproc, dp=dp)
+    out = read_metrics(tmp_path / "run")
+    print(f"{overrides}: {time.perf_counter() - t0:.1f}s")
+    return out
+
+
+_REF: dict[str, dict[str, list[float]]] = {}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> dict[str, list[float]]:
+    if "ref" not in _REF:
+        _REF["ref"] = train(tmp_path_factory.mktemp("pp_single"), ["parallelism=single"], nproc=1, dp=1)
+    return _REF["ref"]
+
+
+def assert_matches(got: dict[str, list[float]], ref: dict[str, list[float]]) -> dict[str, float]:
+    diffs = {}
+    for key in ("loss", "grad_norm", "val"):
+        assert len(got[key]) == len(ref[key]) > 0, (key, got[key], ref[key])
+        diffs[key] = max(abs(a - b) for a, b in zip(got[key], ref[key]))
+    print("max diffs vs single:", diffs)
+    assert max(diffs.values()) <= ATOL, f"{diffs}\nlayout: {got}\nsingle: {ref}"
+    return diffs
+
+
+# (schedule, extra overrides, dp argument of run_layout: 2 -> local batch 4 -> 2 accumulation steps)
+SCHEDULES = [
+    ("GPipe", [], 2),
+    ("1F1B", ["parallelism.pp_microbatches=4"], 1),
+    ("Interleaved1F1B", [], 2),
+    ("LoopedBFS", [], 1),
+    ("InterleavedZeroBubble", [], 1),
+    ("ZBVZeroBubble", [], 2),
+    ("DualPipeV", [], 1),
+]
+
+
+@pytest.mark.parametrize("schedule,extra,dp", SCHEDULES, ids=[s for s, _, _ in SCHEDULES])
+def test_pp_schedule_matches_single(tmp_path, single, schedule, extra, dp):
+    got = train(tmp_path, ["parallelism=pp", f"parallelism.pp_schedule={schedule}", *extra], nproc=2, dp=dp)
+    assert_matches(got, single)
+
+
+def test_fsdp_pp_matches_single(tmp_path, single):
+    pytest.importorskip("titan_hydra.parallel.fsdp")
+    got = train(tmp_path, ["parallelism=fsdp_pp", "parallelism.dp_shard=2"], nproc=4, dp=2, dp_degree=2)
+    assert_matches(got, single)
+
+
+def test_tp_pp_matches_single(tmp_path, single):
+    pytest.importorskip("titan_hydra.parallel.tp")
+    got = train(tmp_path, ["parallelism=pp", "parallelism.tp=2"], nproc=4, dp=1)
+    assert_matches(got, single)
+
+
+@pytest.mark.slow  # 8 oversubscribed processes: ~100 s on 2 loaded cores
+def test_3d_fsdp_tp_pp_matches_single(tmp_path, single):
+    pytest.importorskip("titan_hydra.parallel.fsdp")
+    pytest.importorskip("titan_hydra.parallel.tp")
+    got = train(tmp_path, ["parallelism=3d"], nproc=8, dp=2, dp_degree=2)
+    assert_matches(got, single)
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def dims(**kw) -> ParallelDims:
+    return ParallelDims(world_size=kw.pop("world_size", 2), dp_shard=1, **kw)
+
+
+def test_default_split_is_even_and_placement_follows_the_schedule():
+    assert [list(r) for r in stage_layer_ranges(dims(pp=2, pp_schedule="1F1B"), 6)] == [[0, 1, 2], [3, 4, 5]]
+    assert [list(r) for r in stage_layer_ranges(dims(pp=2, pp_schedule="LoopedBFS"), 6)] == [
+        [0, 1], [2, 3], [4], [5]]
+    split = dims(pp=2, pp_schedule="GPipe", pp_split_points=["layers.1"])
+    assert [list(r) for r in stage_layer_ranges(split, 4)] == [[0], [1, 2, 3]]
+    lps = dims(pp=2, pp_schedule="Interleaved1F1B", pp_layers_per_stage=1)
+    assert len(stage_layer_ranges(lps, 4)) == 4
+    assert [stage_ids_for_rank(r, 2, 4, "Interleaved1F1B") for r in range(2)] == [[0, 2], [1, 3]]
+    assert [stage_ids_for_rank(r, 2, 4, "ZBVZeroBubble") for r in range(2)] == [[0, 3], [1, 2]]
+    assert [stage_ids_for_rank(r, 4, 8, "DualPipeV") for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+
+
+BAD = [
+    (["parallelism.pp_schedule=Interleaved1F1B", "model.n_layers=3"], "fewer than the 4 pipeline stages"),
+    (["parallelism.pp_layers_per_stage=3"], "must be >= 1 and divide model.n_layers=4"),
+    (["parallelism.pp_layers_per_stage=1"], "runs one stage per rank"),
+    (["parallelism.pp_schedule=ZBVZeroBubble", "parallelism.pp_layers_per_stage=4", "model.n_layers=8",
+      "parallelism.pp_microbatches=2"], "needs exactly 2\\*pp=4 stages"),
+    (["parallelism.pp_split_points=[layers.7]"], "'layers.7' is not a layer"),
+    (["parallelism.pp_split_points=[layers.2]", "parallelism.pp_layers_per_stage=2"], "set only one of"),
+    (["parallelism.pp_microbatches=3"], "not divisible by 3 pipeline microbatches"),
+    (["parallelism.pp_schedule=DualPipeV", "parallelism.pp_microbatches=2"], "needs parallelism.pp_microbatches >= 4"),
+    (["parallelism.pp_schedule=Interleaved1F1B", "parallelism.pp_microbatches=5", "training.local_batch_size=10"],
+     "multiple of its rounds"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[m[:24] for _, m in BAD])
+def test_check_config_errors(overrides, message):
+    cfg = compose_cfg(["parallelism=pp", "cluster.nproc_per_node=2", "model.n_layers=4",
+                       f"training.local_batch_size={GLOBAL_BATCH}", *overrides])
+    with pytest.raises(ConfigError, match=message) as err:
+        validate(cfg)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("preset,nproc", [("pp", 2), ("fsdp_pp", 4), ("3d", 8), ("4d", 16)])
+def test_presets_validate(preset, nproc):
+    cfg = compose_cfg([f"parallelism={preset}", f"cluster.nproc_per_node={nproc}"])
+    validate(cfg)
+    d = ParallelDims(world_size=nproc, **{k: v for k, v in cfg.parallelism.items() if k != "_target_"})
+    assert d.pp == 2 and d.dp_replicate * d.dp_shard * d.tp * d.pp == nproc

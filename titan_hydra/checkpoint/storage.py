@@ -1,0 +1,254 @@
+"""On-disk layout of checkpoints, and reading them without trusting them.
+
+A run's checkpoints live in ``<run_dir>/<checkpoint.folder>/step-<N>/``: DCP's files plus a
+completion marker (``COMPLETE.json``) that rank 0 writes last, by atomic rename, once every
+rank's data and DCP's ``.metadata`` are on disk. A directory without the marker is a save
+that was interrupted (killed, crashed): it is never loaded.
+
+DCP stores its ``.metadata`` as a pickle and reads non-tensor entries with
+``torch.load(weights_only=False)``. A checkpoint may come from anywhere (``initial_load_path``),
+so this module (1) reads ``.metadata`` with an unpickler that only admits DCP's own metadata
+classes and a few torch value types, and (2) the manager stores no non-tensor entries at all
+(small state is JSON inside uint8 tensors, see ``json_tensor``), so DCP's tensor path, which
+uses ``weights_only=True``, is the only one ever taken. Every file referenced by the metadata
+is checked for existence and length before anything is loaded, so a truncated checkpoint fails
+with one message and before any parameter changed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from titan_hydra.errors import UserError
+
+MARKER = "COMPLETE.json"
+STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be loaded: says which one and what is wrong."""
+
+
+# --------------------------------------------------------------------------- step dirs
+
+
+def step_dir(folder: str | Path, step: int) -> Path:
+    return Path(folder) / f"step-{step}"
+
+
+@dataclass
+class StepDir:
+    step: int
+    path: Path
+    complete: bool
+
+
+def list_steps(folder: str | Path) -> list[StepDir]:
+    """All ``step-N`` directories under ``folder``, oldest first."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    out = []
+    for child in folder.iterdir():
+        m = STEP_RE.match(child.name)
+        if m and child.is_dir():
+            out.append(StepDir(int(m.group(1)), child, (child / MARKER).is_file()))
+    return sorted(out, key=lambda s: s.step)
+
+
+def latest_complete(folder: str | Path) -> tuple[StepDir | None, list[StepDir]]:
+    """(newest complete checkpoint, incomplete ones newer than it)."""
+    steps = list_steps(folder)
+    complete = [s for s in steps if s.complete]
+    best = complete[-1] if complete else None
+    skipped = [s for s in steps if not s.complete and (best is None or s.step > best.step)]
+    return best, skipped
+
+
+def write_marker(path: Path, info: dict[str, Any]) -> None:
+    """Write the completion marker atomically (tmp file + rename)."""
+    tmp = path / (MARKER + ".tmp")
+    tmp.write_text(json.dumps(info, indent=1, sort_keys=True))
+    os.replace(tmp, path / MARKER)
+
+
+def read_marker(path: Path) -> dict[str, Any] | None:
+    marker = Path(path) / MARKER
+    if not marker.is_file():
+        return None
+    try:
+        return json.loads(marker.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: completion marker {MARKER} is unreadable ({e})") from None
+
+
+def remove_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- JSON state
+
+
+def json_tensor(obj: Any) -> torch.Tensor:
+    """Small JSON-serializable state as a uint8 tensor (so DCP never pickles it)."""
+    data = json.dumps(obj, sort_keys=True).encode("utf-8")
+    return torch.tensor(list(data), dtype=torch.uint8)
+
+
+def tensor_json(t: torch.Tensor) -> Any:
+    return json.loads(bytes(t.cpu().tolist()).decode("utf-8"))
+
+
+# --------------------------------------------------------------------------- safe metadata
+
+
+def _allowed_globals() -> dict[tuple[str, str], Any]:
+    import torch.distributed.checkpoint.filesystem as fs
+    import torch.distributed.checkpoint.metadata as md
+
+    allowed: dict[tuple[str, str], Any] = {}
+    for mod in (md, fs):
+        for name in dir(mod):
+            obj = getattr(mod, name)
+            if isinstance(obj, type) and obj.__module__ == mod.__name__:
+                allowed[(mod.__name__, name)] = obj
+    allowed[("torch", "Size")] = torch.Size
+    for name in dir(torch):
+        obj = getattr(torch, name)
+        if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+            allowed[("torch", name)] = obj
+    import pathlib
+    from torch import serialization
+
+    allowed[("torch.serialization", "_get_layout")] = serialization._get_layout  # str -> torch.layout
+    allowed[("pathlib", "PosixPath")] = pathlib.PurePosixPath
+    allowed[("pathlib", "WindowsPath")] = pathlib.PureWindowsPath
+    allowed[("collections", "OrderedDict")] = __import__("collections").OrderedDict
+    allowed[("builtins", "set")] = set
+    allowed[("builtins", "frozenset")] = frozenset
+    allowed[("builtins", "getattr")] = None  # placeholder: only torch.<dtype> lookups, see below
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata dataclasses and torch value types; anything else is refused."""
+
+    _allowed: dict[tuple[str, str], Any] | None = None
+
+    def find_class(self, module: str, name: str) -> Any:
+        if _MetadataUnpickler._allowed is None:
+            _MetadataUnpickler._allowed = _allowed_globals()
+        if (module, name) == ("builtins", "getattr"):
+            return _safe_getattr
+        obj = _MetadataUnpickler._allowed.get((module, name))
+        if obj is None:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+        return obj
+
+
+def _safe_getattr(obj: Any, name: str) -> Any:
+    if obj is torch and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        return getattr(torch, name)
+    raise pickle.UnpicklingError(f"refusing getattr({obj!r}, {name!r})")
+
+
+def read_metadata(path: str | Path):
+    """DCP ``Metadata`` of the checkpoint at ``path``, read with the restricted unpickler."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = Path(path)
+    meta_file = path / ".metadata"
+    if not meta_file.is_file():
+        raise CheckpointError(f"checkpoint {path}: no DCP .metadata file (not a DCP checkpoint directory)")
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(meta_file.read_bytes())).load()
+    except Exception as e:  # truncated, foreign or hostile file
+        raise CheckpointError(f"checkpoint {path}: .metadata is unreadable or not DCP metadata ({e})") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"checkpoint {path}: .metadata holds {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
+def safe_reader(path: str | Path):
+    """A DCP FileSystemReader whose metadata comes from ``read_metadata``."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class _SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            md = read_metadata(self.path)
+            if getattr(md, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            if md.planner_data is None:
+                md.planner_data = {}
+            return md
+
+    return _SafeReader(str(path))
+
+
+def check_files(path: str | Path, metadata, keys: set[str] | None = None) -> None:
+    """Every data file the wanted entries need exists and is long enough."""
+    path = Path(path)
+    need: dict[str, int] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if keys is not None and index.fqn not in keys:
+            continue
+        rel = info.relative_path
+        need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, length in sorted(need.items()):
+        f = path / rel
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {path}: data file {rel} is missing")
+        size = f.stat().st_size
+        if size < length:
+            raise CheckpointError(
+                f"checkpoint {path}: data file {rel} is truncated ({size} bytes, needs {length})"
+            )
+
+
+def tensor_entries(metadata) -> dict[str, Any]:
+    """Tensor entries of a checkpoint: key -> TensorStorageMetadata (bytes entries left out)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def load_plain(path: str | Path, keys: list[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Read whole tensors ``keys`` of a DCP checkpoint in this process (no process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = read_metadata(path)
+    entries = tensor_entries(metadata)
+    missing = [k for k in keys if k not in entries]
+    if missing:
+        raise CheckpointError(f"checkpoint {path}: missing entries {missing[:5]}")
+    check_files(path, metadata, set(keys))
+    out = {k: torch.empty(tuple(entries[k].size), dtype=entries[k].properties.dtype) for k in keys}
+    dcp.load(out, storage_reader=safe_reader(path), no_dist=True)
+    if dtype is not None:
+        out = {k: v.to(dtype) if v.is_floating_point() else v for k, v in out.items()}
+    return out
+
+
+def save_plain(path: str | Path, state: dict[str, torch.Tensor], marker: dict[str, Any]) -> None:
+    """Write a flat tensor dict as a DCP checkpoint from one process, then its marker."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    if path.exists():
+        remove_dir(path)
+    path.mkdir(parents=True)
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    write_marker(path, marker)

@@ -1,0 +1,353 @@
+"""Pipeline parallelism: cut the Llama into stages and drive them with a torch schedule.
+
+Why it is built this way:
+
+* Stages are cut by deep-copying the meta-device model and deleting what a stage does not
+  own (other layers; ``tok_embeddings`` outside the first stage; ``norm``/``output`` outside
+  the last). Every parameter keeps its FQN, so checkpoints, the full-init broadcast
+  (``set_model_state_dict(strict=False)``) and HF conversion need no PP special case.
+* Stage placement follows torch's schedules: loop style (stage ``s`` on pp rank ``s % pp``)
+  except for the V-shaped ZBVZeroBubble / DualPipeV, where rank ``r`` holds stages ``r`` and
+  ``2*pp-1-r`` — so pp rank 0 holds both the first and the last stage there.
+* Gradient scaling: torch's ``scale_grads=True`` divides the *accumulated* ``.grad`` by the
+  number of microbatches at the end of every ``step()``, which is wrong as soon as the trainer
+  accumulates over several steps. We pass ``scale_grads=False`` and scale the loss itself by
+  ``1 / (microbatches * grad_accum_steps)``, which makes the summed gradients exactly those of
+  the single-process run (mean over the global batch). The unscaled per-microbatch losses are
+  recorded on the side and are what the trainer reports.
+* Default microbatch count = total number of stages (``pp`` for GPipe/1F1B, ``2*pp`` for the
+  multi-stage schedules): the smallest count that fills the pipeline and meets the
+  ``microbatches >= stages`` rule of 1F1B/DualPipeV. Raise ``parallelism.pp_microbatches`` to
+  shrink the bubble; it must divide ``training.local_batch_size``.
+* Validation walks the stages in order with blocking P2P of activations (one whole batch, no
+  microbatches), not ``schedule.eval()``, which fails for the V-shaped runtimes; the last
+  stage's loss is shared over the pipeline group, then averaged over data parallel.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from titan_hydra.errors import ConfigError
+from titan_hydra.train.loss import cross_entropy_loss
+
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+# Schedules whose torch implementation refuses fewer microbatches than stages.
+NEEDS_MB_GE_STAGES = ("1F1B", "DualPipeV")
+# Schedules that run in "rounds" of pp microbatches (torch requires mb % rounds == 0).
+ROUND_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
+SPLIT_POINT = re.compile(r"^layers\.(\d+)$")
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def _default_stages_per_rank(schedule: str) -> int:
+    return 1 if schedule in SINGLE_STAGE_SCHEDULES else 2
+
+
+def _parse_split_points(points: list[str], n_layers: int) -> list[int]:
+    """Layer indices where a new stage begins; raises ConfigError on a bad FQN."""
+    starts = []
+    for fqn in points:
+        m = SPLIT_POINT.match(str(fqn))
+        if m is None or not 0 < int(m.group(1)) < n_layers:
+            raise ConfigError(
+                f"parallelism.pp_split_points: {fqn!r} is not a layer that can start a stage "
+                f"(use 'layers.1' .. 'layers.{n_layers - 1}')"
+            )
+        starts.append(int(m.group(1)))
+    if starts != sorted(set(starts)):
+        raise ConfigError(f"parallelism.pp_split_points={list(points)} must be strictly increasing")
+    return starts
+
+
+def stage_layer_ranges(dims, n_layers: int) -> list[range]:
+    """The layer indices of each stage, in stage order (all stages, not just this rank's)."""
+    if dims.pp_split_points and dims.pp_layers_per_stage:
+        raise ConfigError("set only one of parallelism.pp_split_points and parallelism.pp_layers_per_stage")
+    if dims.pp_split_points:
+        bounds = [0, *_parse_split_points(list(dims.pp_split_points), n_layers), n_layers]
+        return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    if dims.pp_layers_per_stage:
+        lps = int(dims.pp_layers_per_stage)
+        if lps < 1 or n_layers % lps:
+            raise ConfigError(
+                f"parallelism.pp_layers_per_stage={lps} must be >= 1 and divide model.n_layers={n_layers}"
+            )
+        return [range(a, a + lps) for a in range(0, n_layers, lps)]
+    n_stages = dims.pp * _default_stages_per_rank(dims.pp_schedule)
+    if n_stages > n_layers:
+        raise ConfigError(
+            f"model.n_layers={n_layers} is fewer than the {n_stages} pipeline stages that "
+            f"pp={dims.pp} x pp_schedule={dims.pp_schedule} needs; lower parallelism.pp or add layers"
+        )
+    base, extra = divmod(n_layers, n_stages)
+    sizes = [base + (1 if s < extra else 0) for s in range(n_stages)]
+    starts = [sum(sizes[:s]) for s in range(n_stages)]
+    return [range(a, a + n) for a, n in zip(starts, sizes)]
+
+
+def check_stage_count(dims, n_stages: int, n_layers: int) -> None:
+    if n_stages > n_layers:
+        raise ConfigError(f"{n_stages} pipeline stages exceed model.n_layers={n_layers}")
+    schedule, pp = dims.pp_schedule, dims.pp
+    if schedule in SINGLE_STAGE_SCHEDULES and n_stages != pp:
+        raise ConfigError(
+            f"pp_schedule={schedule} runs one stage per rank: the split gives {n_stages} stages for pp={pp}; "
+            "fix parallelism.pp_layers_per_stage / pp_split_points"
+        )
+    if schedule in V_SCHEDULES and n_stages != 2 * pp:
+        raise ConfigError(
+            f"pp_schedule={schedule} needs exactly 2*pp={2 * pp} stages, the split gives {n_stages}; "
+            "fix parallelism.pp_layers_per_stage / pp_split_points"
+        )
+    if n_stages % pp:
+        raise ConfigError(
+            f"{n_stages} pipeline stages do not divide evenly over pp={pp} ranks; "
+            "fix parallelism.pp_layers_per_stage / pp_split_points"
+        )
+
+
+def num_microbatches(dims, n_stages: int) -> int:
+    return int(dims.pp_microbatches) if dims.pp_microbatches else n_stages
+
+
+def check_microbatches(dims, n_stages: int, local_bs: int) -> None:
+    n_mb = num_microbatches(dims, n_stages)
+    if n_mb < 1:
+        raise ConfigError(f"parallelism.pp_microbatches={n_mb} must be >= 1")
+    if local_bs % n_mb:
+        raise ConfigError(
+            f"training.local_batch_size={local_bs} is not divisible by {n_mb} pipeline microbatches; "
+            "set parallelism.pp_microbatches to a divisor"
+        )
+    if dims.pp_schedule in NEEDS_MB_GE_STAGES and n_mb < n_stages:
+        raise ConfigError(
+            f"pp_schedule={dims.pp_schedule} needs parallelism.pp_microbatches >= {n_stages} stages, got {n_mb}"
+        )
+    rounds = max(1, n_mb // dims.pp)
+    if dims.pp_schedule in ROUND_SCHEDULES and n_mb % rounds:
+        raise ConfigError(
+            f"pp_schedule={dims.pp_schedule} needs parallelism.pp_microbatches={n_mb} to be a multiple of "
+            f"its rounds ({rounds} = microbatches // pp); use a multiple of pp={dims.pp}"
+        )
+
+
+def check_config(cfg: DictConfig, dims) -> None:
+    """Pre-launch rules for pipeline parallelism (validate.py calls this)."""
+    if not dims.pp_enabled:
+        return
+    n_layers = int(cfg.model.n_layers)
+    ranges = stage_layer_ranges(dims, n_layers)
+    check_stage_count(dims, len(ranges), n_layers)
+    check_microbatches(dims, len(ranges), int(cfg.training.local_batch_size))
+
+
+def stage_ids_for_rank(pp_rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:
+    """This rank's stage indices: loop style, or V style for ZBV/DualPipeV."""
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return list(range(pp_rank, n_stages, pp))
+
+
+def grad_accum_steps(cfg: DictConfig, dims) -> int:
+    """The trainer's accumulation count (same formula as pretrain)."""
+    t = cfg.training
+    local = int(t.local_batch_size)
+    global_bs = int(t.global_batch_size) if t.global_batch_size > 0 else local * dims.dp_degree
+    return max(1, global_bs // (local * dims.dp_degree))
+
+
+# --------------------------------------------------------------------------- stages
+
+
+def cut_stage(model: torch.nn.Module, layers: range, is_first: bool, is_last: bool) -> torch.nn.Module:
+    """A copy of the (meta) model holding only this stage's modules; FQNs unchanged."""
+    stage = copy.deepcopy(model)
+    for name in list(stage.layers.keys()):
+        if int(name) not in layers:
+            del stage.layers[name]
+    if not is_first:
+        stage.tok_embeddings = None
+    if not is_last:
+        stage.norm = None
+        stage.output = None
+    return stage
+
+
+class PipelineRunner:
+    """A torch schedule plus the loss scaling the trainer expects.
+
+    ``step``/``eval`` take the trainer's arguments and fill ``losses`` with the *unscaled*
+    per-microbatch losses (on the rank holding the last stage), while the schedule itself
+    backpropagates ``loss / (microbatches * grad_accum_steps)``.
+    """
+
+    def __init__(self, schedule, stages, n_microbatches: int, grad_accum: int,
+                 loss_fn: Callable = cross_entropy_loss) -> None:
+        self.schedule = schedule
+        self.stages = stages
+        self.n_microbatches = n_microbatches
+        self.scale = 1.0 / (n_microbatches * grad_accum)
+        self.base_loss_fn = loss_fn
+        self._recorded: list[torch.Tensor] = []
+        # Filled by build_pipeline: which pp rank owns each stage, this rank's stage modules.
+        self.stage_owner: list[int] = []
+        self.parts: dict[int, torch.nn.Module] = {}
+        self.pp_rank, self.group, self.device = 0, None, torch.device("cpu")
+
+    def loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self.base_loss_fn(output, target)
+        self._recorded.append(loss.detach().float().clone())
+        return loss * self.scale
+
+    def _run(self, fn, args, target, losses) -> None:
+        self._recorded = []
+        fn(*args, target=target)
+        if losses is not None and self._recorded:
+            # The first step's shape inference also calls the loss on a probe batch: keep
+            # only the last n_microbatches calls, which are the real ones.
+            losses.extend(self._recorded[-self.n_microbatches:])
+        self._recorded = []
+
+    def step(self, *args, target=None, losses: list | None = None) -> None:
+        self._run(self.schedule.step, args, target, losses)
+
+    @torch.no_grad()
+    def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        """Forward-only pass of one whole batch through all stages; the loss on the last stage's rank.
+
+        Not ``schedule.eval()``: the V-shaped runtimes (ZBV, DualPipeV) still execute their
+        backward-split actions there and fail ("can't steal_bwd_input ..."). Walking the stages
+        in order with blocking P2P between their owners works for every placement, and one
+        unsplit batch gives exactly the single-process mean loss.
+        """
+        h, loss = None, None
+        n = len(self.stage_owner)
+        for sid in range(n):
+            owner, prev = self.stage_owner[sid], self.stage_owner[sid - 1] if sid else None
+            if owner == self.pp_rank:
+                if sid == 0:
+                    x = inputs
+                else:
+                    x = h if prev == self.pp_rank else _recv_tensor(prev, self.group, self.device)
+                h = self.parts[sid](x)
+                if sid == n - 1:
+                    loss = self.base_loss_fn(h, labels).detach().float()
+            elif prev == self.pp_rank:
+                _send_tensor(h, owner, self.group, self.device)
+        return loss
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_MAX_DIMS = 6
+
+
+def _send_tensor(t: torch.Tensor, dst: int, group, device: torch.device) -> None:
+    """Blocking send of a tensor preceded by a small header (dtype, rank, shape)."""
+    header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=device)
+    header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
+    header[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    dist.send(header, group=group, group_dst=dst)
+    dist.send(t.contiguous(), group=group, group_dst=dst)
+
+
+def _recv_tensor(src: int, group, device: torch.device) -> torch.Tensor:
+    header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=device)
+    dist.recv(header, group=group, group_src=src)
+    dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+    out = torch.empty([int(d) for d in header[2 : 2 + ndim]], dtype=dtype, device=device)
+    dist.recv(out, group=group, group_src=src)
+    return out
+
+
+def build_pipeline(model, dims, cfg: DictConfig, device: torch.device, parallelize_part, make_step_context):
+    """Split ``model`` into this rank's stages, parallelize each, and build the schedule."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    from titan_hydra.parallel.apply import ParallelModel
+
+    check_config(cfg, dims)
+    ranges = stage_layer_ranges(dims, model.args.n_layers)
+    n_stages = len(ranges)
+    pp_mesh = dims.submesh("pp")
+    pp_rank, group = pp_mesh.get_local_rank(), pp_mesh.get_group()
+    ids = stage_ids_for_rank(pp_rank, dims.pp, n_stages, dims.pp_schedule)
+    parts, stages = [], []
+    for sid in ids:
+        part = cut_stage(model, ranges[sid], is_first=sid == 0, is_last=sid == n_stages - 1)
+        part = parallelize_part(part, dims, cfg, device)
+        parts.append(part)
+        stages.append(PipelineStage(part, sid, n_stages, device, group=group))
+
+    n_mb = num_microbatches(dims, n_stages)
+    runner = PipelineRunner(None, stages, n_mb, grad_accum_steps(cfg, dims))
+    cls = get_schedule_class(dims.pp_schedule)
+    if issubclass(cls, PipelineScheduleSingle):
+        schedule = cls(stages[0], n_microbatches=n_mb, loss_fn=runner.loss_fn, scale_grads=False)
+    else:
+        schedule = cls(stages, n_microbatches=n_mb, loss_fn=runner.loss_fn, scale_grads=False)
+    runner.schedule = schedule
+    runner.stage_owner = [
+        r for sid in range(n_stages) for r in range(dims.pp)
+        if sid in stage_ids_for_rank(r, dims.pp, n_stages, dims.pp_schedule)
+    ]
+    runner.parts = dict(zip(ids, parts))
+    runner.pp_rank, runner.group, runner.device = pp_rank, group, device
+    return ParallelModel(
+        model_parts=parts,
+        step_context=make_step_context(parts, dims, cfg, device),
+        pp_schedule=runner,
+        pp_has_first_stage=0 in ids,
+        pp_has_last_stage=n_stages - 1 in ids,
+        notes=[f"pp: {dims.pp_schedule}, {n_stages} stages {[list(r) for r in ranges]}, "
+               f"this rank {ids}, {n_mb} microbatches"],
+    )
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@torch.no_grad()
+def pipeline_validate(trainer) -> dict[str, float]:
+    """Mean validation loss through the pipeline (forward only), equal to the unsplit model's."""
+    runner: PipelineRunner = trainer.pp_schedule
+    for m in trainer.model_parts:
+        m.eval()
+    total = torch.zeros((), device=trainer.device)
+    count = 0
+    for inputs, labels in trainer.val_loader_factory():
+        if count >= trainer.val_steps:
+            break  # every pp rank reads the same batches, so all stop together
+        inputs, labels = inputs.to(trainer.device), labels.to(trainer.device)
+        with trainer.step_context(inputs, labels):
+            loss = runner.forward_loss(inputs, labels)
+        if loss is not None:
+            total += loss
+        count += 1
+    for m in trainer.model_parts:
+        m.train()
+    loss = trainer.dims.broadcast_pp_loss(total / max(count, 1))
+    loss = trainer.dims.global_mean(loss)
+    return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}
+
+
+def describe(dims, n_layers: int) -> dict[str, Any]:
+    """The stage plan as plain data (dry runs / estimates)."""
+    ranges = stage_layer_ranges(dims, n_layers)
+    return {
+        "schedule": dims.pp_schedule,
+        "stages": [list(r) for r in ranges],
+        "microbatches": num_microbatches(dims, len(ranges)),
+        "rank_stages": {r: stage_ids_for_rank(r, dims.pp, len(ranges), dims.pp_schedule) for r in range(dims.pp)},
+    }
