@@ -43,6 +43,19 @@ SUITES: dict[str, dict[str, tuple[list[str], int]]] = {
         "pp 1F1B (2 ranks)": (["parallelism=pp", "parallelism.pp_schedule=1F1B"], 2),
         "cp (2 ranks)": (["parallelism=cp"], 2),
     },
+    # Performance features on the debug model, one process. float8 turns off torchao's H100 size
+    # filter (it would skip every layer this small) so the float8 path really runs (emulated cost on CPU).
+    "perf": {
+        "fp32 eager": (["training.mixed_precision=fp32"], 1),
+        "bf16": (["training.mixed_precision=bf16"], 1),
+        "compile": (["training.mixed_precision=fp32", "compile=model_loss"], 1),
+        "compile + bf16": (["training.mixed_precision=bf16", "compile=model_loss"], 1),
+        "float8 tensorwise": (["float8=tensorwise", "float8.auto_filter_small_kn=false"], 1),
+        "float8 rowwise": (["float8=rowwise", "float8.auto_filter_small_kn=false"], 1),
+        "ac full": (["training.mixed_precision=bf16", "activation_checkpoint=full"], 1),
+        "ac selective_op": (["training.mixed_precision=bf16", "activation_checkpoint=selective_op"], 1),
+        "ac selective_layer": (["training.mixed_precision=bf16", "activation_checkpoint=selective_layer"], 1),
+    },
 }
 
 

@@ -1,12 +1,16 @@
 """Analytic plan of a run: parameters, FLOPs and per-rank memory, without allocating.
 
-Used by ``dry_run=true`` and ``recipes/estimate.py``. Memory is the sum of parameters,
-gradients and AdamW state (sharded over dp_shard*cp by FSDP, split by tp and pp) plus
-activations from the standard per-layer estimate for a transformer block.
+Used by ``dry_run=true`` and ``recipes/estimate.py``. Per-rank peak memory = parameters +
+AdamW state + the larger of (activations saved for backward, gradients + optimizer temporaries),
+split by the layout (FSDP shards, TP splits, PP stages, CP sequence chunks), by mixed precision
+and by activation-checkpoint mode. The per-block activation coefficients were measured on this
+model code with torch's MemTracker; tests/test_estimator.py checks the total against the
+tensor-level peak of real training steps (the CPU analogue of torch.cuda.max_memory_allocated).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from omegaconf import DictConfig, OmegaConf
@@ -14,6 +18,65 @@ from omegaconf import DictConfig, OmegaConf
 from titan_hydra.models.llama3 import LlamaArgs, flops_per_token, num_params
 
 GIB = 1024**3
+
+
+def model_args(cfg: DictConfig) -> LlamaArgs:
+    fields = OmegaConf.to_container(cfg.model, resolve=True)
+    fields = {k: v for k, v in fields.items() if k not in ("_target_", "flavor")}
+    return LlamaArgs(**fields)
+
+
+# Bytes saved for backward per token and per transformer block, measured with torch's
+# dispatch-level MemTracker on this model code (eager; SDPA saves q/k/v after rope, with GQA's
+# k/v already repeated to n_heads, plus a logsumexp per head) and written as d (dim), kv (kv
+# dim), f (FFN hidden) coefficients. "bf16" = fp32 params under bf16 autocast (norms and the
+# residual stream stay fp32, each Linear casts its input); "bf16_params" = FSDP's bf16 params.
+ACT_COEF = {
+    # (d, kv, f) bytes per element; mode none = everything saved
+    ("fp32", "none"): (40, 0, 16),
+    ("bf16", "none"): (44, 6, 8),
+    ("bf16_params", "none"): (28, 0, 8),
+    # selective_op: matmul and attention outputs saved, norms/rope/SiLU recomputed
+    ("fp32", "selective_op"): (20, 8, 8),
+    ("bf16", "selective_op"): (26, 6, 4),
+    ("bf16_params", "selective_op"): (14, 4, 4),
+}
+RESIDUAL_BYTES = {"fp32": 4, "bf16": 4, "bf16_params": 2}
+
+
+def precision_kind(mp: str, fsdp: bool) -> str:
+    if mp != "bf16":
+        return "fp32"
+    return "bf16_params" if fsdp else "bf16"
+
+
+def block_activation_bytes(args: LlamaArgs, kind: str, mode: str, tokens: float, tp: int = 1) -> float:
+    """Saved activations of one block for ``tokens`` tokens (per rank: heads split by tp)."""
+    d, kv, f = args.dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
+    if mode == "full":
+        return tokens * RESIDUAL_BYTES[kind] * d / tp  # only the block input
+    cd, ckv, cf = ACT_COEF[(kind, mode)]
+    return tokens * ((cd * d + ckv * kv + cf * f) + 4 * args.n_heads) / tp
+
+
+def activation_bytes(args: LlamaArgs, kind: str, mode: str, tokens: float, layers: float,
+                     freq: int, tp: int = 1) -> float:
+    """All blocks' saved activations plus one block's recompute (transient) under AC."""
+    full = block_activation_bytes(args, kind, "none", tokens, tp)
+    if mode == "none":
+        return layers * full
+    if mode == "selective_layer":
+        ckpt = math.ceil(layers / max(freq, 1))
+        return ckpt * block_activation_bytes(args, kind, "full", tokens, tp) + (layers - ckpt) * full
+    saved = block_activation_bytes(args, kind, mode, tokens, tp)
+    if mode == "selective_op":  # the recomputed norms/rope are small next to the head's gradients
+        return layers * saved
+    return layers * saved + (full - saved)  # full: one block rebuilt at a time
+
+
+def head_activation_bytes(args: LlamaArgs, tokens: float, tp: int) -> float:
+    """Final norm + logits: the logits, their fp32 log-softmax and both gradients (~16 B/vocab)."""
+    return tokens * (12 * args.dim + 16 * args.vocab_size / tp)
 
 
 @dataclass
@@ -32,11 +95,20 @@ class Plan:
     mem_optimizer_gib: float
     mem_activations_gib: float
     mem_total_gib: float
+    mixed_precision: str = "fp32"
+    ac_mode: str = "none"
+    mem_transient_gib: float = 0.0
+    device_memory_gib: float | None = None
+    tflops_per_rank_at_mfu40: float = 0.0
+    step_time_s_at_mfu40: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def format(self) -> str:
+        fits = ""
+        if self.device_memory_gib:
+            fits = " (fits)" if self.mem_total_gib <= self.device_memory_gib else f" (exceeds {self.device_memory_gib:.0f} GiB)"
         rows = [
             ("model", self.flavor),
             ("parameters", f"{self.params:,} ({self.params / 1e9:.3f}B)"),
@@ -45,38 +117,59 @@ class Plan:
             ("tokens per step (global)", f"{self.tokens_per_step:,}"),
             ("FLOPs per step (global)", f"{self.flops_per_step:.4g}"),
             ("world size / layout", f"{self.world_size} / {self.layout}"),
+            ("precision / activation ckpt", f"{self.mixed_precision} / {self.ac_mode}"),
             ("gradient accumulation", str(self.grad_accum_steps)),
             ("memory per rank: params", f"{self.mem_params_gib:.3f} GiB"),
             ("memory per rank: grads", f"{self.mem_grads_gib:.3f} GiB"),
             ("memory per rank: optimizer", f"{self.mem_optimizer_gib:.3f} GiB"),
             ("memory per rank: activations", f"{self.mem_activations_gib:.3f} GiB"),
-            ("memory per rank: total", f"{self.mem_total_gib:.3f} GiB"),
+            ("memory per rank: transient", f"{self.mem_transient_gib:.3f} GiB"),
+            ("memory per rank: peak", f"{self.mem_total_gib:.3f} GiB{fits}"),
         ]
+        if self.step_time_s_at_mfu40 is not None:
+            rows.append(("step time at 40% MFU", f"{self.step_time_s_at_mfu40:.3g} s"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def model_args(cfg: DictConfig) -> LlamaArgs:
-    fields = OmegaConf.to_container(cfg.model, resolve=True)
-    fields = {k: v for k, v in fields.items() if k not in ("_target_", "flavor")}
-    return LlamaArgs(**fields)
+# Device memory (GiB) by GPU name in cluster.name / cluster.constraint.
+DEVICE_MEMORY_GIB = {"h200": 141.0, "h100": 80.0, "a100": 80.0, "b200": 180.0, "l40s": 48.0}
 
 
-def activation_bytes_per_layer(seq: int, batch: int, dim: int, heads: int, ffn: int, bytes_per: int) -> float:
-    """Saved activations of one block for backward (no recompute), in bytes.
+def device_memory_of(cfg: DictConfig) -> float | None:
+    c = cfg.cluster
+    if c.device != "cuda":
+        return None
+    text = f"{c.name} {OmegaConf.select(cfg, 'cluster.constraint') or ''}".lower()
+    for key, gib in DEVICE_MEMORY_GIB.items():
+        if key in text:
+            return gib
+    return None
 
-    Inputs of the two norms, q/k/v, attention output, the FFN's three hidden-size tensors and
-    the residual inputs, each seq*batch wide; SDPA keeps only its output and logsumexp.
-    """
-    tokens = seq * batch
-    per_token = bytes_per * (2 * dim + 3 * dim + dim + dim + 3 * ffn + 2 * dim)
-    return tokens * per_token + tokens * heads * 4
+
+def stage_params(args: LlamaArgs, pp: int) -> float:
+    """Parameters of the largest pipeline stage (blocks split evenly + embedding or output)."""
+    n = num_params(args)
+    if pp == 1:
+        return n
+    blocks = (n - 2 * args.vocab_size * args.dim - args.dim) / args.n_layers
+    return math.ceil(args.n_layers / pp) * blocks + args.vocab_size * args.dim + args.dim
 
 
 def plan(cfg: DictConfig, dims) -> Plan:
+    """Parameters, FLOPs and per-rank peak memory of ``cfg`` on ``dims``, without allocating.
+
+    Peak = fp32 params + AdamW state (8 B/param) + max(saved activations at the start of
+    backward, full gradients + optimizer-step temporaries), each divided by how the layout splits
+    it: FSDP shards params/grads/state over dp_shard*cp, TP splits weights and heads, PP keeps
+    one stage (with the pipeline's in-flight microbatches), CP splits the sequence. FSDP adds the
+    unsharded parameters/gradients of the groups being computed (the output group and last block
+    at the start of backward).
+    """
     args = model_args(cfg)
     t = cfg.training
     mp = str(getattr(t.mixed_precision, "value", t.mixed_precision))
+    ac = cfg.activation_checkpoint
     n = num_params(args)
     n_emb = args.vocab_size * args.dim
     fpt = flops_per_token(args, t.seq_len)
@@ -84,35 +177,42 @@ def plan(cfg: DictConfig, dims) -> Plan:
     global_bs = t.global_batch_size if t.global_batch_size > 0 else local_bs * dims.dp_degree
     accum = global_bs // (local_bs * dims.dp_degree)
     tokens = global_bs * t.seq_len
-    model_split = dims.tp * dims.pp
-    shard = model_split * (dims.dp_shard * dims.cp if dims.fsdp_enabled else 1)
-    params_local = n / shard
+    fsdp_shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
+    params_local = stage_params(args, dims.pp) / dims.tp / fsdp_shard
     mem_params = params_local * 4  # fp32 master weights
     mem_grads = params_local * 4
     mem_optim = params_local * 8  # AdamW exp_avg + exp_avg_sq
-    bytes_per = 2 if mp == "bf16" else 4
-    act = activation_bytes_per_layer(
-        t.seq_len // dims.cp, local_bs, args.dim, args.n_heads, args.ffn_hidden_dim, bytes_per
-    ) * (args.n_layers / dims.pp) / dims.tp
-    logits = local_bs * (t.seq_len // dims.cp) * args.vocab_size / dims.tp * (bytes_per + 4 + 4)
-    act += logits
-    total = mem_params + mem_grads + mem_optim + act
-    layout = (
-        f"dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp} pp={dims.pp} cp={dims.cp}"
-    )
+    kind = precision_kind(mp, dims.fsdp_enabled)
+    local_tokens = local_bs * t.seq_len / dims.cp
+    if dims.pp > 1:  # microbatches in flight on the first stage: up to pp of them
+        micro = dims.pp_microbatches or dims.pp
+        local_tokens = local_tokens / micro * min(micro, dims.pp)
+    layers = math.ceil(args.n_layers / dims.pp)
+    act = activation_bytes(args, kind, ac.mode, local_tokens, layers, int(ac.selective_layer_freq), dims.tp)
+    act += head_activation_bytes(args, local_tokens, dims.tp)
+    if kind == "bf16":  # autocast's bf16 copies of the weights live until backward ends
+        act += params_local * 2
+    transient = 0.0
+    if dims.fsdp_enabled:
+        block = (num_params(args) - 2 * n_emb - args.dim) / args.n_layers / dims.tp
+        head = n_emb / dims.tp
+        pbytes = 2 if kind == "bf16_params" else 4
+        transient = (head + block) * (pbytes + 4)  # unsharded params + their unsharded grads
+    # AdamW on CUDA is foreach (a temporary as large as all local params); on CPU it loops
+    # per tensor (a temporary as large as the largest one: embedding/output or an FFN weight).
+    largest = max(n_emb, args.dim * args.ffn_hidden_dim) / dims.tp / fsdp_shard
+    optimizer_step = mem_grads + 4 * (params_local if cfg.cluster.device == "cuda" else largest)
+    peak = mem_params + mem_optim + max(act + transient, optimizer_step)
+    layout = f"dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp} pp={dims.pp} cp={dims.cp}"
+    peak_tflops = OmegaConf.select(cfg, "cluster.peak_tflops")
+    flops_rank = fpt * tokens / dims.world_size
+    step_time = flops_rank / (0.4 * peak_tflops * 1e12) if peak_tflops else None
     return Plan(
-        flavor=str(cfg.model.flavor),
-        params=n,
-        non_embedding_params=n - n_emb,
-        flops_per_token=fpt,
-        tokens_per_step=tokens,
-        flops_per_step=fpt * tokens,
-        world_size=dims.world_size,
-        layout=layout,
-        grad_accum_steps=accum,
-        mem_params_gib=mem_params / GIB,
-        mem_grads_gib=mem_grads / GIB,
-        mem_optimizer_gib=mem_optim / GIB,
-        mem_activations_gib=act / GIB,
-        mem_total_gib=total / GIB,
+        flavor=str(cfg.model.flavor), params=n, non_embedding_params=n - n_emb, flops_per_token=fpt,
+        tokens_per_step=tokens, flops_per_step=fpt * tokens, world_size=dims.world_size, layout=layout,
+        grad_accum_steps=accum, mem_params_gib=mem_params / GIB, mem_grads_gib=mem_grads / GIB,
+        mem_optimizer_gib=mem_optim / GIB, mem_activations_gib=act / GIB, mem_total_gib=peak / GIB,
+        mixed_precision=mp, ac_mode=str(ac.mode), mem_transient_gib=transient / GIB,
+        device_memory_gib=device_memory_of(cfg),
+        tflops_per_rank_at_mfu40=0.4 * peak_tflops if peak_tflops else 0.0, step_time_s_at_mfu40=step_time,
     )

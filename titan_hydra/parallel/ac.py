@@ -1,0 +1,101 @@
+"""Activation checkpointing (the `activation_checkpoint` group): trade recompute for memory.
+
+Modes:
+* ``full``: every transformer block keeps only its input; backward reruns the whole block.
+* ``selective_layer``: the same, but only every ``selective_layer_freq``-th block (1st, (1+f)-th, ...
+  counted from the first block of this model part).
+* ``selective_op``: every block is checkpointed with a per-op policy: outputs of matmuls and
+  attention kernels (the expensive ops) are saved, everything else (norms, rope, SiLU, products,
+  casts) is recomputed. Uses ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
+
+Why the block's ``forward`` is replaced in place instead of wrapping the block in
+``checkpoint_wrapper``: a wrapper inserts ``_checkpoint_wrapped_module`` into every parameter
+FQN, and FQNs are what TP plans, float8 filters, checkpoints and HF conversion address. Patching
+the instance's ``forward`` keeps the module tree (and ``state_dict`` keys) identical to no-AC, so
+FSDP/compile applied afterwards see the same blocks, and checkpoints move freely between AC modes.
+The checkpoint runs inside the block's ``__call__``, i.e. inside FSDP's unshard/reshard hooks,
+so the recompute in backward happens while the block's parameters are gathered.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from titan_hydra.errors import ConfigError
+
+MODES = ("none", "full", "selective_op", "selective_layer")
+
+
+def _save_ops() -> set:
+    """Ops whose outputs selective_op saves: matmuls and fused attention (forward)."""
+    aten = torch.ops.aten
+    names = [
+        "mm", "addmm", "bmm", "baddbmm", "_scaled_mm",
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    ]
+    return {getattr(aten, n).default for n in names if hasattr(aten, n)}
+
+
+SAVE_OPS = _save_ops()
+
+
+def _selective_op_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_op_context():
+    """Fresh (forward, recompute) context pair for one checkpointed call."""
+    return create_selective_checkpoint_contexts(_selective_op_policy)
+
+
+def checkpoint_block(block: torch.nn.Module, selective_op: bool = False) -> None:
+    """Make ``block`` recompute its forward in backward (in place; FQNs unchanged)."""
+    if getattr(block, "_th_ac_mode", None) is not None:
+        return  # already checkpointed
+    inner = block.forward
+    extra: dict[str, Any] = {"context_fn": selective_op_context} if selective_op else {}
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+
+    block.forward = forward
+    block._th_ac_mode = "selective_op" if selective_op else "full"
+
+
+def checkpointed_layer_ids(layer_names: list[str], mode: str, freq: int) -> list[str]:
+    """Which blocks (by ModuleDict key) a mode checkpoints."""
+    if mode == "none":
+        return []
+    if mode == "selective_layer":
+        return [name for i, name in enumerate(layer_names) if i % freq == 0]
+    return list(layer_names)
+
+
+def apply_ac(model_part: torch.nn.Module, ac_cfg: DictConfig) -> list[str]:
+    """Checkpoint this part's transformer blocks per ``ac_cfg.mode``; returns the layer ids done."""
+    mode = ac_cfg.mode
+    if mode not in MODES:
+        raise ConfigError(f"activation_checkpoint.mode={mode!r} is not one of {', '.join(MODES)}")
+    layers = getattr(model_part, "layers", None)
+    if layers is None:
+        return []
+    names = list(layers.keys())
+    chosen = checkpointed_layer_ids(names, mode, int(ac_cfg.get("selective_layer_freq", 2)))
+    for name in chosen:
+        checkpoint_block(layers[name], selective_op=mode == "selective_op")
+    return chosen
+
+
+def check_config(cfg: DictConfig, dims) -> None:
+    ac = cfg.activation_checkpoint
+    if ac.mode == "selective_layer" and int(ac.selective_layer_freq) < 1:
+        raise ConfigError(
+            f"activation_checkpoint.selective_layer_freq={ac.selective_layer_freq} must be >= 1"
+        )
