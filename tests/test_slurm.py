@@ -9,8 +9,6 @@ Skipped only when this machine cannot install SLURM (not root, or no apt-get); C
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,22 +17,9 @@ import pytest
 
 from conftest import REPO, run_launch
 from parity import BASE, GLOBAL_BATCH, STEPS, read_losses, run_layout
+from slurm_fixtures import slurm  # noqa: F401  (the session fixture)
 
 pytestmark = pytest.mark.slow
-SCRIPTS = REPO / "scripts" / "slurm"
-
-
-@pytest.fixture(scope="session")
-def slurm():
-    """Install (idempotent, no apt call when installed) and start the local SLURM."""
-    if os.geteuid() != 0 and shutil.which("sbatch") is None:
-        pytest.skip("SLURM tests need root to install and start slurmctld/slurmd (not root here)")
-    if shutil.which("apt-get") is None and shutil.which("sbatch") is None:
-        pytest.skip("SLURM tests need apt-get to install Debian's SLURM packages (no apt here)")
-    for script in ("install.sh", "start.sh"):
-        proc = subprocess.run(["bash", str(SCRIPTS / script)], capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return True
 
 
 def slurm_run(tmp_path: Path, args: list[str], multirun: bool = False):

@@ -14,7 +14,10 @@ DIR="${TITAN_SLURM_DIR:-/var/tmp/titan_slurm}"
 CPUS="${TITAN_SLURM_CPUS:-8}"
 HOST="$(hostname -s)"
 
-if [ -e /etc/slurm/slurm.conf ] && timeout 5 sinfo -h -o %T 2>/dev/null | grep -qE 'idle|mix|alloc'; then
+# Running only if the node answers AND accounting does (submitit polls sacct; a dead mariadb or
+# slurmdbd would make jobs look unfinished). Otherwise the steps below start what is missing.
+if [ -e /etc/slurm/slurm.conf ] && timeout 5 sinfo -h -o %T 2>/dev/null | grep -qE 'idle|mix|alloc' \
+   && timeout 10 sacct -n -X -S now-1minute >/dev/null 2>&1; then
   echo "slurm: already running"; exit 0
 fi
 mkdir -p "$DIR"/state "$DIR"/spool /etc/slurm

@@ -24,6 +24,8 @@ from titan_hydra.metrics.memory import MemoryMonitor
 from titan_hydra.metrics.throughput import ThroughputMeter, device_peak_tflops
 from titan_hydra.models.llama3 import flops_per_token, num_params
 from titan_hydra.parallel.apply import parallelize
+from titan_hydra.parallel.compile import build_loss_fn
+from titan_hydra.profiling import build_profiler
 from titan_hydra.train.trainer import Trainer
 
 
@@ -101,7 +103,7 @@ def init_weights(cfg: DictConfig, parts: list[torch.nn.Module], device: torch.de
         full_sd = full.state_dict()
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=world_size > 1, strict=False)
     for part in parts:
-        set_model_state_dict(part, full_sd, options=options)
+        set_model_state_dict(part, dict(full_sd), options=options)  # a copy: DSD rewrites the dict it gets
     torch.manual_seed(seed)
 
 
@@ -185,6 +187,7 @@ def _run(
 
     params = [p for part in pm.model_parts for p in part.parameters()]
     optimizer = instantiate(cfg.optimizer)(params)
+    float8.register(optimizer, pm.model_parts)  # float8 scale precompute after each optimizer step
     lr_scheduler = instantiate(cfg.lr_scheduler)(optimizer, training.steps)
 
     config_dict = to_container(cfg)
@@ -194,6 +197,7 @@ def _run(
         torch.bfloat16 if mixed_precision_of(cfg) == "bf16" else torch.float32,
         override=cfg.cluster.peak_tflops,
     )
+    profiler = build_profiler(cfg, run_dir, rank, pm.model_parts, optimizer, device)
     trainer = Trainer(
         model_parts=pm.model_parts,
         optimizer=optimizer,
@@ -215,11 +219,28 @@ def _run(
         pp_has_first_stage=pm.pp_has_first_stage,
         pp_has_last_stage=pm.pp_has_last_stage,
         device=device,
+        profiler=profiler,
+        loss_fn=build_loss_fn(cfg.compile),
     )
+    from titan_hydra.checkpoint import build_checkpointer
+
+    trainer.checkpointer = build_checkpointer(
+        cfg, run_dir, trainer, model=model, model_parts=pm.model_parts, optimizer=optimizer,
+        lr_scheduler=lr_scheduler, train_loader=train_loader, dims=dims, rank=rank, world_size=world_size,
+    )
+    from titan_hydra.launch.preemption import watch_for_preemption
+
+    trainer.preemption = watch_for_preemption(rank, world_size, device)  # None outside SLURM
     try:
+        if trainer.checkpointer is not None:
+            trainer.checkpointer.restore()
         summary = trainer.train()
+        if trainer.checkpointer is not None:
+            trainer.checkpointer.close()
     finally:
         metric_logger.close()
+        if profiler is not None:
+            profiler.close()
     summary["run_dir"] = run_dir
     if return_state:
         summary["full_state"] = gather_full_state(pm.model_parts)

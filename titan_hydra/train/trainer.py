@@ -87,6 +87,7 @@ class Trainer:
         self.pp_has_last_stage = pp_has_last_stage
         self.device = device
         self.checkpointer = checkpointer
+        self.preemption = None  # titan_hydra.launch.preemption.Preemption inside a SLURM job
         self.profiler = profiler
         self.loss_fn = loss_fn
         self.state = TrainState()
@@ -210,6 +211,8 @@ class Trainer:
                 self.checkpointer.maybe_save(step, last=step == self.steps)
             if self.profiler is not None:
                 self.profiler.step()
+            if self.preemption is not None and step < self.steps and self.preemption.should_stop():
+                self.preemption.save_and_requeue(self.checkpointer, step)  # all ranks; ends this attempt
         return {
             "steps": self.state.step,
             "losses": list(self.state.losses),

@@ -1,0 +1,223 @@
+"""Save-on-signal and requeue (titan_hydra.launch.preemption).
+
+Unit (2 local gloo ranks, seconds): a signal that reaches one rank only stops both ranks after
+the same step; both save that step once; the requeue runs once, on rank 0; every rank leaves
+with exit code 0; a failed requeue fails every rank instead.
+
+(c) against the real local SLURM (scripts/slurm): a 2-task gloo FSDP job with a 2-minute limit
+gets SLURM's USR2 ``cluster.signal_delay_s`` before it, saves, is requeued (sacct lists the
+REQUEUED attempt), resumes from that step in the same run dir and ends with per-step losses
+equal to an uninterrupted local run of the same config.
+
+Why the first attempt is slowed in the test: the job must still be training when SLURM signals
+it (up to ~60 s before the limit minus the delay), but an uninterrupted reference run of that
+many real steps would double the test's time. So the test submits a subclass of the product's
+``RankTask`` whose *first* attempt sleeps before each step; its ``checkpoint()`` is the
+product's, which resubmits a plain ``RankTask`` - the requeued attempt is the product code as
+is, at full speed. Sleeping changes no number (losses don't depend on time).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import compose_cfg, run_launch
+from slurm_fixtures import slurm  # noqa: F401  (the session fixture)
+from titan_hydra.launch.preemption import JobRequeued, Preemption, save_step, watch_for_preemption
+
+# ---------------------------------------------------------------- unit: agreement on 2 local ranks
+
+SIGNAL_STEP = 3
+
+
+class FakeCheckpointer:
+    enabled = True
+    interval = 500
+
+    def __init__(self):
+        self.saved: list[int] = []
+
+    def save(self, step, wait=False):
+        self.saved.append(step)
+
+    def wait(self):
+        pass
+
+
+def _agreement_worker(rank: int, store_path: str, out_dir: str, fail_requeue: bool) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    requeues = Path(out_dir) / f"requeue_calls.{rank}"
+
+    def requeue_fn():
+        with open(requeues, "a") as f:
+            f.write("1")
+        if fail_requeue:
+            raise RuntimeError("scontrol requeue refused")
+
+    pre = Preemption(rank, 2, torch.device("cpu"), signal.SIGUSR2, requeue_fn, log=lambda m: None).install()
+    ckpt = FakeCheckpointer()
+    result = {"rank": rank, "stopped_at": None, "exit": None, "error": None}
+    try:
+        for step in range(1, 11):
+            if rank == 1 and step == SIGNAL_STEP:
+                os.kill(os.getpid(), signal.SIGUSR2)  # only rank 1 hears it, in the middle of a step
+            x = torch.ones(4) * step
+            dist.all_reduce(x)  # the step's own collective
+            if pre.should_stop():
+                result["stopped_at"] = step
+                pre.save_and_requeue(ckpt, step)
+        result["stopped_at"] = None
+    except JobRequeued as e:
+        result["exit"] = e.code
+    except RuntimeError as e:
+        result["error"] = str(e)
+    finally:
+        pre.uninstall()
+        result["saved"] = ckpt.saved
+        result["signalled"] = pre.signalled
+        (Path(out_dir) / f"result.{rank}.json").write_text(json.dumps(result))
+        dist.destroy_process_group()
+
+
+def _run_agreement(tmp_path: Path, fail_requeue: bool) -> list[dict]:
+    mp.spawn(_agreement_worker, args=(str(tmp_path / "store"), str(tmp_path), fail_requeue), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"result.{r}.json").read_text()) for r in range(2)]
+    calls = sum(len((tmp_path / f"requeue_calls.{r}").read_text()) for r in range(2)
+                if (tmp_path / f"requeue_calls.{r}").exists())
+    return results, calls
+
+
+def test_signal_on_one_rank_stops_both_at_the_same_step(tmp_path):
+    results, calls = _run_agreement(tmp_path, fail_requeue=False)
+    assert [r["signalled"] for r in results] == [False, True]  # the signal reached rank 1 only
+    assert [r["stopped_at"] for r in results] == [SIGNAL_STEP, SIGNAL_STEP]
+    assert [r["saved"] for r in results] == [[SIGNAL_STEP], [SIGNAL_STEP]]  # one collective save
+    assert calls == 1 and (tmp_path / "requeue_calls.0").exists()  # requeued once, by rank 0
+    assert [r["exit"] for r in results] == [0, 0]  # both leave with exit code 0
+
+
+def test_failed_requeue_fails_every_rank(tmp_path):
+    results, calls = _run_agreement(tmp_path, fail_requeue=True)
+    assert [r["stopped_at"] for r in results] == [SIGNAL_STEP, SIGNAL_STEP]
+    assert calls == 1
+    assert [r["exit"] for r in results] == [None, None]
+    assert results[0]["error"] == "scontrol requeue refused"
+    assert "not requeued" in results[1]["error"]
+
+
+def test_interval_save_is_not_repeated():
+    ckpt = FakeCheckpointer()
+    ckpt.interval = 5
+    save_step(ckpt, 10)  # maybe_save already saved step 10
+    save_step(ckpt, 12)
+    assert ckpt.saved == [12]
+
+
+def test_nothing_is_installed_outside_slurm():
+    before = signal.getsignal(signal.SIGUSR2)
+    assert watch_for_preemption(0, 1, torch.device("cpu")) is None
+    assert signal.getsignal(signal.SIGUSR2) is before
+
+
+# ---------------------------------------------------------------- (c) a real SLURM time limit
+
+STEPS = 160
+FIRST_ATTEMPT_SLEEP_S = 0.5  # 160 steps >= 80 s: still training when the signal comes (<= 90 s)
+CONFIG = [
+    "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "training.seq_len=64",
+    f"training.steps={STEPS}", "training.global_batch_size=8", "training.local_batch_size=4",
+    "training.mixed_precision=fp32", "training.init_mode=full", "training.val_freq=0",
+    "lr_scheduler.warmup_steps=2", "data.max_documents=60", "logger=minimal",
+    "cluster.threads_per_proc=1", "parallelism=fsdp", "checkpoint=default",
+]
+
+
+def slow_first_attempt_task():
+    """A RankTask subclass (built here so that cloudpickle ships it by value to the job)."""
+    from titan_hydra.launch.slurm import RankTask
+
+    class SlowFirstAttempt(RankTask):
+        def __call__(self):
+            from titan_hydra.train.trainer import Trainer
+
+            step = Trainer.train_step
+
+            def slow_step(trainer):
+                time.sleep(FIRST_ATTEMPT_SLEEP_S)
+                return step(trainer)
+
+            Trainer.train_step = slow_step
+            return super().__call__()
+
+    return SlowFirstAttempt
+
+
+def losses_of(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def sacct_states(job_id: str, timeout_s: float = 60) -> list[str]:
+    """States of every attempt of the job, once the last one is final in accounting (which
+    lags the result file that submitit waits for by a few seconds)."""
+    deadline = time.time() + timeout_s
+    while True:
+        out = subprocess.run(["sacct", "-n", "-X", "--duplicates", "-j", job_id, "-o", "State%20"],
+                             capture_output=True, text=True, timeout=60).stdout
+        states = [s.strip() for s in out.splitlines() if s.strip()]
+        if (states and states[-1] not in ("RUNNING", "COMPLETING", "PENDING")) or time.time() > deadline:
+            return states
+        time.sleep(2)
+
+
+@pytest.mark.slow
+def test_time_limit_signal_saves_requeues_and_resumes_exactly(slurm, tmp_path, monkeypatch, capsys):
+    from titan_hydra.launch import slurm as slurm_launch
+    from titan_hydra.validate import validate
+
+    run_dir = tmp_path / "slurm_run"
+    cfg = compose_cfg(CONFIG + ["cluster=slurm_local", "cluster.tasks_per_node=2", "cluster.timeout_min=2",
+                                "cluster.signal_delay_s=30", "cluster.max_requeue=2"])
+    validate(cfg)
+    monkeypatch.setattr(slurm_launch, "RankTask", slow_first_attempt_task())
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    t0 = time.time()
+    summary = slurm_launch.submit(cfg, str(run_dir))
+    slurm_s = time.time() - t0
+    job_id = capsys.readouterr().out.split("submitted SLURM job ")[1].split(";")[0]
+
+    states = sacct_states(job_id)
+    assert states[-1] == "COMPLETED" and states.count("REQUEUED") == 1, states
+    log = (run_dir / ".submitit" / job_id / f"{job_id}_0_log.out").read_text()
+    resumed = [int(line.rsplit("resuming at step ", 1)[1].split()[0]) for line in log.splitlines()
+               if "resuming at step" in line]
+    assert len(resumed) == 1, log[-3000:]
+    k = resumed[0]
+    assert 0 < k < STEPS, log[-3000:]
+    assert (run_dir / "checkpoint" / f"step-{k}").is_dir()
+
+    (tmp_path / "local").mkdir()
+    local_dir = tmp_path / "local" / "run"
+    proc = run_launch(CONFIG + ["cluster.nproc_per_node=2", f"hydra.run.dir={local_dir}"], cwd=tmp_path / "local")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    local = losses_of(local_dir)
+    logged = losses_of(run_dir)  # both attempts appended to the same metrics.jsonl
+    carried = [float(x) for x in summary["losses"]]  # TrainState: steps 1..k came through the checkpoint
+    assert sorted(local) == sorted(logged) == list(range(1, STEPS + 1)) and len(carried) == STEPS
+    diff_logged = max(abs(logged[s] - local[s]) for s in local)
+    diff_carried = max(abs(carried[s - 1] - local[s]) for s in local)
+    print(f"requeue: resumed at step {k}; SLURM job {slurm_s:.0f}s; max |slurm - local| over {STEPS} steps: "
+          f"logged {diff_logged:.3g}, carried {diff_carried:.3g}")
+    assert diff_logged <= 1e-6 and diff_carried <= 1e-6, (diff_logged, diff_carried)
