@@ -119,3 +119,16 @@ def test_dry_run_prints_plan(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr
     assert "8,030,261,248" in proc.stdout
     assert not list(tmp_path.rglob("metrics.jsonl"))
+
+
+@pytest.mark.parametrize("flavor", options("model"))
+def test_model_yaml_matches_published_flavor_table(flavor):
+    """conf/model/*.yaml and titan_hydra.models.flavors must describe the same shapes."""
+    from titan_hydra.models.flavors import flavor_args
+
+    cfg = compose_cfg([f"model={flavor}"])
+    published = flavor_args(flavor)
+    for key in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier",
+                "rope_theta", "rope_scaling"):
+        assert cfg.model[key] == getattr(published, key), (flavor, key)
+    assert (cfg.model.n_kv_heads or cfg.model.n_heads) == published.kv_heads
