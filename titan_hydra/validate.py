@@ -101,7 +101,8 @@ def validate(cfg: DictConfig) -> None:
             f"{t.local_batch_size} x data-parallel degree {dims.dp_degree}"
         )
 
-    _validate_environment(cfg)
+    if not OmegaConf.select(cfg, "dry_run"):  # a dry run sizes a GPU cluster from any machine
+        _validate_environment(cfg)
     _validate_parallel_modules(cfg, dims)
     _validate_data(cfg)
 

@@ -37,6 +37,9 @@ def launch(cfg: DictConfig) -> float | None:
 
     export_dist_env(cfg)  # a SLURM / submitit task becomes its rank
     try:
+        from titan_hydra.parallel.auto import resolve_auto
+
+        resolve_auto(cfg)  # parallelism=auto -> concrete degrees, before anything checks them
         validate(cfg)
         dims = build_dims(cfg)
     except UserError as e:

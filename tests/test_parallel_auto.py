@@ -1,0 +1,144 @@
+"""parallelism=auto: the chosen layout fits by the estimator, respects the topology, and trains.
+
+Resolution is analytic (no process group), so the cluster-scale cases run in-process on the
+composed config; the end-to-end cases go through launch.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from conftest import compose_cfg, run_launch
+from parity import BASE, GLOBAL_BATCH, STEPS, assert_parity, read_losses, reference_losses
+
+from titan_hydra.errors import ConfigError
+from titan_hydra.estimate import plan
+from titan_hydra.parallel import auto
+from titan_hydra.validate import build_dims
+
+H100 = ["cluster=slurm_h100", "parallelism=auto", "training.seq_len=8192"]
+
+
+def resolved(overrides):
+    cfg = compose_cfg(overrides)
+    auto.resolve_auto(cfg)
+    return cfg, plan(cfg, build_dims(cfg))
+
+
+def fixed_layout_plan(overrides, **degrees):
+    cfg = compose_cfg(overrides)
+    for k, v in degrees.items():
+        cfg.parallelism[k] = v
+    return plan(cfg, build_dims(cfg))
+
+
+def test_llama3_8b_one_h100_node(capsys):
+    ov = ["model=llama3_8b", *H100, "training.local_batch_size=1"]
+    cfg, p = resolved(ov)
+    out = capsys.readouterr().out
+    par = cfg.parallelism
+    assert p.device_memory_gib == 80.0 and p.mem_total_gib <= 80.0
+    assert par.tp <= 8 and par.pp == 1 and par.cp == 1
+    assert par.dp_replicate * par.dp_shard * par.tp == 8
+    # Pure FSDP would be fastest, but the estimator says it does not fit: auto must not pick it.
+    assert fixed_layout_plan(ov, dp_shard=8).mem_total_gib > 80.0
+    assert (par.dp_shard, par.tp) == (4, 2), out
+    assert par.name == "auto:dp_shard=4,tp=2"
+    line = [l for l in out.splitlines() if l.startswith("parallelism=auto chose")]
+    assert line == [f"parallelism=auto chose dp_shard=4 tp=2: fits ({p.mem_total_gib:.3g} GiB/rank), "
+                    f"est. {p.tokens_per_step / auto.estimated_step_time(cfg, build_dims(cfg), p):.4g} "
+                    "tokens/s, the highest of 3 fitting layouts; faster dp_shard=8 needs "
+                    f"{fixed_layout_plan(ov, dp_shard=8).mem_total_gib:.3g} GiB/rank"]
+
+
+def test_choice_is_the_fastest_fitting_candidate():
+    cfg = compose_cfg(["model=llama3_8b", *H100, "training.local_batch_size=2"])
+    cands = [auto.evaluate(cfg, c) for c in auto.enumerate_candidates(cfg)]
+    assert [c.tp for c in cands] == [1, 2, 4, 8]  # one node: tp over the divisors of 8 only
+    for c in cands:  # each row agrees with plan() on the same degrees
+        p = fixed_layout_plan(["model=llama3_8b", *H100, "training.local_batch_size=2"], **c.degrees())
+        assert math.isclose(c.mem_gib, p.mem_total_gib, rel_tol=1e-12)
+        assert c.fits == (p.mem_total_gib <= 80.0)
+    chosen = auto.choose(cands)
+    fitting = [c for c in cands if c.fits]
+    assert chosen.tokens_per_s == max(c.tokens_per_s for c in fitting)
+    assert (chosen.dp_shard, chosen.tp) == (2, 4)
+
+
+def test_llama3_70b_one_node_does_not_fit():
+    ov = ["model=llama3_70b", *H100, "training.local_batch_size=1"]
+    mems = {tp: fixed_layout_plan(ov, tp=tp).mem_total_gib for tp in (1, 2, 4, 8)}
+    assert min(mems.values()) > 80.0  # the estimator: no TP degree inside a node fits
+    with pytest.raises(ConfigError) as e:
+        auto.resolve_auto(compose_cfg(ov))
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith("parallelism=auto: model=llama3_70b does not fit on 1x8 devices")
+    assert f"(dp_shard=1 tp=8) needs {mems[8]:.1f} GiB/rank, the device has 80 GiB" in msg
+    assert "cluster.nnodes" in msg and "activation_checkpoint=full" in msg and "local_batch_size" in msg
+
+
+def test_llama3_405b_sixteen_nodes_uses_pp_across_nodes():
+    ov = ["model=llama3_405b", *H100, "cluster.nnodes=16", "training.local_batch_size=8",
+          "activation_checkpoint=full"]
+    cfg, p = resolved(ov)
+    par = cfg.parallelism
+    assert par.pp > 1 and 16 % par.pp == 0  # whole nodes per stage
+    assert par.tp <= 8 and 8 % par.tp == 0
+    assert p.world_size == 128 and p.mem_total_gib <= 80.0
+    assert (par.dp_shard, par.tp, par.pp, par.pp_microbatches) == (16, 4, 2, 8)
+    # without PP nothing fits: even tp=8 with all 16 nodes sharding needs more than 80 GiB
+    assert fixed_layout_plan(ov, tp=8).mem_total_gib > 80.0
+
+
+def test_resolution_is_deterministic_and_idempotent():
+    ov = ["model=llama3_70b", *H100, "cluster.nnodes=4", "training.local_batch_size=1"]
+    a, _ = resolved(ov)
+    b, _ = resolved(ov)
+    assert a.parallelism == b.parallelism
+    again = auto.resolve_auto(a)  # a SLURM task re-entering launch(): already concrete
+    assert again.parallelism == b.parallelism
+    fixed = compose_cfg(["parallelism=fsdp_tp"])
+    assert auto.resolve_auto(fixed).parallelism == compose_cfg(["parallelism=fsdp_tp"]).parallelism
+
+
+def test_long_sequences_consider_context_parallel():
+    cfg = compose_cfg(["model=llama3_8b", "cluster=slurm_h100", "parallelism=auto", "training.seq_len=65536",
+                       "training.local_batch_size=1"])
+    cands = auto.enumerate_candidates(cfg)
+    assert {c.cp for c in cands} == {1, 2, 4, 8}
+    assert all(c.tp * c.cp <= 8 for c in cands)
+    short = auto.enumerate_candidates(compose_cfg(["model=llama3_8b", *H100]))
+    assert {c.cp for c in short} == {1}
+
+
+def test_debug_model_trains_with_auto_on_two_cpu_processes(tmp_path, tmp_path_factory):
+    run_dir = tmp_path / "run"
+    args = BASE + ["parallelism=auto", "cluster.nproc_per_node=2",
+                   f"training.local_batch_size={GLOBAL_BATCH // 2}", f"hydra.run.dir={run_dir}"]
+    proc = run_launch(args, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "parallelism=auto chose dp_shard=2:" in proc.stdout  # FSDP: no TP traffic on CPU
+    losses = read_losses(run_dir)
+    assert len(losses) == STEPS
+    assert_parity(losses, reference_losses(tmp_path_factory), atol=1e-5)
+
+
+def test_launch_nothing_fits_one_line_error(tmp_path):
+    proc = run_launch(["parallelism=auto", "model=llama3_70b", "cluster=slurm_h100", "training.seq_len=8192",
+                       "training.local_batch_size=1", "data.max_documents=1"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
+    assert lines[-1].startswith("error: parallelism=auto: model=llama3_70b does not fit on 1x8 devices")
+    assert "the device has 80 GiB" in lines[-1]
+
+
+def test_launch_dry_run_prints_the_choice(tmp_path):
+    proc = run_launch(["dry_run=true", "parallelism=auto", "model=llama3_70b", "cluster=slurm_h100",
+                       "cluster.nnodes=4", "training.seq_len=8192", "training.local_batch_size=1",
+                       "data.max_documents=1"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "parallelism=auto chose dp_shard=4 tp=8: fits (63.7 GiB/rank)" in proc.stdout
+    assert "32 / dp_replicate=1 dp_shard=4 tp=8 pp=1 cp=1" in proc.stdout
+    assert "memory per rank: peak         63.699 GiB (fits)" in proc.stdout

@@ -1,0 +1,277 @@
+"""``parallelism=auto``: pick the parallel degrees from the model and the cluster.
+
+Why here, and why before validation: the degrees decide everything downstream (mesh, memory,
+checks), so ``launch()`` resolves them once, in the launching process, before ``validate``;
+every later step sees an ordinary layout. Under torchrun / SLURM each rank composes its own
+config and resolves it the same way: the choice is a pure function of the config and the
+world size (no timing, no randomness), so all ranks agree.
+
+How the choice is made:
+  * candidates follow the hardware: TP only inside a node (tp divides the GPUs of a node and
+    the attention/KV heads), PP only across nodes (pp divides the node count; pp=1 on one
+    node), CP only for long sequences (> ``CP_MIN_SEQ_LEN``), inside the node next to TP;
+    the rest is data parallel: FSDP over all of it, or HSDP (shard inside a node, replicate
+    across nodes) when there are several nodes per pipeline stage;
+  * each candidate must pass the same pre-launch rules the launch will apply (the parallel
+    modules' ``check_config``) and fit the device memory by ``estimate.plan`` (the estimator's
+    own fit check: peak per rank <= device memory; CPU has no limit);
+  * among those, the highest estimated tokens/s wins. ``plan`` gives compute time at 40% MFU,
+    which is the same for every layout of one world size, so the ranking adds what differs
+    between layouts: the pipeline bubble and stage imbalance, exposed TP/CP collectives on
+    the intra-node link, and FSDP/HSDP traffic (overlapped with compute) on the link its
+    group spans. Within ``TIE_TOLERANCE`` of the best, fewer model-parallel dimensions win
+    (the model is rough; a simpler layout is the safer bet).
+
+The chosen degrees are written into ``cfg.parallelism`` and its ``name`` becomes
+``auto:<degrees>``, which records the choice in the run's logged config and makes a second
+call (a SLURM task re-entering ``launch``) a no-op.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from titan_hydra.errors import ConfigError, UserError
+
+CP_MIN_SEQ_LEN = 32768  # consider context parallel only above this sequence length
+TIE_TOLERANCE = 0.02  # candidates within 2% of the best estimate count as tied
+NOMINAL_PEAK_TFLOPS = 1.0  # ranking only, when the cluster gives no peak (CPU)
+# Effective per-device collective bandwidth (bytes/s): inside a node, across nodes.
+# cuda: NVLink4 (~450 GB/s per direction, ~350 achieved) and 8x400 Gb/s IB per node (~40 per GPU).
+LINK_BYTES_PER_S = {"cuda": (350e9, 40e9), "cpu": (5e9, 1e9)}
+
+
+@dataclass
+class Candidate:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    cp: int
+    pp_microbatches: int | None
+    mem_gib: float = 0.0
+    fits: bool = True
+    tokens_per_s: float = 0.0
+    invalid: str = ""  # why the launch rules reject it ("" = valid)
+
+    @property
+    def model_parallel_dims(self) -> int:
+        return sum(d > 1 for d in (self.tp, self.pp, self.cp))
+
+    def degrees(self) -> dict:
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp,
+                "pp": self.pp, "cp": self.cp}
+
+    def describe(self, sep: str = " ") -> str:
+        return sep.join(f"{k}={v}" for k, v in self.degrees().items() if k == "dp_shard" or v > 1)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def topology(cfg: DictConfig) -> tuple[int, int]:
+    """(nodes, ranks per node) of this run; the world size comes from the environment under torchrun."""
+    from titan_hydra.validate import world_size_of
+
+    world, per_node = world_size_of(cfg), int(cfg.cluster.nproc_per_node)
+    if per_node < 1 or world % per_node:
+        return 1, world
+    return world // per_node, per_node
+
+
+def pp_microbatches_for(cfg: DictConfig, pp: int) -> int | None:
+    """The user's value, else one microbatch per sample (smallest bubble and in-flight memory)."""
+    if pp == 1:
+        return cfg.parallelism.pp_microbatches
+    if cfg.parallelism.pp_microbatches:
+        return int(cfg.parallelism.pp_microbatches)
+    return int(cfg.training.local_batch_size)
+
+
+def enumerate_candidates(cfg: DictConfig) -> list[Candidate]:
+    """Every layout that respects the topology rules (TP in a node, PP across nodes)."""
+    nodes, per_node = topology(cfg)
+    m = cfg.model
+    heads = math.gcd(int(m.n_heads), int(m.n_kv_heads or m.n_heads))
+    long_seq = int(cfg.training.seq_len) > CP_MIN_SEQ_LEN
+    out = []
+    for pp in divisors(nodes):
+        if pp > int(m.n_layers):
+            continue
+        for tp in divisors(per_node):
+            if heads % tp:
+                continue
+            for cp in divisors(per_node // tp) if long_seq else [1]:
+                in_node = per_node // (tp * cp)  # data-parallel ranks inside one node
+                groups = nodes // pp  # nodes per pipeline stage
+                mb = pp_microbatches_for(cfg, pp)
+                out.append(Candidate(1, in_node * groups, tp, pp, cp, mb))
+                if groups > 1:  # HSDP: shard inside the node, replicate across nodes
+                    out.append(Candidate(groups, in_node, tp, pp, cp, mb))
+    return out
+
+
+def candidate_cfg(cfg: DictConfig, c: Candidate) -> DictConfig:
+    """A copy of ``cfg`` with the candidate's degrees."""
+    new = copy.deepcopy(cfg)
+    set_degrees(new, c)
+    return new
+
+
+def set_degrees(cfg: DictConfig, c: Candidate) -> None:
+    with open_dict(cfg):
+        for k, v in c.degrees().items():
+            cfg.parallelism[k] = v
+        cfg.parallelism.pp_microbatches = c.pp_microbatches
+        cfg.parallelism.name = "auto:" + c.describe(",")
+
+
+def check_rules(cfg: DictConfig, dims) -> str:
+    """The launch's own parallelism rules for this layout; returns why it fails ("" = passes)."""
+    from titan_hydra.validate import _validate_parallel_modules
+
+    t = cfg.training
+    try:
+        if t.global_batch_size > 0 and t.global_batch_size % (t.local_batch_size * dims.dp_degree):
+            raise ConfigError(f"global_batch_size {t.global_batch_size} vs dp {dims.dp_degree}")
+        if dims.cp > 1 and t.seq_len % (2 * dims.cp):
+            raise ConfigError(f"seq_len {t.seq_len} not divisible by 2*cp")
+        _validate_parallel_modules(cfg, dims)
+    except UserError as e:
+        return str(e).splitlines()[0]
+    return ""
+
+
+def estimated_step_time(cfg: DictConfig, dims, p) -> float:
+    """Seconds per step: compute at 40% MFU (``plan``) + what the layout adds."""
+    from titan_hydra.estimate import model_args, stage_params
+
+    args = model_args(cfg)
+    t = cfg.training
+    compute = p.flops_per_step / dims.world_size / (0.4 * NOMINAL_PEAK_TFLOPS * 1e12)
+    if p.step_time_s_at_mfu40 is not None:
+        compute = p.step_time_s_at_mfu40
+    intra, inter = LINK_BYTES_PER_S.get(str(cfg.cluster.device), LINK_BYTES_PER_S["cpu"])
+    nodes, per_node = topology(cfg)
+    if dims.pp > 1:  # slowest stage sets the pace; 1F1B-style bubble (pp-1)/(m+pp-1)
+        m = dims.pp_microbatches or dims.pp
+        imbalance = math.ceil(args.n_layers / dims.pp) / (args.n_layers / dims.pp)
+        compute *= imbalance * (m + dims.pp - 1) / m
+    layers = math.ceil(args.n_layers / dims.pp)
+    tokens = t.local_batch_size * t.seq_len / dims.cp * p.grad_accum_steps  # per rank per step
+    exposed = 0.0
+    if dims.tp > 1:  # SP: all-gather + reduce-scatter around attention and FFN, fwd and bwd
+        act = tokens * args.dim * 2
+        exposed += 8 * layers * act * (dims.tp - 1) / dims.tp / intra
+    if dims.cp > 1:  # all-gather K/V forward, reduce-scatter their grads backward
+        kv = tokens * args.kv_heads * args.head_dim * 2 * 2 / dims.tp
+        exposed += 2 * layers * kv * (dims.cp - 1) / intra
+    overlapped = 0.0
+    weights = stage_params(args, dims.pp) / dims.tp
+    shard = dims.dp_shard * dims.cp
+    if dims.fsdp_enabled:  # all-gather bf16 params fwd + bwd, reduce-scatter fp32 grads
+        link = intra if dims.tp * dims.cp * dims.dp_shard <= per_node else inter
+        overlapped += weights * (2 + 2 + 4) * (shard - 1) / shard / link
+    if dims.dp_replicate > 1:  # all-reduce of the (sharded) fp32 grads across nodes
+        r = dims.dp_replicate
+        overlapped += 2 * weights / (shard if dims.fsdp_enabled else 1) * 4 * (r - 1) / r / inter
+    return max(compute, overlapped) + exposed
+
+
+def evaluate(cfg: DictConfig, c: Candidate) -> Candidate:
+    """Fill memory, fit and estimated tokens/s of one candidate (or why it is invalid)."""
+    from titan_hydra.estimate import plan
+    from titan_hydra.validate import build_dims
+
+    ccfg = candidate_cfg(cfg, c)
+    try:
+        dims = build_dims(ccfg)
+    except UserError as e:
+        c.invalid = str(e).splitlines()[0]
+        return c
+    c.invalid = check_rules(ccfg, dims)
+    p = plan(ccfg, dims)
+    c.mem_gib = p.mem_total_gib
+    c.fits = p.device_memory_gib is None or p.mem_total_gib <= p.device_memory_gib
+    c.tokens_per_s = p.tokens_per_step / estimated_step_time(ccfg, dims, p)
+    return c
+
+
+def choose(cands: list[Candidate]) -> Candidate | None:
+    """Highest estimated tokens/s among valid fitting candidates; near-ties go to simpler layouts."""
+    ok = [c for c in cands if c.fits and not c.invalid]
+    if not ok:
+        return None
+    best = max(c.tokens_per_s for c in ok)
+    near = [c for c in ok if c.tokens_per_s >= (1 - TIE_TOLERANCE) * best]
+    return min(near, key=lambda c: (c.model_parallel_dims, c.tp * c.pp * c.cp, c.dp_replicate, c.pp, -c.tokens_per_s))
+
+
+def table(cands: list[Candidate], device_gib: float | None) -> str:
+    cap = f"{device_gib:.0f} GiB" if device_gib else "no limit"
+    rows = [f"{'layout':<40} {'mem/rank GiB':>12} {'fits ' + cap:>14} {'est. tokens/s':>14}"]
+    for c in cands:
+        status = ("yes" if c.fits else "no") if not c.invalid else "invalid"
+        note = f"  ({c.invalid[:70]})" if c.invalid else ""
+        rows.append(f"{c.describe():<40} {c.mem_gib:>12.3g} {status:>14} {c.tokens_per_s:>14.4g}{note}")
+    return "\n".join(rows)
+
+
+def reason(chosen: Candidate, cands: list[Candidate], peak_known: bool) -> str:
+    ok = [c for c in cands if c.fits and not c.invalid]
+    fastest = max(ok, key=lambda c: c.tokens_per_s)
+    unit = "tokens/s" if peak_known else "tokens/s at a nominal 1 TFLOP/s peak"
+    why = f"fits ({chosen.mem_gib:.3g} GiB/rank), est. {chosen.tokens_per_s:.4g} {unit}"
+    if fastest is chosen:
+        why += f", the highest of {len(ok)} fitting layouts"
+    else:
+        why += (f", within {TIE_TOLERANCE:.0%} of the fastest fitting ({fastest.describe()}) with fewer "
+                "model-parallel dims")
+    too_big = [c for c in cands if not c.invalid and not c.fits and c.tokens_per_s > chosen.tokens_per_s]
+    if too_big:
+        b = min(too_big, key=lambda c: c.mem_gib)  # the closest miss
+        why += f"; faster {b.describe()} needs {b.mem_gib:.1f} GiB/rank"
+    return why
+
+
+def is_launcher_rank() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def resolve_auto(cfg: DictConfig) -> DictConfig:
+    """Replace ``parallelism=auto`` by concrete degrees (in place); other layouts pass through."""
+    if OmegaConf.select(cfg, "parallelism.name") != "auto":
+        return cfg
+    from titan_hydra.estimate import device_memory_of
+
+    cands = [evaluate(cfg, c) for c in enumerate_candidates(cfg)]
+    device_gib = device_memory_of(cfg)
+    chosen = choose(cands)
+    if chosen is None:
+        raise ConfigError(no_fit_message(cfg, cands, device_gib))
+    if is_launcher_rank():
+        print(f"parallelism=auto candidates ({len(cands)}):\n{table(cands, device_gib)}", flush=True)
+        peak = OmegaConf.select(cfg, "cluster.peak_tflops") is not None
+        print(f"parallelism=auto chose {chosen.describe()}: {reason(chosen, cands, peak)}", flush=True)
+    set_degrees(cfg, chosen)
+    return cfg
+
+
+def no_fit_message(cfg: DictConfig, cands: list[Candidate], device_gib: float | None) -> str:
+    valid = [c for c in cands if not c.invalid] or cands
+    if not valid:
+        return f"parallelism=auto found no layout for model={cfg.model.flavor} on this cluster"
+    best = min(valid, key=lambda c: c.mem_gib)
+    nodes, per_node = topology(cfg)
+    return (
+        f"parallelism=auto: model={cfg.model.flavor} does not fit on {nodes}x{per_node} devices: the "
+        f"smallest layout ({best.describe()}) needs {best.mem_gib:.1f} GiB/rank, the device has "
+        f"{device_gib:.0f} GiB; add nodes (cluster.nnodes), set activation_checkpoint=full, or lower "
+        "training.local_batch_size"
+    )
