@@ -13,7 +13,7 @@ from titan_hydra.errors import TrainingDiverged
 from titan_hydra.train.lr_schedule import lr_multiplier
 from titan_hydra.train.pretrain import run
 
-FAST = TINY + ["logger=minimal", "training.val_freq=0", "cluster.threads_per_proc=2"]
+FAST = TINY + ["logger=minimal", "training.val_freq=0", "cluster.threads_per_proc=1"]
 
 
 def train(tmp_path, overrides, name="run"):
@@ -23,7 +23,7 @@ def train(tmp_path, overrides, name="run"):
 
 def test_thirty_steps_lower_the_loss(tmp_path):
     # The llama3_debug shape itself (dim 256, 6 layers), shorter sequences to stay fast.
-    cfg = compose_cfg(["logger=minimal", "training.val_freq=0", "cluster.threads_per_proc=2",
+    cfg = compose_cfg(["logger=minimal", "training.val_freq=0", "cluster.threads_per_proc=1",
                        "training.steps=30", "training.seq_len=128", "data.max_documents=200"])
     losses = run(cfg, str(tmp_path / "run"))["losses"]
     assert len(losses) == 30
