@@ -85,6 +85,8 @@ def run_variant(name: str, overrides: list[str], nproc: int, args, workdir: Path
         tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
         return {"variant": name, "nproc": nproc, "status": f"failed: {tail}", "wall_s": wall}
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first = next((r for r in rows if "memory_params_gib" in r), {})
+    state_gib = first.get("memory_params_gib", 0.0) + first.get("memory_optimizer_gib", 0.0)
     rows = [r for r in rows if "tps" in r and r["step"] > args.warmup]
     tps = statistics.median(r["tps"] for r in rows)
     tflops = statistics.median(r["tflops"] for r in rows)
@@ -97,6 +99,7 @@ def run_variant(name: str, overrides: list[str], nproc: int, args, workdir: Path
         "tps_total": tps * nproc,
         "tflops_per_rank": tflops,
         "peak_memory_gib": max(r.get("memory", 0.0) for r in rows),
+        "params_optimizer_gib": state_gib,
         "final_loss": rows[-1]["loss"],
         "wall_s": wall,
         "overrides": overrides,
@@ -134,17 +137,18 @@ def main() -> None:
         f"{args.threads} thread(s)/process, torch {torch.__version__}, bf16 matmul peak "
         f"{peak_bf16:.2f} TFLOP/s/process, {args.steps} steps (median after {args.warmup})",
         "",
-        "| variant | ranks | tok/s/rank | tok/s total | TFLOP/s/rank | MFU (bf16 peak) | peak mem/rank GiB | vs first |",
-        "|---|---|---|---|---|---|---|---|",
+        "| variant | ranks | tok/s/rank | tok/s total | TFLOP/s/rank | MFU (bf16 peak) | peak RSS/rank GiB | params+optim/rank GiB | vs first |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r["status"] != "ok":
-            lines.append(f"| {r['variant']} | {r['nproc']} | {r['status']} | | | | | |")
+            lines.append(f"| {r['variant']} | {r['nproc']} | {r['status']} | | | | | | |")
             continue
         ratio = r["tps_total"] / base["tps_total"]
         lines.append(
             f"| {r['variant']} | {r['nproc']} | {r['tps_per_rank']:,.0f} | {r['tps_total']:,.0f} | "
-            f"{r['tflops_per_rank']:.3f} | {r['mfu_vs_bf16_peak_pct']:.1f}% | {r['peak_memory_gib']:.2f} | {ratio:.2f}x |"
+            f"{r['tflops_per_rank']:.3f} | {r['mfu_vs_bf16_peak_pct']:.1f}% | {r['peak_memory_gib']:.2f} | "
+            f"{r['params_optimizer_gib']:.4f} | {ratio:.2f}x |"
         )
     table = "\n".join(lines)
     print(table)

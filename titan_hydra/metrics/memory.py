@@ -81,3 +81,23 @@ class MemoryMonitor:
             "memory_peak_pct": 100.0 * peak / self.total if self.total else 0.0,
             "memory_current_gib": current / GIB,
         }
+
+
+def state_memory_gib(model_parts, optimizer) -> dict[str, float]:
+    """This rank's bytes of parameters and optimizer state (local shards of DTensors).
+
+    The process-level peak includes the interpreter and activations; this isolates what
+    FSDP shards, so a benchmark can show fsdp(2) holding half of a single process's state.
+    """
+    from torch.distributed.tensor import DTensor
+
+    def local_bytes(t) -> int:
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+    params = sum(local_bytes(p) for m in model_parts for p in m.parameters())
+    optim = sum(local_bytes(v) for st in optimizer.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0)
+    gib = float(1024**3)
+    return {"memory_params_gib": params / gib, "memory_optimizer_gib": optim / gib}

@@ -200,6 +200,10 @@ class Trainer:
                 mem = self.memory.report()
                 metrics["memory"] = mem.get("memory_peak_gib", 0.0)
                 metrics.update(mem)
+                if step == 1:  # optimizer state exists from the first step on
+                    from titan_hydra.metrics.memory import state_memory_gib
+
+                    metrics.update(state_memory_gib(self.model_parts, self.optimizer))
                 self.metric_logger.log(metrics, step)
                 self.memory.reset_peak()
             if self.val_freq > 0 and (step % self.val_freq == 0 or step == self.steps):
