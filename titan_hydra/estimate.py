@@ -164,7 +164,8 @@ def plan(cfg: DictConfig, dims) -> Plan:
     it: FSDP shards params/grads/state over dp_shard*cp, TP splits weights and heads, PP keeps
     one stage (with the pipeline's in-flight microbatches), CP splits the sequence. FSDP adds the
     unsharded parameters/gradients of the groups being computed (the output group and last block
-    at the start of backward).
+    at the start of backward), and a third candidate peak at the end of backward (sharded grads
+    + one unsharded group being reduce-scattered).
     """
     args = model_args(cfg)
     t = cfg.training
@@ -192,17 +193,21 @@ def plan(cfg: DictConfig, dims) -> Plan:
     act += head_activation_bytes(args, local_tokens, dims.tp)
     if kind == "bf16":  # autocast's bf16 copies of the weights live until backward ends
         act += params_local * 2
-    transient = 0.0
+    transient = end_of_backward = 0.0
     if dims.fsdp_enabled:
         block = (num_params(args) - 2 * n_emb - args.dim) / args.n_layers / dims.tp
         head = n_emb / dims.tp
         pbytes = 2 if kind == "bf16_params" else 4
         transient = (head + block) * (pbytes + 4)  # unsharded params + their unsharded grads
+        # Last groups of backward: (almost) every sharded gradient already exists while a group
+        # is still unsharded: its params, its unsharded grads and reduce-scatter's fp32 copy-in.
+        # This is the peak when parameters outweigh activations (the ~100M model at 128 tokens).
+        end_of_backward = mem_grads + max(head, block) * (2 * pbytes + 4)
     # AdamW on CUDA is foreach (a temporary as large as all local params); on CPU it loops
     # per tensor (a temporary as large as the largest one: embedding/output or an FFN weight).
     largest = max(n_emb, args.dim * args.ffn_hidden_dim) / dims.tp / fsdp_shard
     optimizer_step = mem_grads + 4 * (params_local if cfg.cluster.device == "cuda" else largest)
-    peak = mem_params + mem_optim + max(act + transient, optimizer_step)
+    peak = mem_params + mem_optim + max(act + transient, optimizer_step, end_of_backward)
     layout = f"dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp} pp={dims.pp} cp={dims.cp}"
     peak_tflops = OmegaConf.select(cfg, "cluster.peak_tflops")
     flops_rank = fpt * tokens / dims.world_size

@@ -34,7 +34,25 @@ def apply_compile(model_part: torch.nn.Module, compile_cfg: DictConfig) -> int:
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     for block in layers.values():
         block.compile(backend=compile_cfg.backend, fullgraph=True)
+    if getattr(model_part, "tok_embeddings", None) is not None:
+        model_part.tok_embeddings.register_forward_hook(_resolve_async_output)
     return len(layers)
+
+
+def _resolve_async_output(_module: torch.nn.Module, _inputs, output):
+    """Hand the first compiled block a plain tensor, not an ``AsyncCollectiveTensor``.
+
+    Under TP the embedding's output is redistributed with ``async_op=True`` and ``to_local()``
+    returns an AsyncCollectiveTensor (ACT). torch 2.13's AOTAutograd resolves ACT graph inputs
+    with ``trigger_wait()`` outside autograd, and the gradient it then returns for that input
+    reaches the embedding's ``Redistribute.backward`` as a plain tensor instead of a DTensor:
+    "'Tensor' object has no attribute '_local_tensor'" (any backend that runs AOTAutograd;
+    dynamo's ``eager`` backend is fine). ``clone()`` is a non-view op, so the ACT waits for its
+    collective and returns an ordinary autograd-tracked tensor: one [B, S/tp, dim] copy per step.
+    """
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
 
 
 def build_loss_fn(compile_cfg: DictConfig, base: Callable = cross_entropy_loss) -> Callable:
@@ -48,3 +66,12 @@ def check_config(cfg: DictConfig, dims) -> None:
     c = cfg.compile
     if c.mode != "none" and c.backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise ConfigError(f"compile.backend={c.backend!r} is not a torch.compile backend; use inductor")
+    ac_mode = cfg.activation_checkpoint.mode
+    if c.mode != "none" and c.backend != "eager" and dims.tp > 1 and ac_mode in ("full", "selective_layer"):
+        # torch 2.13: AOTAutograd's compiled forward of a fully checkpointed TP block saves the
+        # DeviceMesh among its tensors and asserts ("expected all tensors_saved_with_vc_check to
+        # be Tensors"); selective_op (a selective-checkpoint policy) compiles and matches eager.
+        raise ConfigError(
+            f"activation_checkpoint={ac_mode} with compile={c.mode} under tp fails in torch 2.13; "
+            "use activation_checkpoint=selective_op (or compile=none)"
+        )

@@ -291,7 +291,9 @@ def build_pipeline(model, dims, cfg: DictConfig, device: torch.device, paralleli
         stages.append(PipelineStage(part, sid, n_stages, device, group=group))
 
     n_mb = num_microbatches(dims, n_stages)
-    runner = PipelineRunner(None, stages, n_mb, grad_accum_steps(cfg, dims))
+    from titan_hydra.parallel.compile import build_loss_fn  # compile=model_loss compiles it
+
+    runner = PipelineRunner(None, stages, n_mb, grad_accum_steps(cfg, dims), loss_fn=build_loss_fn(cfg.compile))
     cls = get_schedule_class(dims.pp_schedule)
     if issubclass(cls, PipelineScheduleSingle):
         schedule = cls(stages[0], n_microbatches=n_mb, loss_fn=runner.loss_fn, scale_grads=False)
