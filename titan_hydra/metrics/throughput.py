@@ -58,7 +58,7 @@ def _lookup(table: dict[str, float], name: str) -> float | None:
 
 
 def device_peak_tflops(device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
-                       override: float | None = None) -> float:
+                       override: float | None = None, fresh: bool = False) -> float:
     """Dense peak TFLOP/s of one device for `dtype`; `override` (e.g. from config) wins."""
     if override is not None:
         return float(override)
@@ -77,7 +77,7 @@ def device_peak_tflops(device: torch.device | str, dtype: torch.dtype = torch.bf
         log.warning("unknown GPU %r for MFU: measuring a matmul peak instead "
                     "(set an explicit peak to silence this)", name)
         return _time_matmul(device, dtype, 4096, 10)
-    return measure_cpu_peak_tflops(dtype)
+    return measure_cpu_peak_tflops(dtype, fresh=fresh)
 
 
 def _time_matmul(device: torch.device, dtype: torch.dtype, size: int, reps: int,

@@ -196,6 +196,9 @@ def _run(
         device,
         torch.bfloat16 if mixed_precision_of(cfg) == "bf16" else torch.float32,
         override=cfg.cluster.peak_tflops,
+        # Re-measure each run (~1 s on CPU): the cache keeps the best value, so one measurement
+        # taken under load cannot leave MFU inflated for every later run.
+        fresh=True,
     )
     profiler = build_profiler(cfg, run_dir, rank, pm.model_parts, optimizer, device)
     trainer = Trainer(
