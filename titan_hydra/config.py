@@ -341,6 +341,12 @@ def register_configs() -> None:
 register_configs()
 
 
+def mixed_precision_of(cfg: Any) -> str:
+    """``training.mixed_precision`` as "bf16" / "fp32" (an Enum once composed, a str after pickling)."""
+    mp = cfg.training.mixed_precision
+    return str(getattr(mp, "value", mp))
+
+
 def to_container(cfg: Any) -> dict:
     """Resolved plain-dict view of a config (for loggers and W&B)."""
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]

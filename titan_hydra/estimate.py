@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
+from titan_hydra.config import mixed_precision_of
+
 from titan_hydra.models.llama3 import LlamaArgs, flops_per_token, num_params
 
 GIB = 1024**3
@@ -169,7 +171,7 @@ def plan(cfg: DictConfig, dims) -> Plan:
     """
     args = model_args(cfg)
     t = cfg.training
-    mp = str(getattr(t.mixed_precision, "value", t.mixed_precision))
+    mp = mixed_precision_of(cfg)
     ac = cfg.activation_checkpoint
     n = num_params(args)
     n_emb = args.vocab_size * args.dim

@@ -16,6 +16,8 @@ from typing import Any, Callable, ContextManager
 import torch
 from omegaconf import DictConfig
 
+from titan_hydra.config import mixed_precision_of
+
 from titan_hydra.parallel.dims import ParallelDims
 
 
@@ -31,9 +33,6 @@ class ParallelModel:
     notes: list[str] = field(default_factory=list)
 
 
-def mixed_precision_of(cfg: DictConfig) -> str:
-    mp = cfg.training.mixed_precision
-    return str(getattr(mp, "value", mp))
 
 
 def parallelize_part(part: torch.nn.Module, dims: ParallelDims, cfg: DictConfig, device: torch.device) -> torch.nn.Module:

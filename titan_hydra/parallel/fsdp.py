@@ -24,20 +24,19 @@ import warnings
 import torch
 from omegaconf import DictConfig
 
+from titan_hydra.config import mixed_precision_of
+
 from titan_hydra.errors import ConfigError
 from titan_hydra.parallel.dims import ParallelDims
 
 
-def _mixed_precision_of(cfg: DictConfig) -> str:
-    mp = cfg.training.mixed_precision
-    return str(getattr(mp, "value", mp))
 
 
 def mp_policy_of(cfg: DictConfig, dims: ParallelDims):
     """bf16: bf16 compute params, fp32 gradient reduction. DDP keeps fp32 params (apply.py autocasts)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if _mixed_precision_of(cfg) == "bf16" and dims.fsdp_enabled:
+    if mixed_precision_of(cfg) == "bf16" and dims.fsdp_enabled:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
 

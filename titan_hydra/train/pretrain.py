@@ -17,7 +17,8 @@ import torch.distributed as dist
 from titan_hydra.errors import instantiate_checked as instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from titan_hydra.config import to_container
+
+from titan_hydra.config import mixed_precision_of, to_container
 from titan_hydra.errors import UserError
 from titan_hydra.metrics.logger import MetricLogger
 from titan_hydra.metrics.memory import MemoryMonitor
@@ -64,9 +65,6 @@ def init_distributed(cluster: DictConfig, world_size: int) -> None:
         dist.init_process_group(backend=backend)
 
 
-def mixed_precision_of(cfg: DictConfig) -> str:
-    mp = cfg.training.mixed_precision
-    return str(getattr(mp, "value", mp))
 
 
 FULL_INIT_MAX_PARAMS = 1.5e9
