@@ -83,7 +83,7 @@ def test_cpu_peak_measured_then_cached(cache_dir, monkeypatch):
     calls = []
     real = tp._time_matmul
     monkeypatch.setattr(tp, "_time_matmul", lambda *a, **k: calls.append(a) or real(*a, **k))
-    peak = tp.device_peak_tflops(torch.device("cpu"), torch.bfloat16)
+    peak = tp.measure_cpu_peak_tflops(torch.bfloat16)
     assert peak > 0 and len(calls) == 1
     assert (cache_dir / "cpu_peak.json").exists()
     assert tp.measure_cpu_peak_tflops(torch.bfloat16) == peak  # in-process cache
@@ -93,6 +93,17 @@ def test_cpu_peak_measured_then_cached(cache_dir, monkeypatch):
     stored = json.loads((cache_dir / "cpu_peak.json").read_text())
     (key,) = stored
     assert f"threads={torch.get_num_threads()}" in key and "bfloat16" in key
+
+
+def test_cpu_bf16_peak_never_below_fp32(cache_dir, monkeypatch):
+    """A CPU without bf16 instructions: the MFU denominator is its (faster) fp32 peak."""
+    fake = {torch.bfloat16: 0.001, torch.float32: 0.15}
+    monkeypatch.setattr(tp, "_time_matmul", lambda device, dtype, *a, **k: fake[dtype])
+    assert tp.device_peak_tflops(torch.device("cpu"), torch.bfloat16) == 0.15
+    assert tp.device_peak_tflops(torch.device("cpu"), torch.float32) == 0.15
+    tp._PEAK_CACHE.clear()
+    fake[torch.bfloat16] = 0.9  # AMX / AVX512-BF16: bf16 is the peak
+    assert tp.device_peak_tflops(torch.device("cpu"), torch.bfloat16, fresh=True) == 0.9
 
 
 def test_memory_monitor_cpu():

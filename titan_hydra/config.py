@@ -258,6 +258,10 @@ class TrainingConfig:
     max_norm: float = 1.0
     seed: int = 42
     mixed_precision: Precision = Precision.bf16
+    # dtype of scaled-dot-product attention under bf16: compute (bf16), fp32 (q/k/v upcast), or
+    # auto = fp32 on CPU for head_dim < 32, where torch's CPU flash kernel runs fp32 faster than
+    # bf16 (titan_hydra.train.precision), compute everywhere else.
+    attention_precision: str = "auto"
     deterministic: bool = False
     log_freq: int = 1
     val_freq: int = 25  # 0 disables validation

@@ -26,6 +26,7 @@ CHOICES = {
     "checkpoint.async_mode": ("disabled", "async"),
     "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
     "training.init_mode": ("auto", "full", "sharded"),
+    "training.attention_precision": ("auto", "compute", "fp32"),
 }
 
 

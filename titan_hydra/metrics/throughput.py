@@ -77,7 +77,13 @@ def device_peak_tflops(device: torch.device | str, dtype: torch.dtype = torch.bf
         log.warning("unknown GPU %r for MFU: measuring a matmul peak instead "
                     "(set an explicit peak to silence this)", name)
         return _time_matmul(device, dtype, 4096, 10)
-    return measure_cpu_peak_tflops(dtype, fresh=fresh)
+    peak = measure_cpu_peak_tflops(dtype, fresh=fresh)
+    if dtype in (torch.bfloat16, torch.float16):
+        # A CPU without bf16 instructions (no AVX512-BF16/AMX) emulates bf16 matmuls ~100x
+        # slower than fp32; its "bf16 peak" would make every run look >100% utilized. The
+        # fastest dense matmul the machine offers is the honest denominator.
+        peak = max(peak, measure_cpu_peak_tflops(torch.float32, fresh=fresh))
+    return peak
 
 
 def _time_matmul(device: torch.device, dtype: torch.dtype, size: int, reps: int,

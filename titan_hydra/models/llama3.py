@@ -151,6 +151,9 @@ class Attention(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.head_dim = args.head_dim
+        # dtype SDPA runs in; None = whatever q/k/v arrive in (the compute dtype). A training
+        # precision policy may set float32 (titan_hydra.train.precision).
+        self.sdpa_dtype: torch.dtype | None = None
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
@@ -169,10 +172,16 @@ class Attention(nn.Module):
         if n_rep > 1:  # kv head j serves query heads j*n_rep .. (j+1)*n_rep-1, as in Meta's repeat_kv
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        out = self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dtype = self.sdpa_dtype
+        if dtype is None or q.dtype == dtype:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with torch.autocast(q.device.type, enabled=False):  # keep autocast from casting back
+            out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True)
+        return out.to(q.dtype)
 
     def init_weights(self, out_std: float) -> None:
         for w in (self.wq, self.wk, self.wv):

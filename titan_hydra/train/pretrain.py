@@ -22,6 +22,7 @@ from titan_hydra.config import mixed_precision_of, to_container
 from titan_hydra.errors import UserError
 from titan_hydra.metrics.logger import MetricLogger
 from titan_hydra.metrics.memory import MemoryMonitor
+from titan_hydra.train.precision import apply_attention_precision
 from titan_hydra.metrics.throughput import ThroughputMeter, device_peak_tflops
 from titan_hydra.models.llama3 import flops_per_token, num_params
 from titan_hydra.parallel.apply import parallelize
@@ -178,6 +179,7 @@ def _run(
     with torch.device("meta"):
         model = instantiate(cfg.model, _convert_="all")
     fpt = flops_per_token(model.args, training.seq_len)
+    apply_attention_precision(model, cfg, device)
     float8 = instantiate(cfg.float8, _convert_="all")
     model = float8.convert(model)
     pm = parallelize(model, dims, cfg, device)

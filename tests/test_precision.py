@@ -1,0 +1,79 @@
+"""Attention precision policy: which dtype SDPA runs in, and that the model honours it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import titan_hydra.models.llama3 as llama3
+from titan_hydra.models.llama3 import Attention, Llama3
+from titan_hydra.train.precision import apply_attention_precision, attention_dtype
+from tests.conftest import compose_cfg
+
+
+@pytest.mark.parametrize("mode,mp,device,head_dim,expected", [
+    ("auto", "bf16", "cpu", 16, torch.float32),   # CPU flash kernel: fp32 faster at small heads
+    ("auto", "bf16", "cpu", 64, None),            # bf16 as fast or faster: leave it
+    ("auto", "bf16", "cuda", 16, None),           # GPUs: attention in the compute dtype
+    ("auto", "fp32", "cpu", 16, None),            # already fp32
+    ("compute", "bf16", "cpu", 16, None),
+    ("fp32", "bf16", "cuda", 128, torch.float32),
+])
+def test_attention_dtype_rules(mode, mp, device, head_dim, expected):
+    assert attention_dtype(mode, mp, device, head_dim) == expected
+
+
+def _record_sdpa(monkeypatch) -> list[torch.dtype]:
+    seen: list[torch.dtype] = []
+    real = F.scaled_dot_product_attention
+
+    def recording(q, k, v, **kw):
+        seen.append(q.dtype)
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(llama3.F, "scaled_dot_product_attention", recording)
+    return seen
+
+
+@pytest.mark.parametrize("mode,expected", [("auto", torch.float32), ("compute", torch.bfloat16)])
+def test_model_runs_sdpa_in_chosen_dtype_under_autocast(monkeypatch, mode, expected):
+    cfg = compose_cfg(["model.dim=64", "model.n_layers=2", "model.n_heads=4",
+                       "training.mixed_precision=bf16", f"training.attention_precision={mode}"])
+    torch.manual_seed(0)
+    model = Llama3(dim=64, n_layers=2, n_heads=4, vocab_size=128, max_seq_len=32)
+    model.init_weights()
+    apply_attention_precision(model, cfg, torch.device("cpu"))
+    seen = _record_sdpa(monkeypatch)
+    tokens = torch.randint(0, 128, (2, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(tokens)
+    assert seen == [expected, expected]  # one call per block, in the chosen dtype
+    assert logits.dtype == torch.bfloat16  # the rest of the block stays in the compute dtype
+    F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+    wq = model.layers["0"].attention.wq.weight.grad
+    assert wq is not None and wq.dtype == torch.float32 and wq.abs().sum() > 0
+
+
+def test_fp32_attention_is_fp32_sdpa_of_the_bf16_inputs():
+    """Upcast attention equals fp32 SDPA of the same bf16 q/k/v, cast back to bf16 (bit-exact)."""
+    torch.manual_seed(0)
+    attn = Attention(llama3.LlamaArgs(dim=64, n_heads=4, vocab_size=128, max_seq_len=16))
+    q, k, v = (torch.randn(2, 4, 16, 16).to(torch.bfloat16) for _ in range(3))
+    attn.sdpa_dtype = torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = attn._sdpa(q, k, v)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True).bfloat16()
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    attn.sdpa_dtype = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = attn._sdpa(q, k, v)
+    assert not torch.equal(plain, want)  # bf16 attention rounds differently: the knob matters
+
+
+def test_bad_attention_precision_rejected():
+    from titan_hydra.errors import ConfigError
+    from titan_hydra.validate import validate
+
+    with pytest.raises(ConfigError, match="attention_precision"):
+        validate(compose_cfg(["training.attention_precision=fp16"]))
