@@ -1,14 +1,18 @@
 """Throughput benchmark: runs variants of a training config side by side, prints a markdown
 table and writes JSON.
 
-Every variant is a real `launch.py` run in its own process (same data, same steps), measured
-from its metrics.jsonl after warm-up steps: tokens/s per rank and in total, achieved TFLOP/s,
+Every variant is a real `launch.py` run in its own process (same data, same steps), or, as the
+yardstick, `recipes/plain_loop.py` (a plain fp32 eager loop of the same model), measured from
+its metrics.jsonl after warm-up steps: tokens/s per rank and in total, achieved TFLOP/s,
 MFU against this machine's measured bf16 matmul peak (one yardstick for every variant), and
 peak memory per rank. Variants run one after another in the same invocation so their ratios
 are comparable; absolute numbers on shared 2-core machines are noisy.
 
     python recipes/benchmark.py                         # default suite: fp32 vs bf16, debug model
     python recipes/benchmark.py --suite layouts         # 2-rank layouts
+    python recipes/benchmark.py --suite targets --threads 2 --steps 10 --warmup 3
+                                                        # debug and ~100M models vs a plain fp32 loop
+    python recipes/benchmark.py --suite perf --threads 2  # compile, float8, AC modes
     python recipes/benchmark.py --steps 30 --threads 2 --out bench_out/foundation.json
 """
 
@@ -23,38 +27,61 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-# name -> (overrides, nproc)
-SUITES: dict[str, dict[str, tuple[list[str], int]]] = {
+@dataclass(frozen=True)
+class Variant:
+    overrides: tuple[str, ...] = ()
+    nproc: int = 1
+    plain: bool = False  # the plain fp32 eager loop (recipes/plain_loop.py), not launch.py
+    group: str = ""  # "vs baseline" compares with the first variant of the same group
+
+
+DEBUG_FP32 = ("training.mixed_precision=fp32",)
+M100 = ("experiment=llama_100m",)
+
+SUITES: dict[str, dict[str, Variant]] = {
     "precision": {
-        "fp32 eager": (["training.mixed_precision=fp32"], 1),
-        "bf16 autocast": (["training.mixed_precision=bf16"], 1),
+        "fp32 eager": Variant(("training.mixed_precision=fp32",)),
+        "bf16 autocast": Variant(("training.mixed_precision=bf16",)),
     },
     "layouts": {
-        "single (1 rank)": (["parallelism=single"], 1),
-        "fsdp (2 ranks)": (["parallelism=fsdp"], 2),
-        "ddp (2 ranks)": (["parallelism=ddp"], 2),
-        "hsdp (2x1 ranks)": (["parallelism=hsdp", "parallelism.dp_replicate=2"], 2),
-        "tp (2 ranks)": (["parallelism=tp"], 2),
-        "pp 1F1B (2 ranks)": (["parallelism=pp", "parallelism.pp_schedule=1F1B"], 2),
-        "cp (2 ranks)": (["parallelism=cp"], 2),
+        "single (1 rank)": Variant(("parallelism=single",)),
+        "fsdp (2 ranks)": Variant(("parallelism=fsdp",), 2),
+        "ddp (2 ranks)": Variant(("parallelism=ddp",), 2),
+        "hsdp (2x1 ranks)": Variant(("parallelism=hsdp", "parallelism.dp_replicate=2"), 2),
+        "tp (2 ranks)": Variant(("parallelism=tp",), 2),
+        "pp 1F1B (2 ranks)": Variant(("parallelism=pp", "parallelism.pp_schedule=1F1B"), 2),
+        "cp (2 ranks)": Variant(("parallelism=cp",), 2),
+    },
+    # The issue-5 targets: each model against a plain fp32 eager loop of itself, same run.
+    "targets": {
+        "debug: plain fp32 eager loop": Variant(DEBUG_FP32, plain=True, group="debug"),
+        "debug: fp32 eager": Variant(DEBUG_FP32, group="debug"),
+        "debug: bf16": Variant(("training.mixed_precision=bf16",), group="debug"),
+        "debug: compile + bf16": Variant(("training.mixed_precision=bf16", "compile=model_loss"), group="debug"),
+        "100M: plain fp32 eager loop": Variant(M100 + ("training.mixed_precision=fp32",), plain=True, group="100M"),
+        "100M: bf16": Variant(M100, group="100M"),
+        "100M: compile + bf16": Variant(M100 + ("compile=model_loss",), group="100M"),
     },
     # Performance features on the debug model, one process. float8 turns off torchao's H100 size
-    # filter (it would skip every layer this small) so the float8 path really runs (emulated cost on CPU).
+    # filter (it would skip every layer this small) and emulates the float8 matmul (real
+    # _scaled_mm is a slow reference kernel on CPU), so the float8 path runs at a measurable speed.
     "perf": {
-        "fp32 eager": (["training.mixed_precision=fp32"], 1),
-        "bf16": (["training.mixed_precision=bf16"], 1),
-        "compile": (["training.mixed_precision=fp32", "compile=model_loss"], 1),
-        "compile + bf16": (["training.mixed_precision=bf16", "compile=model_loss"], 1),
-        "float8 tensorwise": (["float8=tensorwise", "float8.auto_filter_small_kn=false"], 1),
-        "float8 rowwise": (["float8=rowwise", "float8.auto_filter_small_kn=false"], 1),
-        "ac full": (["training.mixed_precision=bf16", "activation_checkpoint=full"], 1),
-        "ac selective_op": (["training.mixed_precision=bf16", "activation_checkpoint=selective_op"], 1),
-        "ac selective_layer": (["training.mixed_precision=bf16", "activation_checkpoint=selective_layer"], 1),
+        "fp32 eager": Variant(DEBUG_FP32),
+        "bf16": Variant(("training.mixed_precision=bf16",)),
+        "bf16, bf16 attention": Variant(("training.mixed_precision=bf16", "training.attention_precision=compute")),
+        "compile": Variant(DEBUG_FP32 + ("compile=model_loss",)),
+        "compile + bf16": Variant(("training.mixed_precision=bf16", "compile=model_loss")),
+        "float8 tensorwise": Variant(("float8=tensorwise", "float8.auto_filter_small_kn=false", "float8.emulate=true")),
+        "float8 rowwise": Variant(("float8=rowwise", "float8.auto_filter_small_kn=false", "float8.emulate=true")),
+        "ac full": Variant(("training.mixed_precision=bf16", "activation_checkpoint=full")),
+        "ac selective_op": Variant(("training.mixed_precision=bf16", "activation_checkpoint=selective_op")),
+        "ac selective_layer": Variant(("training.mixed_precision=bf16", "activation_checkpoint=selective_layer")),
     },
 }
 
@@ -69,21 +96,26 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def run_variant(name: str, overrides: list[str], nproc: int, args, workdir: Path) -> dict:
-    run_dir = workdir / name.replace(" ", "_").replace("(", "").replace(")", "")
-    cmd = [
-        sys.executable, str(REPO / "launch.py"),
-        f"training.steps={args.steps}", "training.val_freq=0", "logger=minimal",
-        f"cluster.nproc_per_node={nproc}", f"cluster.threads_per_proc={args.threads}",
-        f"hydra.run.dir={run_dir}", *args.extra, *overrides,
-    ]
+def run_variant(name: str, v: Variant, args, workdir: Path) -> dict:
+    run_dir = workdir / "".join(c if c.isalnum() else "_" for c in name)
+    overrides = [*args.extra, *v.overrides]
+    if v.plain:
+        cmd = [sys.executable, str(REPO / "recipes" / "plain_loop.py"), f"--steps={args.steps}",
+               f"--threads={args.threads}", f"--run-dir={run_dir}", *overrides]
+    else:
+        cmd = [
+            sys.executable, str(REPO / "launch.py"),
+            f"training.steps={args.steps}", "training.val_freq=0", "logger=minimal",
+            f"cluster.nproc_per_node={v.nproc}", f"cluster.threads_per_proc={args.threads}",
+            f"hydra.run.dir={run_dir}", *overrides,
+        ]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=workdir)
     wall = time.time() - t0
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        return {"variant": name, "nproc": nproc, "status": f"failed: {tail}", "wall_s": wall}
+        return {"variant": name, "nproc": v.nproc, "group": v.group, "status": f"failed: {tail}", "wall_s": wall}
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     first = next((r for r in rows if "memory_params_gib" in r), {})
     state_gib = first.get("memory_params_gib", 0.0) + first.get("memory_optimizer_gib", 0.0)
@@ -92,11 +124,12 @@ def run_variant(name: str, overrides: list[str], nproc: int, args, workdir: Path
     tflops = statistics.median(r["tflops"] for r in rows)
     return {
         "variant": name,
-        "nproc": nproc,
+        "group": v.group,
+        "nproc": v.nproc,
         "threads_per_proc": args.threads,
         "status": "ok",
         "tps_per_rank": tps,
-        "tps_total": tps * nproc,
+        "tps_total": tps * v.nproc,
         "tflops_per_rank": tflops,
         "peak_memory_gib": max(r.get("memory", 0.0) for r in rows),
         "params_optimizer_gib": state_gib,
@@ -118,33 +151,38 @@ def main() -> None:
 
     import torch
 
-    from titan_hydra.metrics.throughput import measure_cpu_peak_tflops
+    from titan_hydra.metrics.throughput import device_peak_tflops
 
     torch.set_num_threads(args.threads)
-    peak_bf16 = measure_cpu_peak_tflops(torch.bfloat16, fresh=True)
+    # The trainer's denominator: measured bf16 matmul peak (fp32's where that is faster).
+    peak_bf16 = device_peak_tflops("cpu", torch.bfloat16, fresh=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="titan_bench_") as tmp:
-        for name, (overrides, nproc) in SUITES[args.suite].items():
-            r = run_variant(name, overrides, nproc, args, Path(tmp))
+        for name, variant in SUITES[args.suite].items():
+            r = run_variant(name, variant, args, Path(tmp))
             if r["status"] == "ok":
                 r["mfu_vs_bf16_peak_pct"] = 100 * r["tflops_per_rank"] / peak_bf16
             results.append(r)
             print(f"  {name}: {r['status']} ({r['wall_s']:.0f}s)", file=sys.stderr, flush=True)
 
-    base = next((r for r in results if r["status"] == "ok"), None)
+    baselines: dict[str, dict] = {}
+    for r in results:
+        if r["status"] == "ok":
+            baselines.setdefault(r["group"], r)
     lines = [
         f"suite `{args.suite}` — {time.strftime('%Y-%m-%d')}, {cpu_name()}, {os.cpu_count()} cores, "
         f"{args.threads} thread(s)/process, torch {torch.__version__}, bf16 matmul peak "
         f"{peak_bf16:.2f} TFLOP/s/process, {args.steps} steps (median after {args.warmup})",
         "",
-        "| variant | ranks | tok/s/rank | tok/s total | TFLOP/s/rank | MFU (bf16 peak) | peak RSS/rank GiB | params+optim/rank GiB | vs first |",
+        "| variant | ranks | tok/s/rank | tok/s total | TFLOP/s/rank | MFU (bf16 peak) | peak RSS/rank GiB | params+optim/rank GiB | vs baseline |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r["status"] != "ok":
             lines.append(f"| {r['variant']} | {r['nproc']} | {r['status']} | | | | | | |")
             continue
-        ratio = r["tps_total"] / base["tps_total"]
+        ratio = r["tps_total"] / baselines[r["group"]]["tps_total"]
+        r["speedup_vs_baseline"] = ratio
         lines.append(
             f"| {r['variant']} | {r['nproc']} | {r['tps_per_rank']:,.0f} | {r['tps_total']:,.0f} | "
             f"{r['tflops_per_rank']:.3f} | {r['mfu_vs_bf16_peak_pct']:.1f}% | {r['peak_memory_gib']:.2f} | "

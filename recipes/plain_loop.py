@@ -1,0 +1,74 @@
+"""The benchmark's yardstick: a plain fp32 eager PyTorch loop training the same model.
+
+No framework on the hot path: the model is built from the same composed config (so it is the
+same architecture and the same batches from the same data pipeline), then trained with
+nothing but fp32 eager ``forward -> cross_entropy -> backward -> clip -> AdamW.step``. It
+writes ``metrics.jsonl`` rows in the trainer's format (step, loss, tps, tflops) so the
+benchmark reads both the same way. `recipes/benchmark.py` runs it side by side with the
+framework's variants; on its own:
+
+    python recipes/plain_loop.py --steps 10 --threads 2 --run-dir /tmp/plain [hydra overrides]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("overrides", nargs="*", help="Hydra overrides (model, data, batch, seq_len)")
+    args = p.parse_args()
+
+    import torch
+    import torch.nn.functional as F
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    import titan_hydra.config  # noqa: F401  (registers schemas)
+    from titan_hydra.models.llama3 import flops_per_token
+    from titan_hydra.train.pretrain import build_dataset
+
+    torch.set_num_threads(args.threads)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=args.overrides)
+    model = instantiate(cfg.model, _convert_="all")
+    torch.manual_seed(cfg.training.seed)  # after construction, as the trainer's init does
+    model.init_weights()
+    optimizer = instantiate(cfg.optimizer)(model.parameters())
+    loader = build_dataset(cfg).loader("train", cfg.training.local_batch_size)
+    fpt = flops_per_token(model.args, cfg.training.seq_len)
+
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "metrics.jsonl", "w") as out:
+        for step in range(1, args.steps + 1):
+            t0 = time.perf_counter()
+            inputs, labels = next(loader)
+            optimizer.zero_grad(set_to_none=True)
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
+            optimizer.step()
+            loss_value = loss.item()
+            tps = inputs.numel() / (time.perf_counter() - t0)
+            rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+            row = {"step": step, "loss": loss_value, "tps": tps, "tflops": tps * fpt / 1e12, "memory": rss_gib}
+            out.write(json.dumps(row) + "\n")
+            print(f"step {step:5d} | loss {loss_value:.4f} | tps {tps:,.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
