@@ -19,6 +19,7 @@ from titan_hydra.estimate import plan
 from titan_hydra.models.llama3 import Llama3
 from titan_hydra.parallel.ac import apply_ac
 from titan_hydra.train.loss import cross_entropy_loss
+from titan_hydra.train.precision import apply_attention_precision
 from titan_hydra.validate import build_dims
 
 GIB = 1024**3
@@ -30,6 +31,7 @@ def measured_peak_gib(cfg) -> float:
     torch.manual_seed(0)
     m = Llama3(**{k: v for k, v in cfg.model.items() if k != "_target_"})
     m.init_weights()
+    apply_attention_precision(m, cfg, torch.device("cpu"))  # as the trainer does
     apply_ac(m, cfg.activation_checkpoint)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
     t = cfg.training
@@ -61,6 +63,7 @@ CASES = {
     "debug bf16": DEBUG + ["training.mixed_precision=bf16"],
     "debug fp32 ac=full": DEBUG + ["training.mixed_precision=fp32", "activation_checkpoint=full"],
     "debug bf16 ac=selective_op": DEBUG + ["training.mixed_precision=bf16", "activation_checkpoint=selective_op"],
+    "debug bf16 bf16-attention": DEBUG + ["training.mixed_precision=bf16", "training.attention_precision=compute"],
     "100M fp32": LLAMA_100M + ["training.mixed_precision=fp32"],
 }
 

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from titan_hydra.config import mixed_precision_of
 
 from titan_hydra.models.llama3 import LlamaArgs, flops_per_token, num_params
+from titan_hydra.train.precision import attention_dtype
 
 GIB = 1024**3
 
@@ -44,6 +45,11 @@ ACT_COEF = {
     ("bf16_params", "selective_op"): (14, 4, 4),
 }
 RESIDUAL_BYTES = {"fp32": 4, "bf16": 4, "bf16_params": 2}
+# Extra bytes per token and block (x dim) when bf16 training runs SDPA in fp32
+# (training.attention_precision; auto does on CPU below head_dim 32): the fp32 copies of q/k/v
+# and the fp32 output that SDPA saves. Measured like ACT_COEF: +10 d saved for backward
+# without AC, +2 d under selective_op (debug model, MemTracker).
+ATTN_FP32_EXTRA = {"none": 10, "selective_op": 2}
 
 
 def precision_kind(mp: str, fsdp: bool) -> str:
@@ -74,6 +80,23 @@ def activation_bytes(args: LlamaArgs, kind: str, mode: str, tokens: float, layer
     if mode == "selective_op":  # the recomputed norms/rope are small next to the head's gradients
         return layers * saved
     return layers * saved + (full - saved)  # full: one block rebuilt at a time
+
+
+def fp32_attention_bytes(cfg: DictConfig, args: LlamaArgs, mp: str, ac: DictConfig, tokens: float,
+                         layers: int, tp: int) -> float:
+    """What upcast attention adds to the saved activations (0 unless it is in effect)."""
+    mode = str(OmegaConf.select(cfg, "training.attention_precision", default="auto"))
+    if mp != "bf16" or attention_dtype(mode, mp, cfg.cluster.device, args.head_dim) is None:
+        return 0.0
+    per_block = tokens * args.dim / tp
+    if ac.mode == "none":
+        return layers * per_block * ATTN_FP32_EXTRA["none"]
+    if ac.mode == "selective_op":
+        return layers * per_block * ATTN_FP32_EXTRA["selective_op"]
+    if ac.mode == "selective_layer":
+        plain = layers - math.ceil(layers / max(int(ac.selective_layer_freq), 1))
+        return max(plain, 1) * per_block * ATTN_FP32_EXTRA["none"]
+    return per_block * ATTN_FP32_EXTRA["none"]  # full: the one block being recomputed
 
 
 def head_activation_bytes(args: LlamaArgs, tokens: float, tp: int) -> float:
@@ -193,6 +216,7 @@ def plan(cfg: DictConfig, dims) -> Plan:
     layers = math.ceil(args.n_layers / dims.pp)
     act = activation_bytes(args, kind, ac.mode, local_tokens, layers, int(ac.selective_layer_freq), dims.tp)
     act += head_activation_bytes(args, local_tokens, dims.tp)
+    act += fp32_attention_bytes(cfg, args, mp, ac, local_tokens, layers, dims.tp)
     if kind == "bf16":  # autocast's bf16 copies of the weights live until backward ends
         act += params_local * 2
     transient = end_of_backward = 0.0
