@@ -115,7 +115,12 @@ def test_profiler_writes_trace_and_memory_snapshot(eager_single):
     events = json.loads(trace.read_text())["traceEvents"]
     names = [e.get("name", "") for e in events]
     # 4 blocks x 7 Linears + output: forward 29 mm, backward 2 per Linear -> >= 87 in one step
-    assert sum(n == "aten::mm" for n in names) >= 3 * (4 * 7 + 1), sorted(set(names))[:50]
+    mm_calls = sum(n == "aten::mm" for n in names)
+    assert mm_calls >= 3 * (4 * 7 + 1), sorted(set(names))[:50]
+    ops = json.loads((trace.parent / "rank0_ops.json").read_text())
+    assert ops["aten::mm"]["calls"] == mm_calls  # the summary counts what the trace holds
+    assert ops["aten::mm"]["self_cpu_us"] > 0
+    assert "aten::mm" in (trace.parent / "rank0_ops.txt").read_text()
     memory = run_dir / "memory_snapshot" / f"iteration_{PROFILED_STEP}" / "rank0_memory.json"
     record = json.loads(memory.read_text())
     assert record["step"] == PROFILED_STEP and record["rank"] == 0

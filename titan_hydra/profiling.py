@@ -2,7 +2,8 @@
 
 The Trainer calls ``profiler.step()`` once after every optimizer step; nothing else in the loop
 knows about profiling. Traces (Chrome/Perfetto JSON) go to
-``<run_dir>/<traces_folder>/iteration_<step>/rank<r>_trace.json``: the profiler waits
+``<run_dir>/<traces_folder>/iteration_<step>/rank<r>_trace.json``, next to a per-op summary
+(``rank<r>_ops.txt`` / ``.json``: self time and calls per op); the profiler waits
 ``profile_freq - warmup - active`` steps, warms up ``warmup`` steps, records ``active`` steps.
 
 Memory snapshots go to ``<run_dir>/<memory_snapshot_folder>/iteration_<step>/``:
@@ -72,11 +73,28 @@ class Profiler:
             folder = self.trace_dir / f"iteration_{self.step_num}"
             folder.mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(folder / f"rank{self.rank}_trace.json"))
+            self._write_op_summary(prof, folder)
 
         prof = profile(activities=activities, schedule=schedule(wait=wait, warmup=warmup, active=active),
                        on_trace_ready=on_ready, record_shapes=True)
         prof.start()
         return prof
+
+    def _write_op_summary(self, prof, folder: Path) -> None:
+        """Where the step's time went, without opening the trace: the ops by self time.
+
+        ``rank<r>_ops.txt`` is torch.profiler's key-averages table; ``rank<r>_ops.json`` the
+        same numbers (self/total microseconds and call counts per op) for scripts.
+        """
+        sort_key = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        averages = prof.key_averages()
+        (folder / f"rank{self.rank}_ops.txt").write_text(averages.table(sort_by=sort_key, row_limit=40))
+        ops = {
+            e.key: {"calls": int(e.count), "self_cpu_us": float(e.self_cpu_time_total),
+                    "cpu_total_us": float(e.cpu_time_total)}
+            for e in averages
+        }
+        (folder / f"rank{self.rank}_ops.json").write_text(json.dumps(ops, indent=1, sort_keys=True))
 
     # --- memory ---------------------------------------------------------------------
     def _snapshot_due(self, step: int) -> bool:
