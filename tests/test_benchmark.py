@@ -1,0 +1,36 @@
+"""recipes/benchmark.py end to end on a tiny model: every variant runs, and the derived columns
+(speedup vs baseline, MFU) are what the raw per-variant numbers say."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, TINY
+
+
+def test_benchmark_precision_suite_tiny(tmp_path):
+    out = tmp_path / "bench.json"
+    overrides = [o for o in TINY if not o.startswith("lr_scheduler.")] + ["lr_scheduler.warmup_steps=1"]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "recipes" / "benchmark.py"), "--steps=4", "--warmup=1",
+         f"--out={out}", *overrides],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env=dict(os.environ, TITAN_HYDRA_CACHE_DIR=str(tmp_path / "cache")),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert [r["variant"] for r in rows] == ["fp32 eager", "bf16 autocast"]
+    assert all(r["status"] == "ok" for r in rows), rows
+    base = rows[0]
+    assert base["speedup_vs_baseline"] == 1.0
+    assert rows[1]["speedup_vs_baseline"] == pytest.approx(rows[1]["tps_total"] / base["tps_total"])
+    for r in rows:
+        assert r["tps_per_rank"] > 0 and r["peak_memory_gib"] > 0
+        assert r["mfu_vs_bf16_peak_pct"] == pytest.approx(100 * r["tflops_per_rank"] / report["peak_bf16_tflops"])
+    assert "| fp32 eager | 1x1 |" in report["table"] and "| bf16 autocast | 1x1 |" in report["table"]
