@@ -231,3 +231,13 @@ def test_logger_nonzero_rank_creates_nothing(tmp_path):
     with MetricLogger(tmp_path / "run", rank=1, backends=backends, config=CONFIG) as ml:
         ml.log({"loss": 1.0}, 1)
     assert not (tmp_path / "run").exists() and os.listdir(tmp_path) == []
+
+
+def test_cpu_bf16_slower_than_fp32_detects_emulated_bf16(cache_dir, monkeypatch):
+    fake = {torch.bfloat16: 0.001, torch.float32: 0.14}  # an AVX2-only CPU, as measured on one
+    monkeypatch.setattr(tp, "_time_matmul", lambda device, dtype, *a, **k: fake[dtype])
+    assert tp.cpu_bf16_slower_than_fp32() == (0.001, 0.14)
+    tp._PEAK_CACHE.clear()
+    fake[torch.bfloat16] = 0.9
+    assert tp.measure_cpu_peak_tflops(torch.bfloat16, fresh=True) == 0.9
+    assert tp.cpu_bf16_slower_than_fp32() is None

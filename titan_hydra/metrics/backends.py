@@ -8,6 +8,7 @@ Python floats (MetricLogger converts tensors) and only ever run on rank 0.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -29,6 +30,8 @@ _DEFAULT = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E73
 # Logged to the other sinks, too detailed for the one-line console view.
 _CONSOLE_HIDDEN = {"memory", "memory_peak_pct", "memory_current_gib", "memory_reserved_gib",
                    "memory_alloc_retries", "tps_global", "time"}
+
+log = logging.getLogger("titan_hydra")
 
 
 def _fmt_items(metrics: dict[str, Any], fields: Iterable[str] | None) -> str:
@@ -173,4 +176,28 @@ class WandbBackend:
     def close(self, exit_code: int | None = None) -> None:
         run, self._run = self._run, None
         if run is not None:
+            log_file = Path(run.dir).parent / f"run-{run.id}.wandb"  # run.dir is <run>/files
+            logging_to_file = log_file.exists()  # not in mode=disabled
             run.finish(exit_code=exit_code)
+            if logging_to_file:
+                _wait_for_exit_record(log_file)
+
+
+def _wait_for_exit_record(log_file: Path, timeout_s: float = 10.0) -> None:
+    """Return once the run's transaction log holds its exit record (or after timeout_s).
+
+    wandb 0.31's ``finish()`` can return before wandb-core's writer has flushed the log (seen:
+    a 7-byte file right after finish, 1.7 kB a moment later, ~1 run in 15), so whoever reads the
+    run dir next (tests, sweep reports, ``wandb sync``) could see an empty run.
+    """
+    from titan_hydra.metrics.wandb_reader import read_offline_run
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if read_offline_run(log_file)["exit_code"] is not None:
+                return
+        except (OSError, ValueError):
+            pass  # not created yet, or a record still being written
+        time.sleep(0.05)
+    log.warning("W&B log %s has no exit record after %.0f s; it may be incomplete", log_file, timeout_s)

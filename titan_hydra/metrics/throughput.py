@@ -168,6 +168,18 @@ def measure_cpu_peak_tflops(dtype: torch.dtype = torch.bfloat16, size: int = 204
     return peak
 
 
+def cpu_bf16_slower_than_fp32() -> tuple[float, float] | None:
+    """(bf16, fp32) matmul peaks if this CPU runs bf16 matmuls slower than fp32, else None.
+
+    True on CPUs without AVX512-BF16/AMX, where oneDNN emulates bf16 (seen: 0.001 vs 0.14
+    TFLOP/s on an AVX2-only EPYC): bf16 training there is a large slowdown, not a speedup.
+    Uses the cached measurements (measures once if none exist).
+    """
+    bf16 = measure_cpu_peak_tflops(torch.bfloat16)
+    fp32 = measure_cpu_peak_tflops(torch.float32)
+    return (bf16, fp32) if bf16 < fp32 else None
+
+
 class ThroughputMeter:
     """Per-rank throughput over the window since the last report.
 

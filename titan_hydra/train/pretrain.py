@@ -7,6 +7,7 @@ layout -> materialize + init -> optimizer / LR schedule -> (restore) -> train ->
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from typing import Any
@@ -22,13 +23,15 @@ from titan_hydra.config import mixed_precision_of, to_container
 from titan_hydra.errors import UserError
 from titan_hydra.metrics.logger import MetricLogger
 from titan_hydra.metrics.memory import MemoryMonitor
-from titan_hydra.train.precision import apply_attention_precision
-from titan_hydra.metrics.throughput import ThroughputMeter, device_peak_tflops
+from titan_hydra.metrics.throughput import ThroughputMeter, cpu_bf16_slower_than_fp32, device_peak_tflops
 from titan_hydra.models.llama3 import flops_per_token, num_params
 from titan_hydra.parallel.apply import parallelize
 from titan_hydra.parallel.compile import build_loss_fn
 from titan_hydra.profiling import build_profiler
+from titan_hydra.train.precision import apply_attention_precision
 from titan_hydra.train.trainer import Trainer
+
+log = logging.getLogger("titan_hydra")
 
 
 def world_info() -> tuple[int, int, int]:
@@ -200,6 +203,11 @@ def _run(
         # taken under load cannot leave MFU inflated for every later run.
         fresh=True,
     )
+    if device.type == "cpu" and mixed_precision_of(cfg) == "bf16" and rank == 0:
+        slow = cpu_bf16_slower_than_fp32()
+        if slow:
+            log.warning("this CPU has no native bf16 matmuls (bf16 %.3f vs fp32 %.3f TFLOP/s measured): "
+                        "bf16 training will be slow here; use training.mixed_precision=fp32", *slow)
     profiler = build_profiler(cfg, run_dir, rank, pm.model_parts, optimizer, device)
     trainer = Trainer(
         model_parts=pm.model_parts,
