@@ -101,6 +101,19 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_isa() -> str:
+    """The CPU's best matmul instruction set: what decides bf16 vs fp32 speed on a CPU."""
+    try:
+        flags = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return "unknown ISA"
+    for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX-512"),
+                       ("avx2", "AVX2")):
+        if flag in flags:
+            return name
+    return "no AVX2"
+
+
 def run_variant(name: str, v: Variant, args, workdir: Path) -> dict:
     run_dir = workdir / "".join(c if c.isalnum() else "_" for c in name)
     threads = v.threads or args.threads
@@ -178,7 +191,7 @@ def main() -> None:
         if r["status"] == "ok":
             baselines.setdefault(r["group"], r)
     lines = [
-        f"suite `{args.suite}` — {time.strftime('%Y-%m-%d')}, {cpu_name()}, {os.cpu_count()} cores, "
+        f"suite `{args.suite}` — {time.strftime('%Y-%m-%d')}, {cpu_name()} ({cpu_isa()}), {os.cpu_count()} cores, "
         f"{args.threads} thread(s)/process unless a variant says, torch {torch.__version__}, bf16 matmul peak "
         f"{peak_bf16:.2f} TFLOP/s/process, {args.steps} steps (median after {args.warmup})",
         "",
@@ -202,7 +215,7 @@ def main() -> None:
     out = Path(args.out or REPO / "bench_out" / f"{args.suite}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "suite": args.suite, "date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(),
+        "suite": args.suite, "date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "cpu_isa": cpu_isa(),
         "threads_per_proc": args.threads, "torch": torch.__version__, "peak_bf16_tflops": peak_bf16,
         "steps": args.steps, "warmup": args.warmup, "results": results, "table": table,
     }, indent=2))
