@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -91,29 +90,6 @@ SUITES: dict[str, dict[str, Variant]] = {
 }
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def cpu_isa() -> str:
-    """The CPU's best matmul instruction set: what decides bf16 vs fp32 speed on a CPU."""
-    try:
-        flags = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "unknown ISA"
-    for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX-512"),
-                       ("avx2", "AVX2")):
-        if flag in flags:
-            return name
-    return "no AVX2"
-
-
 def run_variant(name: str, v: Variant, args, workdir: Path) -> dict:
     run_dir = workdir / "".join(c if c.isalnum() else "_" for c in name)
     threads = v.threads or args.threads
@@ -170,11 +146,12 @@ def main() -> None:
 
     import torch
 
-    from titan_hydra.metrics.throughput import device_peak_tflops
+    from titan_hydra.metrics.throughput import cpu_isa, cpu_model, device_peak_tflops
 
     torch.set_num_threads(args.threads)
     # The trainer's denominator: measured bf16 matmul peak (fp32's where that is faster).
     peak_bf16 = device_peak_tflops("cpu", torch.bfloat16, fresh=True)
+    cpu = f"{cpu_model()} ({cpu_isa()})"
     results = []
     with tempfile.TemporaryDirectory(prefix="titan_bench_") as tmp:
         for name, variant in SUITES[args.suite].items():
@@ -191,7 +168,7 @@ def main() -> None:
         if r["status"] == "ok":
             baselines.setdefault(r["group"], r)
     lines = [
-        f"suite `{args.suite}` — {time.strftime('%Y-%m-%d')}, {cpu_name()} ({cpu_isa()}), {os.cpu_count()} cores, "
+        f"suite `{args.suite}` — {time.strftime('%Y-%m-%d')}, {cpu}, {os.cpu_count()} cores, "
         f"{args.threads} thread(s)/process unless a variant says, torch {torch.__version__}, bf16 matmul peak "
         f"{peak_bf16:.2f} TFLOP/s/process, {args.steps} steps (median after {args.warmup})",
         "",
@@ -215,7 +192,7 @@ def main() -> None:
     out = Path(args.out or REPO / "bench_out" / f"{args.suite}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "suite": args.suite, "date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "cpu_isa": cpu_isa(),
+        "suite": args.suite, "date": time.strftime("%Y-%m-%d"), "cpu": cpu,
         "threads_per_proc": args.threads, "torch": torch.__version__, "peak_bf16_tflops": peak_bf16,
         "steps": args.steps, "warmup": args.warmup, "results": results, "table": table,
     }, indent=2))

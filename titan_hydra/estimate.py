@@ -85,14 +85,12 @@ def activation_bytes(args: LlamaArgs, kind: str, mode: str, tokens: float, layer
 def fp32_attention_bytes(cfg: DictConfig, args: LlamaArgs, mp: str, ac: DictConfig, tokens: float,
                          layers: int, tp: int) -> float:
     """What upcast attention adds to the saved activations (0 unless it is in effect)."""
-    mode = str(OmegaConf.select(cfg, "training.attention_precision", default="auto"))
+    mode = str(cfg.training.attention_precision)
     if mp != "bf16" or attention_dtype(mode, mp, cfg.cluster.device, args.head_dim) is None:
         return 0.0
     per_block = tokens * args.dim / tp
-    if ac.mode == "none":
-        return layers * per_block * ATTN_FP32_EXTRA["none"]
-    if ac.mode == "selective_op":
-        return layers * per_block * ATTN_FP32_EXTRA["selective_op"]
+    if ac.mode in ATTN_FP32_EXTRA:  # none / selective_op: every block keeps its copies
+        return layers * per_block * ATTN_FP32_EXTRA[ac.mode]
     if ac.mode == "selective_layer":
         plain = layers - math.ceil(layers / max(int(ac.selective_layer_freq), 1))
         return max(plain, 1) * per_block * ATTN_FP32_EXTRA["none"]

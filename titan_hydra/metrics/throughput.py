@@ -116,16 +116,30 @@ def _cache_file() -> Path:
     return Path(root) / "cpu_peak.json"
 
 
-def _cpu_model() -> str:
+def _cpuinfo_field(name: str) -> str | None:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(name):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return None
+
+
+def cpu_model() -> str:
     import platform
-    return platform.processor() or platform.machine() or "unknown-cpu"
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def cpu_isa() -> str:
+    """The CPU's best matmul instruction set: what decides bf16 vs fp32 speed on a CPU."""
+    flags = (_cpuinfo_field("flags") or "").split()
+    for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX-512"),
+                       ("avx2", "AVX2")):
+        if flag in flags:
+            return name
+    return "no AVX2" if flags else "unknown ISA"
 
 
 def measure_cpu_peak_tflops(dtype: torch.dtype = torch.bfloat16, size: int = 2048,
@@ -144,7 +158,7 @@ def measure_cpu_peak_tflops(dtype: torch.dtype = torch.bfloat16, size: int = 204
     mem_key = (str(dtype), threads)
     if mem_key in _PEAK_CACHE and not fresh:
         return _PEAK_CACHE[mem_key]
-    disk_key = f"{_cpu_model()}|threads={threads}|{dtype}|torch={torch.__version__}|size={size}"
+    disk_key = f"{cpu_model()}|threads={threads}|{dtype}|torch={torch.__version__}|size={size}"
     path = _cache_file()
     try:
         cached = json.loads(path.read_text())
