@@ -1,11 +1,12 @@
-"""Convert between titan_hydra DCP checkpoints and Hugging Face Llama directories (offline, one process).
+"""Convert between titan_hydra DCP checkpoints and Hugging Face directories (offline, one process).
 
     python recipes/convert.py to-hf   OUT/checkpoint/step-1000  hf_out/  [--dtype bfloat16]
     python recipes/convert.py from-hf hf_llama_dir/             ckpt/step-0
 
 ``to-hf`` reads the model weights of any checkpoint this project wrote (any layout: DCP stores
-global tensors), maps names and the rotary layout, and writes ``config.json`` +
-``model.safetensors`` that ``LlamaForCausalLM.from_pretrained`` loads. ``from-hf`` writes a
+global tensors), and writes ``config.json`` + ``model.safetensors`` through the model family's
+HF adapter (names, rotary layout, tied weights), which ``<Family>ForCausalLM.from_pretrained``
+loads. ``from-hf`` picks the family from ``config.json``'s ``model_type`` and writes a
 model-only DCP checkpoint (with completion marker) that ``checkpoint.initial_load_path`` loads
 under any layout. (``initial_load_path`` also accepts an HF directory directly.)
 """
@@ -14,42 +15,48 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titan_hydra.checkpoint.manager import DTYPES, FORMAT_VERSION, model_signature  # noqa: E402
+from titan_hydra.checkpoint.manager import DTYPES, FORMAT_VERSION  # noqa: E402
 from titan_hydra.checkpoint.storage import CheckpointError, load_plain, read_marker, read_metadata, save_plain, tensor_entries  # noqa: E402
-from titan_hydra.models.hf_adapter import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
-from titan_hydra.models.llama3 import LlamaArgs  # noqa: E402
+from titan_hydra.errors import ConfigError  # noqa: E402
+from titan_hydra.models.hf_io import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
+from titan_hydra.models.registry import LEGACY_FAMILY, get_family  # noqa: E402
 
 
-def read_model(path: str | Path) -> tuple[LlamaArgs, dict[str, torch.Tensor]]:
-    """(args, full model state dict) of a checkpoint step dir written by this project."""
+def read_model(path: str | Path):
+    """(family, args, full model state dict) of a checkpoint step dir written by this project."""
     path = Path(path)
     marker = read_marker(path)
     if marker is None or "model" not in marker:
         raise CheckpointError(f"checkpoint {path} has no COMPLETE.json with model args (incomplete or foreign)")
-    args = LlamaArgs(**marker["model"]["args"])
+    info = marker["model"]
+    try:
+        family = get_family(info.get("family", LEGACY_FAMILY))
+    except ConfigError as e:
+        raise CheckpointError(f"checkpoint {path}: {e}") from None
+    args = family.make_args(info["args"])
     keys = [k for k in tensor_entries(read_metadata(path)) if k.startswith("model.")]
     sd = load_plain(path, keys)
-    return args, {k[len("model."):]: v for k, v in sd.items()}
+    return family, args, {k[len("model."):]: v for k, v in sd.items()}
 
 
 def to_hf(src: str | Path, dst: str | Path, dtype: str = "float32") -> None:
-    args, sd = read_model(src)
-    save_hf_checkpoint(dst, sd, args, DTYPES[dtype])
+    family, args, sd = read_model(src)
+    save_hf_checkpoint(family, dst, sd, args, DTYPES[dtype])
 
 
 def from_hf(src: str | Path, dst: str | Path, dtype: str = "float32") -> None:
-    args, sd = load_hf_checkpoint(src)
+    family, args, sd = load_hf_checkpoint(src)
     state = {f"model.{k}": v.to(DTYPES[dtype]) for k, v in sd.items()}
     marker = {
         "format": FORMAT_VERSION, "step": 0, "kind": "model_only", "dtype": dtype, "world_size": 1,
-        "layout": {}, "model": {"flavor": "custom", "args": asdict(args), "signature": model_signature(args)},
+        "layout": {}, "model": {"family": family.name, "flavor": "custom", "args": family.args_fields(args),
+                                "signature": family.signature(args)},
         "source": str(src),
     }
     save_plain(dst, state, marker)

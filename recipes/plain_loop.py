@@ -37,18 +37,18 @@ def main() -> None:
     from hydra.utils import instantiate
 
     import titan_hydra.config  # noqa: F401  (registers schemas)
-    from titan_hydra.models.llama3 import flops_per_token
+    from titan_hydra.models.registry import args_of, build_model
     from titan_hydra.train.pretrain import build_dataset
 
     torch.set_num_threads(args.threads)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=args.overrides)
-    model = instantiate(cfg.model, _convert_="all")
+    family, model = build_model(cfg.model)
     torch.manual_seed(cfg.training.seed)  # after construction, as the trainer's init does
     model.init_weights()
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     loader = build_dataset(cfg).loader("train", cfg.training.local_batch_size)
-    fpt = flops_per_token(model.args, cfg.training.seq_len)
+    fpt = family.flops_per_token(args_of(cfg.model)[1], cfg.training.seq_len)
 
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -28,15 +28,32 @@ BASE = [
 ]
 
 
-def train(run_dir: Path, *extra: str) -> dict:
-    return run(compose_cfg(BASE + list(extra)), str(run_dir), return_state=True)
+# Model family -> overrides after BASE (Qwen3: tied embeddings as in qwen3_debug, head_dim 16 so
+# q is 64 wide on the 32-wide model, QK-norm weights in the state).
+FAMILIES = {
+    "llama3": [],
+    "qwen3": ["model=qwen3_debug", "model.head_dim=16", "model.ffn_hidden_dim=96"],
+}
+
+
+def train(run_dir: Path, *extra: str, family: str = "llama3") -> dict:
+    return run(compose_cfg(BASE + FAMILIES[family] + list(extra)), str(run_dir), return_state=True)
+
+
+_REFERENCE: dict[str, tuple[Path, dict]] = {}
+
+
+def reference_of(tmp_path_factory, family: str) -> tuple[Path, dict]:
+    """8 uninterrupted steps of ``family``, checkpoints every 2 (kept: the latest 2); once per family."""
+    if family not in _REFERENCE:
+        run_dir = tmp_path_factory.mktemp(f"ref_{family}")
+        _REFERENCE[family] = run_dir, train(run_dir, family=family)
+    return _REFERENCE[family]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """8 uninterrupted steps, checkpoints every 2 (kept: the latest 2)."""
-    run_dir = tmp_path_factory.mktemp("ref")
-    return run_dir, train(run_dir)
+    return reference_of(tmp_path_factory, "llama3")
 
 
 def assert_same_params(a: dict, b: dict) -> None:
@@ -73,13 +90,20 @@ def test_state_contents(reference):
     assert_same_params({k[6:]: v for k, v in model.items()}, summary["full_state"])
 
 
-def test_exact_resume(reference, tmp_path, capsys):
-    """6 steps + resume + 2 steps == 8 steps, bit for bit (losses and parameters)."""
-    run_dir, ref = reference
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_exact_resume(tmp_path_factory, tmp_path, capsys, family):
+    """6 steps + resume + 2 steps == 8 steps, bit for bit (losses and parameters).
+
+    Qwen3 is tied: a load that broke the tie (two matrices with equal values) would still give
+    step 7's loss but not step 8's, after two separate updates."""
+    run_dir, ref = reference_of(tmp_path_factory, family)
+    model = read_marker(ckpt(run_dir, 8))["model"]
+    assert model["family"] == family and model["signature"]["tie_word_embeddings"] == (family == "qwen3"), model
     shutil.copytree(run_dir / "checkpoint", tmp_path / "checkpoint")
     shutil.rmtree(ckpt(tmp_path, 8))
-    resumed = train(tmp_path)
-    assert "loaded" in capsys.readouterr().out
+    capsys.readouterr()
+    resumed = train(tmp_path, family=family)
+    assert f"loaded {ckpt(tmp_path, 6)}" in capsys.readouterr().out
     assert resumed["losses"] == ref["losses"]
     assert_same_params(resumed["full_state"], ref["full_state"])
     # The re-saved step-8 checkpoint carries the same RNG, loader and schedule state.
@@ -164,7 +188,7 @@ def _manager(tmp_path: Path, dim: int = 32, n_layers: int = 2) -> CheckpointMana
     from omegaconf import OmegaConf
 
     from titan_hydra.config import CheckpointConfig
-    from titan_hydra.models.llama3 import Llama3
+    from titan_hydra.models.llama3 import FAMILY, Llama3
     from titan_hydra.parallel.dims import ParallelDims
     from titan_hydra.train.lr_schedule import build_lr_scheduler
 
@@ -174,7 +198,7 @@ def _manager(tmp_path: Path, dim: int = 32, n_layers: int = 2) -> CheckpointMana
     cfg = OmegaConf.structured(CheckpointConfig(enable=True, interval=1))
     return CheckpointManager(cfg, tmp_path, model_parts=[model], optimizer=opt,
                              lr_scheduler=build_lr_scheduler(opt, 10), train_loader=object(), trainer=_Trainer(),
-                             dims=ParallelDims(), model_args=model.args, flavor="custom")
+                             dims=ParallelDims(), family=FAMILY, model_args=model.args, flavor="custom")
 
 
 def _snapshot(m: CheckpointManager) -> dict:

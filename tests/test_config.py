@@ -74,6 +74,9 @@ def test_schema_rejects_at_compose_time(override, expected):
         (["lr_scheduler.min_lr_factor=2"], "min_lr_factor=2.0 must be within [0, 1]"),
         (["model.n_heads=5"], "not divisible by model.n_heads=5"),
         (["model.n_kv_heads=5"], "not divisible by model.n_kv_heads=5"),
+        (["model=qwen3_debug", "model.n_kv_heads=3"], "not divisible by model.n_kv_heads=3"),
+        (["model=qwen3_debug", "model.head_dim=63"], "model.head_dim=63 must be even"),
+        (["model=qwen3_debug", "training.seq_len=4096"], "exceeds model.max_seq_len"),
         (["parallelism.tp=3"], "!= world size 1"),
         (["parallelism.dp_shard=0"], "dp_shard=0 must be >= 1 or -1"),
         (["parallelism.pp_schedule=Zigzag"], "pp_schedule='Zigzag' unknown"),
@@ -121,14 +124,105 @@ def test_dry_run_prints_plan(tmp_path: Path):
     assert not list(tmp_path.rglob("metrics.jsonl"))
 
 
-@pytest.mark.parametrize("flavor", options("model"))
-def test_model_yaml_matches_published_flavor_table(flavor):
-    """conf/model/*.yaml and titan_hydra.models.flavors must describe the same shapes."""
-    from titan_hydra.models.flavors import flavor_args
+# Published Hugging Face config.json values of each flavor (the oracle; copied from the released
+# configs, in their legacy rope_theta / rope_scaling spelling). The *_debug flavors have no
+# published model: their HF config is derived with FAMILY.hf.hf_config(args) instead.
+_LLAMA31 = {"rope_theta": 500000.0, "rope_scaling": {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192}, "max_position_embeddings": 131072, "vocab_size": 128256,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+_LLAMA32 = {**_LLAMA31, "rope_scaling": {**_LLAMA31["rope_scaling"], "factor": 32.0}, "tie_word_embeddings": True}
+_LLAMA2 = {"rope_theta": 10000.0, "max_position_embeddings": 4096, "vocab_size": 32000, "rms_norm_eps": 1e-5,
+           "tie_word_embeddings": False}
+_QWEN3 = {"vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+          "head_dim": 128, "num_key_value_heads": 8, "attention_bias": False, "use_sliding_window": False}
 
+
+def _hf(base, hidden, inter, layers, heads, kv=None, **extra):
+    cfg = {**base, "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+           "num_attention_heads": heads, **extra}
+    if kv is not None:
+        cfg["num_key_value_heads"] = kv
+    cfg.setdefault("head_dim", hidden // heads)
+    return cfg
+
+
+PUBLISHED_HF = {
+    "llama3_1b": ("llama", _hf(_LLAMA32, 2048, 8192, 16, 32, 8)),  # meta-llama/Llama-3.2-1B
+    "llama3_3b": ("llama", _hf(_LLAMA32, 3072, 8192, 28, 24, 8)),  # meta-llama/Llama-3.2-3B
+    "llama3_8b": ("llama", _hf(_LLAMA31, 4096, 14336, 32, 32, 8)),  # meta-llama/Llama-3.1-8B
+    "llama3_70b": ("llama", _hf(_LLAMA31, 8192, 28672, 80, 64, 8)),  # meta-llama/Llama-3.1-70B
+    "llama3_405b": ("llama", _hf(_LLAMA31, 16384, 53248, 126, 128, 8)),  # meta-llama/Llama-3.1-405B
+    "llama2_7b": ("llama", _hf(_LLAMA2, 4096, 11008, 32, 32, 32)),  # meta-llama/Llama-2-7b-hf
+    "llama2_13b": ("llama", _hf(_LLAMA2, 5120, 13824, 40, 40, 40)),  # meta-llama/Llama-2-13b-hf
+    "llama2_70b": ("llama", _hf(_LLAMA2, 8192, 28672, 80, 64, 8)),  # meta-llama/Llama-2-70b-hf
+    "qwen3_0.6b": ("qwen3", _hf(_QWEN3, 1024, 3072, 28, 16, tie_word_embeddings=True)),  # Qwen/Qwen3-0.6B
+    "qwen3_1.7b": ("qwen3", _hf(_QWEN3, 2048, 6144, 28, 16, tie_word_embeddings=True)),  # Qwen/Qwen3-1.7B
+    "qwen3_4b": ("qwen3", _hf(_QWEN3, 2560, 9728, 36, 32, tie_word_embeddings=True)),  # Qwen/Qwen3-4B
+    "qwen3_8b": ("qwen3", _hf(_QWEN3, 4096, 12288, 36, 32, tie_word_embeddings=False)),  # Qwen/Qwen3-8B
+    "qwen3_14b": ("qwen3", _hf(_QWEN3, 5120, 17408, 40, 40, tie_word_embeddings=False)),  # Qwen/Qwen3-14B
+    "qwen3_32b": ("qwen3", _hf(_QWEN3, 5120, 25600, 64, 64, tie_word_embeddings=False)),  # Qwen/Qwen3-32B
+}
+HF_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings",
+                 "max_position_embeddings", "rms_norm_eps")
+
+
+def test_published_table_covers_every_model_option():
+    assert set(PUBLISHED_HF) | {"llama3_debug", "qwen3_debug"} == set(options("model"))
+
+
+@pytest.mark.parametrize("flavor", options("model"))
+def test_model_option_builds_and_matches_published_hf_config(flavor):
+    """Every conf/model option: the built model's args are the yaml node, and its parameter count
+    equals the family's shape() and transformers' count of the published HF config (meta device)."""
+    import dataclasses
+
+    import torch
+    from hydra.utils import get_class
+    from omegaconf import OmegaConf
+
+    from titan_hydra.models.common.hf_decoder import rope_theta_of
+    from titan_hydra.models.registry import LABELS, args_of, build_model
+
+    transformers = pytest.importorskip("transformers")
     cfg = compose_cfg([f"model={flavor}"])
-    published = flavor_args(flavor)
-    for key in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier",
-                "rope_theta", "rope_scaling"):
-        assert cfg.model[key] == getattr(published, key), (flavor, key)
-    assert (cfg.model.n_kv_heads or cfg.model.n_heads) == published.kv_heads
+    node = OmegaConf.to_container(cfg.model, resolve=True)
+    assert node["flavor"] == flavor
+    with torch.device("meta"):
+        family, model = build_model(cfg.model)
+    assert type(model) is get_class(node["_target_"])
+    assert family.name == node["family"] and args_of(cfg.model) == (family, model.args)
+    fields = {f.name for f in dataclasses.fields(model.args)}
+    assert fields == set(node) - set(LABELS), flavor  # the schema names every field of the args
+    for key in fields:
+        assert getattr(model.args, key) == node[key], (flavor, key)
+    ours = sum(p.numel() for p in model.parameters())
+    assert ours == family.shape(model.args).params
+
+    ours_hf = family.hf.hf_config(model.args)
+    if flavor in PUBLISHED_HF:
+        model_type, published = PUBLISHED_HF[flavor]
+        assert ours_hf["model_type"] == model_type
+        for key in HF_SHAPE_KEYS:
+            assert ours_hf[key] == published[key], (flavor, key)
+        (theta, scaling), (our_theta, our_scaling) = rope_theta_of(published), rope_theta_of(ours_hf)
+        assert our_theta == theta
+        assert (our_scaling.get("rope_type") or "default") == (scaling.get("rope_type") or "default")
+        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            assert our_scaling.get(key) == scaling.get(key), (flavor, key)
+        for key in ("attention_bias", "use_sliding_window"):
+            if key in published:
+                assert ours_hf[key] == published[key]
+        hf_cfg = {**published}
+    else:  # *_debug: nothing published; HF's model of our own export config
+        model_type, hf_cfg = ours_hf["model_type"], {k: v for k, v in ours_hf.items() if k != "model_type"}
+    hf_cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[model_type]
+    # Building even 405B on the meta device takes ~1 s (measured), so HF's count is its own
+    # model's, not a formula.
+    with torch.device("meta"):
+        hf_model = hf_cls(hf_cls.config_class(**hf_cfg))
+    unique = {id(p): p.numel() for _, p in hf_model.named_parameters(remove_duplicate=False)}
+    assert sum(unique.values()) == ours, (flavor, sum(unique.values()), ours)
+    tied = hf_model.lm_head.weight is hf_model.model.embed_tokens.weight
+    assert tied == model.args.tie_word_embeddings == (model.tok_embeddings.weight is model.output.weight)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parity import assert_parity, run_layout
+from parity import assert_parity, run_layout, run_single
 
 CP = 2
 ATOL = 1e-5
@@ -77,7 +77,7 @@ def _model_diffs(method: str, rank: int) -> dict[str, float]:
 
     import torch.distributed as dist
 
-    from titan_hydra.models.llama3 import Llama3
+    from titan_hydra.models.llama3 import FAMILY, Llama3
     from titan_hydra.parallel.cp import cp_context
     from titan_hydra.parallel.dims import ParallelDims
     from titan_hydra.train.loss import cross_entropy_loss
@@ -95,7 +95,7 @@ def _model_diffs(method: str, rank: int) -> dict[str, float]:
     dims = ParallelDims(world_size=CP, dp_shard=1, cp=CP, cp_rotate_method=method)
     dims.build_mesh("cpu")
     x, y = inputs.clone(), labels.clone()
-    with cp_context([cp_model], dims, x, y):
+    with cp_context([cp_model], FAMILY.rope_buffers, dims, x, y):
         local_rows = cp_model.rope_cos.shape[0]
         logits = cp_model(x)
         loss = cross_entropy_loss(logits, y)
@@ -206,30 +206,47 @@ def _val_losses(run_dir: Path) -> list[float]:
     return [r["val/loss"] for r in rows if "val/loss" in r]
 
 
-def _layout(tmp_path: Path, overrides: list[str], nproc: int, dp: int) -> tuple[list[float], list[float]]:
-    losses = run_layout(tmp_path, [*overrides, *VAL], nproc=nproc, dp=dp)
+def _layout(tmp_path: Path, overrides: list[str], nproc: int, dp: int, family: str = "llama3"
+            ) -> tuple[list[float], list[float]]:
+    losses = run_layout(tmp_path, [*overrides, *VAL], nproc=nproc, dp=dp, family=family)
     return losses, _val_losses(tmp_path / "run")
+
+
+_SINGLE: dict[str, tuple[list[float], list[float]]] = {}
+
+
+def single_of(tmp_path_factory, family: str) -> tuple[list[float], list[float]]:
+    """Single-process training and validation losses of ``family`` (validation every 5 steps)."""
+    if family not in _SINGLE:
+        path = tmp_path_factory.mktemp(f"cp_reference_{family}")
+        _SINGLE[family] = run_single(path, [*VAL], family=family), _val_losses(path / "run")
+    return _SINGLE[family]
 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> tuple[list[float], list[float]]:
-    """Single-process training and validation losses (validation every 5 steps)."""
-    return _layout(tmp_path_factory.mktemp("cp_reference"), ["parallelism=single"], nproc=1, dp=1)
+    return single_of(tmp_path_factory, "llama3")
 
 
-def _assert_layout_matches(layout, single) -> None:
+def _assert_layout_matches(layout, single, label: str = "") -> None:
     (losses, val), (ref, ref_val) = layout, single
-    assert_parity(losses, ref, atol=ATOL)
+    assert_parity(losses, ref, atol=ATOL, label=f"{label} train")
     assert len(val) == len(ref_val) == 2, (val, ref_val)
-    assert_parity(val, ref_val, atol=ATOL)
+    assert_parity(val, ref_val, atol=ATOL, label=f"{label} val")
 
 
-@pytest.mark.parametrize("method", ["allgather", "alltoall"])
-def test_cp_matches_single(tmp_path, single, method):
-    layout = _layout(tmp_path, ["parallelism=cp", f"parallelism.cp_rotate_method={method}"], nproc=CP, dp=1)
-    _assert_layout_matches(layout, single)
+# Llama 3 with both rotate methods; Qwen3 (tied, head_dim 32 != dim / n_heads: its rope tables are
+# head_dim wide, QK-norm runs before rotary on the local sequence shard) with one.
+CP_RUNS = [("llama3", "allgather"), ("llama3", "alltoall"), ("qwen3", "allgather")]
+
+
+@pytest.mark.parametrize("family,method", CP_RUNS, ids=[f"{f}-{m}" for f, m in CP_RUNS])
+def test_cp_matches_single(tmp_path, tmp_path_factory, family, method):
+    layout = _layout(tmp_path, ["parallelism=cp", f"parallelism.cp_rotate_method={method}"], nproc=CP, dp=1,
+                     family=family)
+    _assert_layout_matches(layout, single_of(tmp_path_factory, family), label=f"{family} cp {method}")
 
 
 def test_fsdp_cp_matches_single(tmp_path, single):
     layout = _layout(tmp_path, ["parallelism=fsdp_cp"], nproc=4, dp=2)
-    _assert_layout_matches(layout, single)
+    _assert_layout_matches(layout, single, label="llama3 fsdp_cp")

@@ -5,6 +5,9 @@ validation loss within 1e-5); plus the stage plan and its pre-launch config erro
 All runs clip at max_norm=0.3 (below the ~0.5 natural norm), so every step exercises the
 pipeline-group reduction of the grad norm; some schedules also accumulate gradients over
 two steps, which checks the loss scaling that replaces torch's ``scale_grads``.
+
+Qwen3 runs 1F1B and ZBVZeroBubble (one and two stages per rank) against its own single-process
+run, untied: tied embeddings cannot be cut into stages, which launch refuses with one line.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import compose_cfg
-from parity import GLOBAL_BATCH, run_layout
+from conftest import compose_cfg, run_launch
+from parity import BASE, FAMILIES, GLOBAL_BATCH, UNTIED, run_layout, run_single
 from titan_hydra.errors import ConfigError
 from titan_hydra.parallel.dims import ParallelDims
 from titan_hydra.parallel.pp import stage_ids_for_rank, stage_layer_ranges
@@ -25,6 +28,8 @@ from titan_hydra.validate import validate
 ATOL = 1e-5
 # Validate at step 5 and at the end; clip every step.
 COMMON = ["training.val_freq=5", "training.val_steps=2", "training.max_norm=0.3"]
+# Per family, what its PP runs (and their single-process reference) add: Qwen3 unties.
+PP_MODEL = {"llama3": [], "qwen3": [UNTIED]}
 
 
 def read_metrics(run_dir: Path) -> dict[str, list[float]]:
@@ -36,12 +41,13 @@ def read_metrics(run_dir: Path) -> dict[str, list[float]]:
     }
 
 
-def train(tmp_path: Path, overrides: list[str], nproc: int, dp: int, dp_degree: int = 1) -> dict[str, list[float]]:
+def train(tmp_path: Path, overrides: list[str], nproc: int, dp: int, dp_degree: int = 1,
+          family: str = "llama3") -> dict[str, list[float]]:
     """``dp`` sets the local batch (GLOBAL_BATCH // dp); ``dp_degree`` is the layout's real
     data-parallel degree, which decides the validation batch that covers the same sequences."""
     t0 = time.perf_counter()
     val_bs = f"training.val_local_batch_size={GLOBAL_BATCH // dp_degree}"
-    run_layout(tmp_path, COMMON + [val_bs] + overrides, nproc=nproc, dp=dp)
+    run_layout(tmp_path, COMMON + [val_bs] + PP_MODEL[family] + overrides, nproc=nproc, dp=dp, family=family)
     out = read_metrics(tmp_path / "run")
     print(f"{overrides}: {time.perf_counter() - t0:.1f}s")
     return out
@@ -50,11 +56,18 @@ def train(tmp_path: Path, overrides: list[str], nproc: int, dp: int, dp_degree: 
 _REF: dict[str, dict[str, list[float]]] = {}
 
 
+def single_of(tmp_path_factory, family: str) -> dict[str, list[float]]:
+    """The family's single-process run with the same settings (once per family per session)."""
+    if family not in _REF:
+        path = tmp_path_factory.mktemp(f"pp_single_{family}")
+        run_single(path, COMMON + [f"training.val_local_batch_size={GLOBAL_BATCH}"] + PP_MODEL[family], family=family)
+        _REF[family] = read_metrics(path / "run")
+    return _REF[family]
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> dict[str, list[float]]:
-    if "ref" not in _REF:
-        _REF["ref"] = train(tmp_path_factory.mktemp("pp_single"), ["parallelism=single"], nproc=1, dp=1)
-    return _REF["ref"]
+    return single_of(tmp_path_factory, "llama3")
 
 
 def assert_matches(got: dict[str, list[float]], ref: dict[str, list[float]]) -> dict[str, float]:
@@ -79,10 +92,29 @@ SCHEDULES = [
 ]
 
 
-@pytest.mark.parametrize("schedule,extra,dp", SCHEDULES, ids=[s for s, _, _ in SCHEDULES])
-def test_pp_schedule_matches_single(tmp_path, single, schedule, extra, dp):
-    got = train(tmp_path, ["parallelism=pp", f"parallelism.pp_schedule={schedule}", *extra], nproc=2, dp=dp)
-    assert_matches(got, single)
+# Llama 3 runs every schedule; Qwen3 one with a stage per rank and one with two (V placement).
+PP_RUNS = [("llama3", *s) for s in SCHEDULES] + [
+    ("qwen3", *s) for s in SCHEDULES if s[0] in ("1F1B", "ZBVZeroBubble")]
+
+
+@pytest.mark.parametrize("family,schedule,extra,dp", PP_RUNS, ids=[f"{f}-{s}" for f, s, _, _ in PP_RUNS])
+def test_pp_schedule_matches_single(tmp_path, tmp_path_factory, family, schedule, extra, dp):
+    got = train(tmp_path, ["parallelism=pp", f"parallelism.pp_schedule={schedule}", *extra], nproc=2, dp=dp,
+                family=family)
+    assert_matches(got, single_of(tmp_path_factory, family))
+
+
+def test_tied_embeddings_refused_under_pp(tmp_path):
+    """qwen3_debug ties its embeddings: launch stops before spawning with exit 2 and one line."""
+    run_dir = tmp_path / "run"
+    proc = run_launch(BASE + FAMILIES["qwen3"] + ["parallelism=pp", "cluster.nproc_per_node=2",
+                                                   f"training.local_batch_size={GLOBAL_BATCH}",
+                                                   f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "model.tie_word_embeddings=true" in lines[0] and "pipeline parallel" in lines[0], lines[0]
+    assert not (run_dir / "metrics.jsonl").exists()
 
 
 def test_fsdp_pp_matches_single(tmp_path, single):

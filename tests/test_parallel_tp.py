@@ -21,7 +21,7 @@ from titan_hydra.errors import ConfigError
 from titan_hydra.validate import validate
 
 # fp32: measured max |loss - single| over 10 steps: tp(2)+SP+LP 9.5e-7, tp(2) plain 0,
-# fsdp(2) x tp(2) 9.5e-7.
+# fsdp(2) x tp(2) 9.5e-7; Qwen3 (tied): tp(2)+SP+LP 9.5e-7, fsdp(2) x tp(2) 9.5e-7.
 ATOL = 1e-5
 # bf16 tp(2) vs single bf16 autocast: measured max |diff| 3.6e-5 to 4e-5 over 10 steps; ~7x headroom.
 BF16_ATOL = 3e-4
@@ -61,23 +61,23 @@ def test_tp_trained_params_match_single(tp_trained):
     assert diffs[worst] <= PARAM_ATOL, f"{worst}: max |tp - single| = {diffs[worst]:.3g}"
 
 
-@pytest.mark.parametrize(
-    "name, overrides, nproc, dp",
-    [
-        (
-            "tp_plain",
-            ["parallelism=tp", "parallelism.tp_sequence_parallel=false", "parallelism.tp_loss_parallel=false"],
-            2,
-            1,
-        ),
-        ("fsdp_2_x_tp_2", ["parallelism=fsdp_tp"], 4, 2),
-    ],
-)
-def test_fp32_loss_parity(tmp_path, tmp_path_factory, name, overrides, nproc, dp):
-    losses = run_layout(tmp_path, overrides, nproc=nproc, dp=dp)
-    ref = reference_losses(tmp_path_factory)
-    print("FP32DIFF", name, max(abs(a - b) for a, b in zip(losses, ref)))
-    assert_parity(losses, ref, atol=ATOL)
+# (family, name, overrides, nproc, dp). Qwen3 runs tied (qwen3_debug), so the TP plan's re-tie of
+# the vocab-sharded embedding/output and its head-local QK-norm are both exercised.
+FP32_LAYOUTS = [
+    ("llama3", "tp_plain",
+     ["parallelism=tp", "parallelism.tp_sequence_parallel=false", "parallelism.tp_loss_parallel=false"], 2, 1),
+    ("llama3", "fsdp_2_x_tp_2", ["parallelism=fsdp_tp"], 4, 2),
+    ("qwen3", "tp_sp_lp", ["parallelism=tp"], 2, 1),  # the preset: sequence + loss parallel on
+    ("qwen3", "fsdp_2_x_tp_2", ["parallelism=fsdp_tp"], 4, 2),
+]
+
+
+@pytest.mark.parametrize("family, name, overrides, nproc, dp", FP32_LAYOUTS,
+                         ids=[f"{f}-{n}" for f, n, *_ in FP32_LAYOUTS])
+def test_fp32_loss_parity(tmp_path, tmp_path_factory, family, name, overrides, nproc, dp):
+    losses = run_layout(tmp_path, overrides, nproc=nproc, dp=dp, family=family)
+    ref = reference_losses(tmp_path_factory, family=family)
+    assert_parity(losses, ref, atol=ATOL, label=f"{family} {name}")
 
 
 def test_bf16_loss_parity(tmp_path, tmp_path_factory):
@@ -122,7 +122,7 @@ def _shape_worker(rank: int, port: int, out: dict) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from titan_hydra.models.llama3 import Llama3
+    from titan_hydra.models.llama3 import FAMILY, Llama3
     from titan_hydra.parallel.dims import ParallelDims
     from titan_hydra.parallel.tp import apply_tp
 
@@ -140,7 +140,7 @@ def _shape_worker(rank: int, port: int, out: dict) -> None:
             dims.build_mesh("cpu")
             with torch.device("meta"):
                 model = Llama3(**KW)
-            apply_tp(model, dims, None)
+            apply_tp(model, FAMILY, dims)
             out[(rank, sp, "local")] = {
                 k: tuple(p.to_local().shape) if isinstance(p, DTensor) else None
                 for k, p in model.named_parameters()
@@ -159,7 +159,7 @@ def _shape_worker(rank: int, port: int, out: dict) -> None:
             stage = Llama3(**KW)
         stage.tok_embeddings = stage.norm = stage.output = None
         del stage.layers["0"]
-        apply_tp(stage, dims, None)
+        apply_tp(stage, FAMILY, dims)
         out[(rank, "stage")] = {k: tuple(p.to_local().shape) for k, p in stage.named_parameters()}
     finally:
         dist.destroy_process_group()

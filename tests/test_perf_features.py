@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_hydra.errors import UserError
 from titan_hydra.models.llama3 import Llama3
+from titan_hydra.models.qwen3 import Qwen3
 from titan_hydra.parallel.ac import apply_ac
 from titan_hydra.parallel.compile import apply_compile, build_loss_fn
 from titan_hydra.quant.float8 import Float8Converter
@@ -25,16 +26,23 @@ from titan_hydra.train.loss import cross_entropy_loss
 
 LAYERS = 4
 LINEARS_PER_BLOCK = 7  # wq wk wv wo w1 w2 w3
+NORMS_PER_BLOCK = {"llama": 2, "qwen3": 4}  # attention_norm, ffn_norm (+ Qwen3's q_norm, k_norm)
 VOCAB = 512
 
 
-def tiny_model(ac: str = "none", layers: int = LAYERS, float8: str | None = None, dim: int = 64) -> Llama3:
+def tiny_model(ac: str = "none", layers: int = LAYERS, float8: str | None = None, dim: int = 64,
+               kind: str = "llama"):
     torch.manual_seed(0)
-    m = Llama3(dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=64, multiple_of=64)
+    if kind == "llama":
+        m = Llama3(dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=64,
+                   multiple_of=64)
+    else:  # head_dim 32 != dim / n_heads
+        m = Qwen3(dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2, head_dim=32, ffn_hidden_dim=3 * dim,
+                  vocab_size=VOCAB, max_seq_len=64, tie_word_embeddings=False)
     m.init_weights()
     if float8:
         Float8Converter(float8, filter_fqns=["output"], auto_filter_small_kn=False).convert(m)
-    apply_ac(m, OmegaConf.create({"mode": ac, "selective_layer_freq": 2}))
+    apply_ac(m.layers, OmegaConf.create({"mode": ac, "selective_layer_freq": 2}))
     return m
 
 
@@ -54,8 +62,8 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def backward_counts(ac: str) -> tuple[float, dict[str, int], list[torch.Tensor]]:
-    m = tiny_model(ac)
+def backward_counts(ac: str, kind: str) -> tuple[float, dict[str, int], list[torch.Tensor]]:
+    m = tiny_model(ac, kind=kind)
     x = batch()
     loss = cross_entropy_loss(m(x), x)
     with OpCounter() as counter:
@@ -63,21 +71,24 @@ def backward_counts(ac: str) -> tuple[float, dict[str, int], list[torch.Tensor]]
     return loss.item(), counter.counts, [p.grad.clone() for p in m.parameters()]
 
 
-@pytest.fixture(scope="module")
-def ac_runs():
-    return {mode: backward_counts(mode) for mode in ("none", "full", "selective_op", "selective_layer")}
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def ac_runs(request):
+    runs = {mode: backward_counts(mode, request.param) for mode in ("none", "full", "selective_op", "selective_layer")}
+    return request.param, runs
 
 
 def test_ac_losses_and_grads_equal_no_ac(ac_runs):
-    loss0, _, grads0 = ac_runs["none"]
+    _, runs = ac_runs
+    loss0, _, grads0 = runs["none"]
     for mode in ("full", "selective_op", "selective_layer"):
-        loss, _, grads = ac_runs[mode]
+        loss, _, grads = runs[mode]
         assert loss == loss0, mode  # recompute is deterministic: bitwise equal
         assert max((a - b).abs().max().item() for a, b in zip(grads, grads0)) == 0.0, mode
 
 
 def test_ac_backward_recomputes_what_the_mode_says(ac_runs):
-    mm = {mode: r[1].get("mm", 0) for mode, r in ac_runs.items()}
+    kind, runs = ac_runs
+    mm = {mode: r[1].get("mm", 0) for mode, r in runs.items()}
     # no AC: 2 matmuls per Linear in backward (grad input, grad weight), output layer included
     assert mm["none"] == 2 * (LAYERS * LINEARS_PER_BLOCK + 1)
     # full: every block's forward matmuls run again, except w2: nothing in backward needs its
@@ -88,10 +99,10 @@ def test_ac_backward_recomputes_what_the_mode_says(ac_runs):
     assert mm["selective_layer"] - mm["none"] == (LAYERS // 2) * recomputed
     # selective_op: matmul outputs are saved, so no matmul is recomputed ...
     assert mm["selective_op"] == mm["none"]
-    # ... but the cheap ops are: each block's two RMSNorms run again
-    norms = {mode: r[1].get("_fused_rms_norm", 0) + r[1].get("rsqrt", 0) for mode, r in ac_runs.items()}
-    assert norms["selective_op"] - norms["none"] == 2 * LAYERS
-    assert norms["full"] - norms["none"] == 2 * LAYERS
+    # ... but the cheap ops are: each block's RMSNorms run again (Qwen3: QK-norm's two as well)
+    norms = {mode: r[1].get("_fused_rms_norm", 0) + r[1].get("rsqrt", 0) for mode, r in runs.items()}
+    assert norms["selective_op"] - norms["none"] == NORMS_PER_BLOCK[kind] * LAYERS
+    assert norms["full"] - norms["none"] == NORMS_PER_BLOCK[kind] * LAYERS
 
 
 def step_peak(ac: str) -> dict[str, int]:
@@ -179,15 +190,16 @@ def test_float8_refused_on_old_gpu(monkeypatch):
 # ------------------------------------------------------------------------------- compile
 
 
-def test_regional_compile_with_ac_and_compiled_loss_matches_eager():
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_regional_compile_with_ac_and_compiled_loss_matches_eager(kind):
     cfg = OmegaConf.create({"mode": "model_loss", "backend": "inductor"})
     x = batch(2, 32)
     results = []
     for compiled in (False, True):
-        m = tiny_model("selective_op", layers=2)
+        m = tiny_model("selective_op", layers=2, kind=kind)
         loss_fn = cross_entropy_loss
         if compiled:
-            assert apply_compile(m, cfg) == 2
+            assert apply_compile(m, m.layers, cfg) == 2
             loss_fn = build_loss_fn(cfg)
         opt = torch.optim.SGD(m.parameters(), lr=0.5)
         losses = []

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import titan_hydra.models.llama3 as llama3
-from titan_hydra.models.llama3 import Attention, Llama3
+from titan_hydra.models.common.attention import Attention
+from titan_hydra.models.llama3 import Llama3
+from titan_hydra.models.qwen3 import Qwen3
 from titan_hydra.train.precision import apply_attention_precision, attention_dtype
 from tests.conftest import compose_cfg
 
@@ -24,31 +26,46 @@ def test_attention_dtype_rules(mode, mp, device, head_dim, expected):
     assert attention_dtype(mode, mp, device, head_dim) == expected
 
 
-def _record_sdpa(monkeypatch) -> list[torch.dtype]:
-    seen: list[torch.dtype] = []
-    real = F.scaled_dot_product_attention
+class KernelDtypes(TorchDispatchMode):
+    """The dtypes the attention kernel really gets: recorded below autocast (which casts SDPA's
+    inputs itself), so a policy that autocast silently overrides would show here."""
 
-    def recording(q, k, v, **kw):
-        seen.append(q.dtype)
-        return real(q, k, v, **kw)
+    def __init__(self):
+        super().__init__()
+        self.seen: list[torch.dtype] = []
 
-    monkeypatch.setattr(llama3.F, "scaled_dot_product_attention", recording)
-    return seen
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "scaled_dot_product" in func.overloadpacket.__name__:
+            assert args[0].dtype == args[1].dtype == args[2].dtype, func
+            self.seen.append(args[0].dtype)
+        return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("mode,expected", [("auto", torch.float32), ("compute", torch.bfloat16)])
-def test_model_runs_sdpa_in_chosen_dtype_under_autocast(monkeypatch, mode, expected):
+def tiny(kind: str, head_dim: int):
+    if kind == "llama":  # head_dim = dim / n_heads
+        return Llama3(dim=4 * head_dim, n_layers=2, n_heads=4, vocab_size=128, max_seq_len=32)
+    # Qwen3: head_dim is its own field; the rule must read it, not dim / n_heads (= 16 here)
+    return Qwen3(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=head_dim, ffn_hidden_dim=96,
+                 vocab_size=128, max_seq_len=32)
+
+
+@pytest.mark.parametrize("kind,head_dim,mode,expected", [
+    ("llama", 16, "auto", torch.float32), ("llama", 16, "compute", torch.bfloat16),
+    ("qwen3", 16, "auto", torch.float32), ("qwen3", 16, "compute", torch.bfloat16),
+    ("qwen3", 64, "auto", torch.bfloat16),  # 64-wide heads on a 64-wide model: bf16 is fine
+])
+def test_model_runs_sdpa_in_chosen_dtype_under_autocast(kind, head_dim, mode, expected):
     cfg = compose_cfg(["model.dim=64", "model.n_layers=2", "model.n_heads=4",
                        "training.mixed_precision=bf16", f"training.attention_precision={mode}"])
     torch.manual_seed(0)
-    model = Llama3(dim=64, n_layers=2, n_heads=4, vocab_size=128, max_seq_len=32)
+    model = tiny(kind, head_dim)
     model.init_weights()
-    apply_attention_precision(model, cfg, torch.device("cpu"))
-    seen = _record_sdpa(monkeypatch)
+    chosen = apply_attention_precision(model, cfg, torch.device("cpu"))
+    assert chosen == (None if expected == torch.bfloat16 else expected)
     tokens = torch.randint(0, 128, (2, 32))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16), KernelDtypes() as kernels:
         logits = model(tokens)
-    assert seen == [expected, expected]  # one call per block, in the chosen dtype
+    assert kernels.seen == [expected, expected]  # one call per block, in the chosen dtype
     assert logits.dtype == torch.bfloat16  # the rest of the block stays in the compute dtype
     F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
     wq = model.layers["0"].attention.wq.weight.grad
@@ -58,12 +75,16 @@ def test_model_runs_sdpa_in_chosen_dtype_under_autocast(monkeypatch, mode, expec
 def test_fp32_attention_is_fp32_sdpa_of_the_bf16_inputs():
     """Upcast attention equals fp32 SDPA of the same bf16 q/k/v, cast back to bf16 (bit-exact)."""
     torch.manual_seed(0)
-    attn = Attention(llama3.LlamaArgs(dim=64, n_heads=4, vocab_size=128, max_seq_len=16))
+    attn = Attention(64, 4, 4, 16)
     q, k, v = (torch.randn(2, 4, 16, 16).to(torch.bfloat16) for _ in range(3))
     attn.sdpa_dtype = torch.float32
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = attn._sdpa(q, k, v)
     want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True).bfloat16()
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    # q/k already fp32 but autocast still on (fp32-weighted QK-norm would do that): still fp32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = attn._sdpa(q.float(), k.float(), v)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
     attn.sdpa_dtype = None
     with torch.autocast("cpu", dtype=torch.bfloat16):

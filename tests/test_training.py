@@ -1,5 +1,9 @@
 """The trainer on the built-in corpus: learning, determinism, precision, accumulation,
-divergence handling and LR schedules — all checked by numbers."""
+divergence handling and LR schedules — all checked by numbers.
+
+Model families: learning, the initial loss, and short compile+AC / float8 runs are checked for
+every family (Llama 3 and Qwen3); the rest runs the default Llama 3.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import pytest
 import torch
 
 from conftest import TINY, compose_cfg
+from parity import FAMILIES, UNTIED
 from titan_hydra.errors import TrainingDiverged
 from titan_hydra.train.lr_schedule import lr_multiplier
 from titan_hydra.train.pretrain import run
@@ -21,16 +26,57 @@ def train(tmp_path, overrides, name="run"):
     return run(cfg, str(tmp_path / name))
 
 
-def test_thirty_steps_lower_the_loss(tmp_path):
-    # The llama3_debug shape itself (dim 256, 6 layers), shorter sequences to stay fast.
+# (family overrides, whether the first loss must sit near uniform guessing, least drop of the
+# 3-step mean over 30 steps). Measured (first 3 -> last 3): llama3_debug 8.06 -> 6.31; qwen3_debug
+# with 2 layers 12.5 -> 6.41, its tied init starting 5 nats above uniform (see
+# test_initial_loss_is_near_uniform); with a 1/dim tied init it measured 7.62 -> 6.45, so the
+# drop asked of Qwen3 is 1.0 (the run must also end 1 nat below uniform, as both do).
+LEARNING = [
+    pytest.param([], True, 1.5, id="llama3"),
+    pytest.param(["model=qwen3_debug", "model.n_layers=2"], False, 1.0, id="qwen3"),
+]
+
+
+@pytest.mark.parametrize("model, init_near_uniform, min_drop", LEARNING)
+def test_thirty_steps_lower_the_loss(tmp_path, model, init_near_uniform, min_drop):
+    # The debug shape itself (llama3_debug: dim 256, 6 layers; qwen3_debug: 2 of its 6 layers),
+    # shorter sequences to stay fast.
     cfg = compose_cfg(["logger=minimal", "training.val_freq=0", "cluster.threads_per_proc=1",
-                       "training.steps=30", "training.seq_len=128", "data.max_documents=200"])
+                       "training.steps=30", "training.seq_len=128", "data.max_documents=200", *model])
     losses = run(cfg, str(tmp_path / "run"))["losses"]
-    assert len(losses) == 30
-    # At init the logits have unit variance: a little above uniform guessing, ln(2048) = 7.62.
-    assert math.log(2048) - 0.2 < losses[0] < math.log(2048) + 1.0, losses[0]
+    assert len(losses) == 30 and all(math.isfinite(x) for x in losses), losses
+    if init_near_uniform:
+        # At init the logits have unit variance: a little above uniform guessing, ln(2048) = 7.62.
+        assert math.log(2048) - 0.2 < losses[0] < math.log(2048) + 1.0, losses[0]
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
-    assert last < first - 1.5, (first, last)
+    assert last < first - min_drop, (first, last)
+    assert last < math.log(2048) - 1.0, (first, last)
+
+
+# The loss of a freshly initialized debug model on random tokens: O(1) logits put it a little
+# above ln(vocab). Measured (dim 256, 6 layers): llama3 8.0, qwen3 untied 8.1, qwen3 tied 10.8.
+@pytest.mark.parametrize("model", [
+    pytest.param([], id="llama3"),
+    pytest.param(["model=qwen3_debug", UNTIED], id="qwen3_untied"),
+    pytest.param(["model=qwen3_debug"], id="qwen3_tied", marks=pytest.mark.xfail(strict=True, reason=(
+        "tied init: the shared [vocab, dim] matrix gets std dim**-0.5, so the normalized input "
+        "embedding has a dot product ~sqrt(dim) * cos with its own output row: the current token's "
+        "logit starts near 10.7 (dim 256) and the loss 3 nats above uniform"))),
+])
+def test_initial_loss_is_near_uniform(model):
+    import torch.nn.functional as F
+
+    from titan_hydra.models.registry import build_model
+
+    cfg = compose_cfg(["training.seq_len=128", *model])
+    torch.manual_seed(0)
+    _, m = build_model(cfg.model)
+    m.init_weights()
+    tokens = torch.randint(0, cfg.model.vocab_size, (4, 129), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = m(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
+    assert math.log(2048) - 0.2 < loss < math.log(2048) + 1.0, loss
 
 
 def test_same_seed_same_losses_and_other_seed_differs(tmp_path):
@@ -118,3 +164,69 @@ def test_optimizer_and_schedule_come_from_config(tmp_path):
         sched.step()
     assert lrs[4] == pytest.approx(cfg.optimizer.lr)  # stable phase of warmup-stable-decay
     assert lrs[-1] < lrs[4]
+
+
+# ------------------------------------------------------------------------------- per family, e2e
+# compile (regional, inductor) + selective-op activation checkpointing, and emulated float8, each
+# through the trainer for 4 fp32 steps on the tiny model of every family (parity.FAMILIES on top
+# of TINY: Qwen3 with tied embeddings, head_dim 32 on a 64-wide model, QK-norm), compared with the
+# same family's eager fp32 run.
+SHORT = ["training.steps=4", "training.mixed_precision=fp32"]
+# Compiled + AC vs eager: measured max |diff| 0 (llama3) and 9.5e-7 (qwen3).
+COMPILE_ATOL = 1e-5
+# Float8 (tensorwise, emulated: float8 casts and scales, high-precision matmul) on every block
+# linear (output excluded) vs fp32: measured max |diff| over 4 steps 2.8e-5 (llama3) and 1.3e-3
+# (qwen3); bf16 autocast on the same runs is 4.5e-4 / 1.2e-3 away, so float8 rounding lands at
+# bf16-like distance. 1e-2 (~8x the worst, 0.1% of the loss) still fails a lost scale or cast,
+# which moves the loss by O(0.1) or more.
+FLOAT8_ATOL = 1e-2
+FLOAT8 = ["float8=tensorwise", "float8.emulate=true", "float8.auto_filter_small_kn=false"]
+LINEARS_PER_BLOCK = 7  # wq wk wv wo w1 w2 w3
+
+_EAGER: dict[str, list[float]] = {}
+
+
+def eager_losses(tmp_path_factory, family: str) -> list[float]:
+    if family not in _EAGER:
+        _EAGER[family] = train(tmp_path_factory.mktemp(f"eager_{family}"), FAMILIES[family] + SHORT)["losses"]
+    return _EAGER[family]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_compile_with_selective_ac_matches_eager(tmp_path, tmp_path_factory, monkeypatch, family):
+    from titan_hydra.parallel import ac, compile as compile_mod
+
+    done = {}
+    real_ac, real_compile = ac.apply_ac, compile_mod.apply_compile
+    monkeypatch.setattr(ac, "apply_ac", lambda layers, cfg: done.setdefault("ac", (cfg.mode, real_ac(layers, cfg))))
+    monkeypatch.setattr(compile_mod, "apply_compile",
+                        lambda part, layers, cfg: done.setdefault("compile", real_compile(part, layers, cfg)))
+    compiled = ["compile=model", "activation_checkpoint=selective_op"]
+    losses = train(tmp_path, FAMILIES[family] + SHORT + compiled)["losses"]
+    assert done == {"ac": ("selective_op", ["0", "1"]), "compile": 2}, done
+    ref = eager_losses(tmp_path_factory, family)
+    diff = max(abs(a - b) for a, b in zip(losses, ref))
+    print(f"{family} compile+AC max |loss - eager| = {diff:.3g}")
+    assert len(losses) == len(ref) == 4 and diff <= COMPILE_ATOL, (losses, ref)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_float8_emulated_tracks_fp32(tmp_path, tmp_path_factory, monkeypatch, family):
+    from titan_hydra.quant.float8 import Float8Converter
+
+    converted = []
+    real_convert = Float8Converter.convert
+
+    def convert(self, model):
+        out = real_convert(self, model)
+        converted.extend(self.converted)
+        return out
+
+    monkeypatch.setattr(Float8Converter, "convert", convert)
+    losses = train(tmp_path, FAMILIES[family] + SHORT + FLOAT8)["losses"]
+    assert len(converted) == 2 * LINEARS_PER_BLOCK and not any("output" in n for n in converted), converted
+    ref = eager_losses(tmp_path_factory, family)
+    diff = max(abs(a - b) for a, b in zip(losses, ref))
+    print(f"{family} float8 max |loss - fp32| = {diff:.3g}")
+    assert len(losses) == len(ref) == 4 and all(math.isfinite(x) for x in losses), losses
+    assert 0 < diff <= FLOAT8_ATOL, (losses, ref)

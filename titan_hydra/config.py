@@ -1,8 +1,9 @@
 """Structured config schema, registered in Hydra's ConfigStore.
 
-Every config group has a dataclass here. The YAML options under ``conf/<group>/`` extend the
-group's schema (``defaults: [<group>_schema, _self_]``) and the primary config extends
-``titan_schema``, so a misspelled key (``training.stepz=5``) or a wrong type
+Every config group has a dataclass here (model schemas live with their family, e.g.
+``titan_hydra/models/llama3/config.py``). The YAML options under ``conf/<group>/`` extend the
+group's schema (``defaults: [/schema_<group>@_here_, _self_]``) and the primary config extends
+``schema_titan``, so a misspelled key (``training.stepz=5``) or a wrong type
 (``training.steps=abc``) fails while Hydra composes, before any process starts.
 
 Objects the recipe builds carry a ``_target_`` (model, parallelism, optimizer, LR schedule,
@@ -26,27 +27,6 @@ class Precision(str, Enum):
 
     bf16 = "bf16"
     fp32 = "fp32"
-
-
-@dataclass
-class ModelConfig:
-    """Llama-family architecture; fields mirror ``titan_hydra.models.llama3.LlamaArgs``."""
-
-    _target_: str = "titan_hydra.models.llama3.Llama3"
-    flavor: str = "custom"
-    dim: int = 256
-    n_layers: int = 6
-    n_heads: int = 16
-    n_kv_heads: Optional[int] = None
-    vocab_size: int = 2048
-    multiple_of: int = 256
-    ffn_dim_multiplier: Optional[float] = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    rope_scaling: bool = False
-    rope_scaling_factor: float = 8.0
-    max_seq_len: int = 2048
-    depth_init: bool = True
 
 
 @dataclass
@@ -276,7 +256,9 @@ class TrainingConfig:
 
 @dataclass
 class TitanConfig:
-    model: ModelConfig = MISSING
+    # Typed by the chosen option's family schema (schema_model_<family>), or free-form for a
+    # model defined outside titan_hydra (README: bring your own model).
+    model: Any = MISSING
     parallelism: ParallelismConfig = MISSING
     optimizer: OptimizerConfig = MISSING
     lr_scheduler: LRSchedulerConfig = MISSING
@@ -295,7 +277,6 @@ class TitanConfig:
 
 
 GROUP_SCHEMAS = {
-    "model": ModelConfig,
     "parallelism": ParallelismConfig,
     "optimizer": OptimizerConfig,
     "lr_scheduler": LRSchedulerConfig,
@@ -337,9 +318,14 @@ def register_configs() -> None:
     if not OmegaConf.has_resolver("th_run_subdir"):
         OmegaConf.register_new_resolver("th_run_subdir", run_subdir)
     cs = ConfigStore.instance()
-    cs.store(name="titan_schema", node=TitanConfig)
+    # Stored outside the groups (``schema_<group>``), so that ``--help`` lists only real options;
+    # each option file extends its schema with ``defaults: [/schema_<group>@_here_, _self_]``.
+    cs.store(name="schema_titan", node=TitanConfig)
     for group, schema in GROUP_SCHEMAS.items():
-        cs.store(group=group, name=f"{group}_schema", node=schema)
+        cs.store(name=f"schema_{group}", node=schema)
+    from titan_hydra.models.registry import register_schemas
+
+    register_schemas(cs)
 
 
 register_configs()

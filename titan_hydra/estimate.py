@@ -17,16 +17,17 @@ from omegaconf import DictConfig, OmegaConf
 
 from titan_hydra.config import mixed_precision_of
 
-from titan_hydra.models.llama3 import LlamaArgs, flops_per_token, num_params
+from titan_hydra.models.protocol import ModelShape
+from titan_hydra.models.registry import args_of
 from titan_hydra.train.precision import attention_dtype
 
 GIB = 1024**3
 
 
-def model_args(cfg: DictConfig) -> LlamaArgs:
-    fields = OmegaConf.to_container(cfg.model, resolve=True)
-    fields = {k: v for k, v in fields.items() if k not in ("_target_", "flavor")}
-    return LlamaArgs(**fields)
+def model_shape(cfg: DictConfig) -> ModelShape:
+    """The family-independent shape numbers of ``cfg.model`` (no model is allocated)."""
+    family, args = args_of(cfg.model)
+    return family.shape(args)
 
 
 # Bytes saved for backward per token and per transformer block, measured with torch's
@@ -58,16 +59,16 @@ def precision_kind(mp: str, fsdp: bool) -> str:
     return "bf16_params" if fsdp else "bf16"
 
 
-def block_activation_bytes(args: LlamaArgs, kind: str, mode: str, tokens: float, tp: int = 1) -> float:
+def block_activation_bytes(args: ModelShape, kind: str, mode: str, tokens: float, tp: int = 1) -> float:
     """Saved activations of one block for ``tokens`` tokens (per rank: heads split by tp)."""
-    d, kv, f = args.dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
+    d, kv, f = args.dim, args.kv_dim, args.ffn_dim
     if mode == "full":
         return tokens * RESIDUAL_BYTES[kind] * d / tp  # only the block input
     cd, ckv, cf = ACT_COEF[(kind, mode)]
     return tokens * ((cd * d + ckv * kv + cf * f) + 4 * args.n_heads) / tp
 
 
-def activation_bytes(args: LlamaArgs, kind: str, mode: str, tokens: float, layers: float,
+def activation_bytes(args: ModelShape, kind: str, mode: str, tokens: float, layers: float,
                      freq: int, tp: int = 1) -> float:
     """All blocks' saved activations plus one block's recompute (transient) under AC."""
     full = block_activation_bytes(args, kind, "none", tokens, tp)
@@ -82,7 +83,7 @@ def activation_bytes(args: LlamaArgs, kind: str, mode: str, tokens: float, layer
     return layers * saved + (full - saved)  # full: one block rebuilt at a time
 
 
-def fp32_attention_bytes(cfg: DictConfig, args: LlamaArgs, mp: str, ac: DictConfig, tokens: float,
+def fp32_attention_bytes(cfg: DictConfig, args: ModelShape, mp: str, ac: DictConfig, tokens: float,
                          layers: int, tp: int) -> float:
     """What upcast attention adds to the saved activations (0 unless it is in effect)."""
     mode = str(cfg.training.attention_precision)
@@ -97,7 +98,7 @@ def fp32_attention_bytes(cfg: DictConfig, args: LlamaArgs, mp: str, ac: DictConf
     return per_block * ATTN_FP32_EXTRA["none"]  # full: the one block being recomputed
 
 
-def head_activation_bytes(args: LlamaArgs, tokens: float, tp: int) -> float:
+def head_activation_bytes(args: ModelShape, tokens: float, tp: int) -> float:
     """Final norm + logits: the logits, their fp32 log-softmax and both gradients (~16 B/vocab)."""
     return tokens * (12 * args.dim + 16 * args.vocab_size / tp)
 
@@ -119,6 +120,7 @@ class Plan:
     mem_activations_gib: float
     mem_total_gib: float
     mixed_precision: str = "fp32"
+    active_params: int = 0
     ac_mode: str = "none"
     mem_transient_gib: float = 0.0
     device_memory_gib: float | None = None
@@ -136,6 +138,8 @@ class Plan:
             ("model", self.flavor),
             ("parameters", f"{self.params:,} ({self.params / 1e9:.3f}B)"),
             ("non-embedding parameters", f"{self.non_embedding_params:,}"),
+            *([("active parameters per token", f"{self.active_params:,}")]
+              if self.active_params and self.active_params != self.params else []),
             ("FLOPs per token", f"{self.flops_per_token:.4g}"),
             ("tokens per step (global)", f"{self.tokens_per_step:,}"),
             ("FLOPs per step (global)", f"{self.flops_per_step:.4g}"),
@@ -170,13 +174,11 @@ def device_memory_of(cfg: DictConfig) -> float | None:
     return None
 
 
-def stage_params(args: LlamaArgs, pp: int) -> float:
+def stage_params(args: ModelShape, pp: int) -> float:
     """Parameters of the largest pipeline stage (blocks split evenly + embedding or output)."""
-    n = num_params(args)
     if pp == 1:
-        return n
-    blocks = (n - 2 * args.vocab_size * args.dim - args.dim) / args.n_layers
-    return math.ceil(args.n_layers / pp) * blocks + args.vocab_size * args.dim + args.dim
+        return args.params
+    return math.ceil(args.n_layers / pp) * args.block_params + max(args.embedding_params, args.head_params)
 
 
 def plan(cfg: DictConfig, dims) -> Plan:
@@ -190,16 +192,16 @@ def plan(cfg: DictConfig, dims) -> Plan:
     at the start of backward), and a third candidate peak at the end of backward (sharded grads
     + one unsharded group being reduce-scattered).
     """
-    args = model_args(cfg)
+    family, margs = args_of(cfg.model)
+    args = family.shape(margs)
     t = cfg.training
     mp = mixed_precision_of(cfg)
     ac = cfg.activation_checkpoint
-    n = num_params(args)
-    n_emb = args.vocab_size * args.dim
-    fpt = flops_per_token(args, t.seq_len)
+    n = args.params
+    n_emb = args.embedding_params
+    fpt = family.flops_per_token(margs, t.seq_len)
     local_bs = t.local_batch_size
-    global_bs = t.global_batch_size if t.global_batch_size > 0 else local_bs * dims.dp_degree
-    accum = global_bs // (local_bs * dims.dp_degree)
+    global_bs, accum = dims.batch_plan(local_bs, t.global_batch_size)
     tokens = global_bs * t.seq_len
     fsdp_shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
     params_local = stage_params(args, dims.pp) / dims.tp / fsdp_shard
@@ -219,8 +221,8 @@ def plan(cfg: DictConfig, dims) -> Plan:
         act += params_local * 2
     transient = end_of_backward = 0.0
     if dims.fsdp_enabled:
-        block = (num_params(args) - 2 * n_emb - args.dim) / args.n_layers / dims.tp
-        head = n_emb / dims.tp
+        block = args.block_params / dims.tp
+        head = args.head_params / dims.tp
         pbytes = 2 if kind == "bf16_params" else 4
         transient = (head + block) * (pbytes + 4)  # unsharded params + their unsharded grads
         # Last groups of backward: (almost) every sharded gradient already exists while a group
@@ -229,7 +231,7 @@ def plan(cfg: DictConfig, dims) -> Plan:
         end_of_backward = mem_grads + max(head, block) * (2 * pbytes + 4)
     # AdamW on CUDA is foreach (a temporary as large as all local params); on CPU it loops
     # per tensor (a temporary as large as the largest one: embedding/output or an FFN weight).
-    largest = max(n_emb, args.dim * args.ffn_hidden_dim) / dims.tp / fsdp_shard
+    largest = max(n_emb, args.dim * args.ffn_dim) / dims.tp / fsdp_shard
     optimizer_step = mem_grads + 4 * (params_local if cfg.cluster.device == "cuda" else largest)
     peak = mem_params + mem_optim + max(act + transient, optimizer_step, end_of_backward)
     layout = f"dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp} pp={dims.pp} cp={dims.cp}"
@@ -237,7 +239,8 @@ def plan(cfg: DictConfig, dims) -> Plan:
     flops_rank = fpt * tokens / dims.world_size
     step_time = flops_rank / (0.4 * peak_tflops * 1e12) if peak_tflops else None
     return Plan(
-        flavor=str(cfg.model.flavor), params=n, non_embedding_params=n - n_emb, flops_per_token=fpt,
+        flavor=str(OmegaConf.select(cfg, "model.flavor", default=None) or "custom"), params=n,
+        active_params=args.active_params, non_embedding_params=n - n_emb, flops_per_token=fpt,
         tokens_per_step=tokens, flops_per_step=fpt * tokens, world_size=dims.world_size, layout=layout,
         grad_accum_steps=accum, mem_params_gib=mem_params / GIB, mem_grads_gib=mem_grads / GIB,
         mem_optimizer_gib=mem_optim / GIB, mem_activations_gib=act / GIB, mem_total_gib=peak / GIB,

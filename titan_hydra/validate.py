@@ -63,7 +63,7 @@ def validate(cfg: DictConfig) -> None:
     for key in ("training.max_norm", "training.val_freq", "lr_scheduler.warmup_steps"):
         _positive(cfg, key, allow_zero=True)
 
-    t, m, s = cfg.training, cfg.model, cfg.lr_scheduler
+    t, s = cfg.training, cfg.lr_scheduler
     if s.warmup_steps > t.steps:
         raise ConfigError(
             f"lr_scheduler.warmup_steps={s.warmup_steps} exceeds training.steps={t.steps}; lower the warmup"
@@ -72,35 +72,18 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"lr_scheduler.decay_ratio={s.decay_ratio} must be within [0, 1]")
     if not 0.0 <= s.min_lr_factor <= 1.0:
         raise ConfigError(f"lr_scheduler.min_lr_factor={s.min_lr_factor} must be within [0, 1]")
-    if t.seq_len > m.max_seq_len:
-        raise ConfigError(
-            f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; shorten the sequence"
-        )
-    if m.dim % m.n_heads != 0:
-        raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
-    kv = m.n_kv_heads or m.n_heads
-    if m.n_heads % kv != 0:
-        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={kv}")
-    if (m.dim // m.n_heads) % 2 != 0:
-        raise ConfigError(f"head dim {m.dim // m.n_heads} must be even for rotary embeddings")
 
+    from titan_hydra.models.registry import args_of
+
+    family, args = args_of(cfg.model)  # the family's own shape rules (heads, head dim, ...)
     dims = build_dims(cfg)
-    if m.n_heads % dims.tp != 0 or kv % dims.tp != 0:
-        raise ConfigError(
-            f"parallelism.tp={dims.tp} must divide model.n_heads={m.n_heads} and n_kv_heads={kv}"
-        )
-    if dims.pp > m.n_layers:
-        raise ConfigError(f"parallelism.pp={dims.pp} exceeds model.n_layers={m.n_layers}")
+    family.check(args, dims, int(t.seq_len))  # layout rules of this family (tp vs heads, pp vs tying, ...)
     if dims.cp > 1 and t.seq_len % (2 * dims.cp) != 0:
         raise ConfigError(
             f"training.seq_len={t.seq_len} must be divisible by 2*parallelism.cp={2 * dims.cp} "
             "(causal load balancing splits each sequence into 2*cp chunks)"
         )
-    if t.global_batch_size > 0 and t.global_batch_size % (t.local_batch_size * dims.dp_degree) != 0:
-        raise ConfigError(
-            f"training.global_batch_size={t.global_batch_size} is not a multiple of local_batch_size "
-            f"{t.local_batch_size} x data-parallel degree {dims.dp_degree}"
-        )
+    dims.batch_plan(t.local_batch_size, t.global_batch_size)
 
     if not OmegaConf.select(cfg, "dry_run"):  # a dry run sizes a GPU cluster from any machine
         _validate_environment(cfg)
@@ -135,6 +118,13 @@ def _validate_environment(cfg: DictConfig) -> None:
         raise ConfigError("cluster.backend=nccl needs CUDA; use cluster.backend=gloo on CPU")
 
 
+def family_vocab(cfg: DictConfig) -> int:
+    from titan_hydra.models.registry import args_of
+
+    family, args = args_of(cfg.model)
+    return family.shape(args).vocab_size
+
+
 def _validate_data(cfg: DictConfig) -> None:
     d = cfg.data
     if d.source in ("json", "parquet", "text"):
@@ -152,8 +142,9 @@ def _validate_data(cfg: DictConfig) -> None:
     from titan_hydra.data.tokenizer import Tokenizer
 
     tok = Tokenizer(d.tokenizer)
-    if tok.vocab_size > cfg.model.vocab_size:
+    vocab = family_vocab(cfg)
+    if tok.vocab_size > vocab:
         raise ConfigError(
-            f"tokenizer vocab {tok.vocab_size} exceeds model.vocab_size={cfg.model.vocab_size}; "
+            f"tokenizer vocab {tok.vocab_size} exceeds model.vocab_size={vocab}; "
             "raise model.vocab_size or use a smaller tokenizer"
         )

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -54,21 +53,17 @@ from titan_hydra.checkpoint.storage import (
 
 FORMAT_VERSION = 1
 CATEGORIES = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
-# Model fields that must agree between a checkpoint and the run (max_seq_len may change:
-# rope tables are not saved; init-only fields do not matter once weights are loaded).
-ARG_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden_dim", "norm_eps",
-              "rope_theta", "rope_scaling", "rope_scaling_factor")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def model_signature(args) -> dict[str, Any]:
-    """The fields of LlamaArgs that decide whether weights fit (derived ones included)."""
-    return {k: getattr(args, k) for k in ARG_FIELDS}
-
-
 def signature_diff(saved: dict[str, Any], ours: dict[str, Any]) -> list[str]:
-    return [f"{k}={saved.get(k)!r} (run has {ours[k]!r})" for k in ARG_FIELDS if k in saved and saved[k] != ours[k]]
+    """Fields of two model signatures (``ModelFamily.signature``) that disagree; a checkpoint written
+    before a field existed is not judged on it."""
+    from titan_hydra.models.registry import LEGACY_FAMILY
+
+    saved = {"family": LEGACY_FAMILY, **saved}
+    return [f"{k}={saved[k]!r} (run has {v!r})" for k, v in ours.items() if k in saved and saved[k] != v]
 
 
 def export_dtype(name: str) -> torch.dtype:
@@ -147,6 +142,7 @@ class CheckpointManager:
         train_loader,
         trainer,
         dims,
+        family,
         model_args,
         flavor: str,
         rank: int = 0,
@@ -162,6 +158,7 @@ class CheckpointManager:
         self.train_loader = train_loader
         self.trainer = trainer
         self.dims = dims
+        self.family = family  # titan_hydra.models.protocol.ModelFamily
         self.model_args = model_args
         self.flavor = flavor
         self.rank, self.world_size = rank, world_size
@@ -200,8 +197,9 @@ class CheckpointManager:
             "dtype": dtype,
             "world_size": self.world_size,
             "layout": self.layout(),
-            "model": {"flavor": self.flavor, "args": asdict(self.model_args),
-                      "signature": model_signature(self.model_args)},
+            "model": {"family": self.family.name, "flavor": self.flavor,
+                      "args": self.family.args_fields(self.model_args),
+                      "signature": self.family.signature(self.model_args)},
             "time": time.time(),
         }
 
@@ -378,7 +376,7 @@ class CheckpointManager:
         path = Path(path).expanduser()
         if not path.exists():
             raise CheckpointError(f"checkpoint.initial_load_path={path} does not exist")
-        from titan_hydra.models.hf_adapter import is_hf_dir
+        from titan_hydra.models.hf_io import is_hf_dir
 
         if is_hf_dir(path):
             self.load_hf(path)
@@ -398,7 +396,7 @@ class CheckpointManager:
     def _check_signature(self, path: Path, marker: dict | None) -> None:
         if not marker or "model" not in marker:
             return
-        diffs = signature_diff(marker["model"].get("signature", {}), model_signature(self.model_args))
+        diffs = signature_diff(marker["model"].get("signature", {}), self.family.signature(self.model_args))
         if diffs:
             raise CheckpointError(
                 f"checkpoint {path} was saved from a different model (flavor {marker['model'].get('flavor')!r}, "
@@ -514,13 +512,13 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ HF and seed
     def load_hf(self, path: Path) -> None:
-        """Model weights from a Hugging Face Llama directory (safetensors + config.json)."""
+        """Model weights from a Hugging Face directory of this run's family (safetensors + config.json)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        from titan_hydra.models.hf_adapter import load_hf_checkpoint
+        from titan_hydra.models.hf_io import load_hf_checkpoint
 
-        args, full = load_hf_checkpoint(path)
-        diffs = signature_diff(model_signature(args), model_signature(self.model_args))
+        _, args, full = load_hf_checkpoint(path, self.family)
+        diffs = signature_diff(self.family.signature(args), self.family.signature(self.model_args))
         if diffs:
             raise CheckpointError(f"HF checkpoint {path} does not match this run's model: " + ", ".join(diffs))
         ours = self._model_state()

@@ -4,6 +4,8 @@ Modes:
 * ``full``: every transformer block keeps only its input; backward reruns the whole block.
 * ``selective_layer``: the same, but only every ``selective_layer_freq``-th block (1st, (1+f)-th, ...
   counted from the first block of this model part).
+
+Which modules are "blocks" is the model family's answer (``ModelFamily.blocks``).
 * ``selective_op``: every block is checkpointed with a per-op policy: outputs of matmuls and
   attention kernels (the expensive ops) are saved, everything else (norms, rope, SiLU, products,
   casts) is recomputed. Uses ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
@@ -78,14 +80,11 @@ def checkpointed_layer_ids(layer_names: list[str], mode: str, freq: int) -> list
     return list(layer_names)
 
 
-def apply_ac(model_part: torch.nn.Module, ac_cfg: DictConfig) -> list[str]:
-    """Checkpoint this part's transformer blocks per ``ac_cfg.mode``; returns the layer ids done."""
+def apply_ac(layers: torch.nn.ModuleDict, ac_cfg: DictConfig) -> list[str]:
+    """Checkpoint these blocks (``family.blocks(part)``) per ``ac_cfg.mode``; returns the ids done."""
     mode = ac_cfg.mode
     if mode not in MODES:
         raise ConfigError(f"activation_checkpoint.mode={mode!r} is not one of {', '.join(MODES)}")
-    layers = getattr(model_part, "layers", None)
-    if layers is None:
-        return []
     names = list(layers.keys())
     chosen = checkpointed_layer_ids(names, mode, int(ac_cfg.get("selective_layer_freq", 2)))
     for name in chosen:

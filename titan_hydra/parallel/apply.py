@@ -35,24 +35,29 @@ class ParallelModel:
 
 
 
-def parallelize_part(part: torch.nn.Module, dims: ParallelDims, cfg: DictConfig, device: torch.device) -> torch.nn.Module:
-    """TP -> AC -> compile -> data parallel on one model (or one pipeline stage)."""
+def parallelize_part(part: torch.nn.Module, family, dims: ParallelDims, cfg: DictConfig,
+                     device: torch.device) -> torch.nn.Module:
+    """TP -> AC -> compile -> data parallel on one model (or one pipeline stage).
+
+    ``family`` (titan_hydra.models.protocol.ModelFamily) says what to shard and wrap: the TP
+    plan, the blocks AC and compile wrap, the FSDP units.
+    """
     if dims.tp_enabled:
         from titan_hydra.parallel.tp import apply_tp
 
-        apply_tp(part, dims, cfg)
+        apply_tp(part, family, dims)
     if cfg.activation_checkpoint.mode != "none":
         from titan_hydra.parallel.ac import apply_ac
 
-        apply_ac(part, cfg.activation_checkpoint)
+        apply_ac(family.blocks(part), cfg.activation_checkpoint)
     if cfg.compile.mode != "none":
         from titan_hydra.parallel.compile import apply_compile
 
-        apply_compile(part, cfg.compile)
+        apply_compile(part, family.blocks(part), cfg.compile)
     if dims.fsdp_enabled or dims.dp_replicate_enabled:
         from titan_hydra.parallel.fsdp import apply_data_parallel
 
-        apply_data_parallel(part, dims, cfg, device)
+        apply_data_parallel(part, family.fsdp_units(part), dims, cfg, device)
     return part
 
 
@@ -61,7 +66,7 @@ def uses_fsdp_mixed_precision(dims: ParallelDims) -> bool:
     return dims.fsdp_enabled
 
 
-def make_step_context(parts: list[torch.nn.Module], dims: ParallelDims, cfg: DictConfig, device: torch.device):
+def make_step_context(parts: list[torch.nn.Module], family, dims: ParallelDims, cfg: DictConfig, device: torch.device):
     """The context each microbatch's forward+backward runs in."""
     bf16_autocast = mixed_precision_of(cfg) == "bf16" and not uses_fsdp_mixed_precision(dims)
 
@@ -70,7 +75,7 @@ def make_step_context(parts: list[torch.nn.Module], dims: ParallelDims, cfg: Dic
         if dims.cp_enabled:
             from titan_hydra.parallel.cp import cp_context
 
-            stack.enter_context(cp_context(parts, dims, inputs, labels))
+            stack.enter_context(cp_context(parts, family.rope_buffers, dims, inputs, labels))
         if dims.loss_parallel_enabled:
             from torch.distributed.tensor.parallel import loss_parallel
 
@@ -82,11 +87,12 @@ def make_step_context(parts: list[torch.nn.Module], dims: ParallelDims, cfg: Dic
     return step_context
 
 
-def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg: DictConfig, device: torch.device) -> ParallelModel:
+def parallelize(model: torch.nn.Module, family, dims: ParallelDims, cfg: DictConfig,
+                device: torch.device) -> ParallelModel:
     """Return this rank's model parts with every configured technique applied (still on meta)."""
     if dims.pp_enabled:
         from titan_hydra.parallel.pp import build_pipeline
 
-        return build_pipeline(model, dims, cfg, device, parallelize_part, make_step_context)
-    part = parallelize_part(model, dims, cfg, device)
-    return ParallelModel(model_parts=[part], step_context=make_step_context([part], dims, cfg, device))
+        return build_pipeline(model, family, dims, cfg, device, parallelize_part, make_step_context)
+    part = parallelize_part(model, family, dims, cfg, device)
+    return ParallelModel(model_parts=[part], step_context=make_step_context([part], family, dims, cfg, device))

@@ -97,8 +97,11 @@ def pp_microbatches_for(cfg: DictConfig, pp: int) -> int | None:
 def enumerate_candidates(cfg: DictConfig) -> list[Candidate]:
     """Every layout that respects the topology rules (TP in a node, PP across nodes)."""
     nodes, per_node = topology(cfg)
-    m = cfg.model
-    heads = math.gcd(int(m.n_heads), int(m.n_kv_heads or m.n_heads))
+    from titan_hydra.models.registry import args_of
+
+    family, args = args_of(cfg.model)
+    m = family.shape(args)
+    heads = math.gcd(m.n_heads, m.n_kv_heads)
     long_seq = int(cfg.training.seq_len) > CP_MIN_SEQ_LEN
     out = []
     for pp in divisors(nodes):
@@ -138,11 +141,14 @@ def check_rules(cfg: DictConfig, dims) -> str:
 
     t = cfg.training
     try:
-        if t.global_batch_size > 0 and t.global_batch_size % (t.local_batch_size * dims.dp_degree):
-            raise ConfigError(f"global_batch_size {t.global_batch_size} vs dp {dims.dp_degree}")
+        dims.batch_plan(t.local_batch_size, t.global_batch_size)
         if dims.cp > 1 and t.seq_len % (2 * dims.cp):
             raise ConfigError(f"seq_len {t.seq_len} not divisible by 2*cp")
         _validate_parallel_modules(cfg, dims)
+        from titan_hydra.models.registry import args_of
+
+        family, args = args_of(cfg.model)
+        family.check(args, dims, int(t.seq_len))
     except UserError as e:
         return str(e).splitlines()[0]
     return ""
@@ -150,9 +156,9 @@ def check_rules(cfg: DictConfig, dims) -> str:
 
 def estimated_step_time(cfg: DictConfig, dims, p) -> float:
     """Seconds per step: compute at 40% MFU (``plan``) + what the layout adds."""
-    from titan_hydra.estimate import model_args, stage_params
+    from titan_hydra.estimate import model_shape, stage_params
 
-    args = model_args(cfg)
+    args = model_shape(cfg)
     t = cfg.training
     compute = p.flops_per_step / dims.world_size / (0.4 * NOMINAL_PEAK_TFLOPS * 1e12)
     if p.step_time_s_at_mfu40 is not None:
@@ -170,7 +176,7 @@ def estimated_step_time(cfg: DictConfig, dims, p) -> float:
         act = tokens * args.dim * 2
         exposed += 8 * layers * act * (dims.tp - 1) / dims.tp / intra
     if dims.cp > 1:  # all-gather K/V forward, reduce-scatter their grads backward
-        kv = tokens * args.kv_heads * args.head_dim * 2 * 2 / dims.tp
+        kv = tokens * args.kv_dim * 2 * 2 / dims.tp
         exposed += 2 * layers * kv * (dims.cp - 1) / intra
     overlapped = 0.0
     weights = stage_params(args, dims.pp) / dims.tp
@@ -266,11 +272,11 @@ def resolve_auto(cfg: DictConfig) -> DictConfig:
 def no_fit_message(cfg: DictConfig, cands: list[Candidate], device_gib: float | None) -> str:
     valid = [c for c in cands if not c.invalid] or cands
     if not valid:
-        return f"parallelism=auto found no layout for model={cfg.model.flavor} on this cluster"
+        return f"parallelism=auto found no layout for model={OmegaConf.select(cfg, 'model.flavor', default='custom')} on this cluster"
     best = min(valid, key=lambda c: c.mem_gib)
     nodes, per_node = topology(cfg)
     return (
-        f"parallelism=auto: model={cfg.model.flavor} does not fit on {nodes}x{per_node} devices: the "
+        f"parallelism=auto: model={OmegaConf.select(cfg, 'model.flavor', default='custom')} does not fit on {nodes}x{per_node} devices: the "
         f"smallest layout ({best.describe()}) needs {best.mem_gib:.1f} GiB/rank, the device has "
         f"{device_gib:.0f} GiB; add nodes (cluster.nnodes), set activation_checkpoint=full, or lower "
         "training.local_batch_size"

@@ -23,24 +23,22 @@ from titan_hydra.train.loss import cross_entropy_loss
 MODES = ("none", "model", "model_loss")
 
 
-def apply_compile(model_part: torch.nn.Module, compile_cfg: DictConfig) -> int:
-    """Compile every transformer block of this part in place; returns how many."""
+def apply_compile(part: torch.nn.Module, layers: torch.nn.ModuleDict, compile_cfg: DictConfig) -> int:
+    """Compile each block of ``layers`` (``family.blocks(part)``) in place; returns how many."""
     if compile_cfg.mode == "none":
-        return 0
-    layers = getattr(model_part, "layers", None)
-    if layers is None:
         return 0
     # Blocks differ only in layer_id; let dynamo reuse one graph for all of them.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     for block in layers.values():
         block.compile(backend=compile_cfg.backend, fullgraph=True)
-    if getattr(model_part, "tok_embeddings", None) is not None:
-        model_part.tok_embeddings.register_forward_hook(_resolve_async_output)
+    for child in part.children():  # the eager modules around the blocks (embedding, head)
+        if child is not layers:
+            child.register_forward_hook(_resolve_async_output)
     return len(layers)
 
 
 def _resolve_async_output(_module: torch.nn.Module, _inputs, output):
-    """Hand the first compiled block a plain tensor, not an ``AsyncCollectiveTensor``.
+    """Hand compiled blocks a plain tensor, not an ``AsyncCollectiveTensor``.
 
     Under TP the embedding's output is redistributed with ``async_op=True`` and ``to_local()``
     returns an AsyncCollectiveTensor (ACT). torch 2.13's AOTAutograd resolves ACT graph inputs

@@ -29,29 +29,30 @@ from omegaconf import DictConfig
 from titan_hydra.errors import ConfigError
 from titan_hydra.parallel.dims import ParallelDims
 
-ROPE_BUFFERS = ("rope_cos", "rope_sin")
-
 # part -> its full-length rope tables, so that a later, longer sequence can be served again.
 _FULL_ROPE: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[torch.Tensor, ...]]" = weakref.WeakKeyDictionary()
 
 
-def fit_rope_buffers(part: torch.nn.Module, seq_len: int) -> list[torch.Tensor]:
-    """Make ``part``'s rope tables exactly ``seq_len`` rows long; return them (or [] if none)."""
-    if not all(isinstance(getattr(part, n, None), torch.Tensor) for n in ROPE_BUFFERS):
+def fit_rope_buffers(part: torch.nn.Module, seq_len: int, names: tuple[str, ...] = ("rope_cos", "rope_sin")
+                     ) -> list[torch.Tensor]:
+    """Make ``part``'s rope tables (buffers ``names``, row = position) exactly ``seq_len`` rows
+    long; return them (or [] if the part has none)."""
+    if not names or not all(isinstance(getattr(part, n, None), torch.Tensor) for n in names):
         return []
-    rows = getattr(part, ROPE_BUFFERS[0]).shape[0]
+    rows = getattr(part, names[0]).shape[0]
     if rows > seq_len:
-        _FULL_ROPE[part] = tuple(getattr(part, n) for n in ROPE_BUFFERS)
+        _FULL_ROPE[part] = tuple(getattr(part, n) for n in names)
     if rows != seq_len:
         full = _FULL_ROPE.get(part)
         if full is None or full[0].shape[0] < seq_len:
             raise ValueError(f"rope tables have {rows} rows, fewer than the sequence length {seq_len}")
-        for name, table in zip(ROPE_BUFFERS, full):
+        for name, table in zip(names, full):
             setattr(part, name, table[:seq_len].clone())
-    return [getattr(part, n) for n in ROPE_BUFFERS]
+    return [getattr(part, n) for n in names]
 
 
-def cp_context(parts: list[torch.nn.Module], dims: ParallelDims, inputs: torch.Tensor, labels: torch.Tensor) -> ContextManager:
+def cp_context(parts: list[torch.nn.Module], rope_buffers: tuple[str, ...], dims: ParallelDims,
+               inputs: torch.Tensor, labels: torch.Tensor) -> ContextManager:
     """Shard this microbatch's tokens, labels and rope tables over the cp mesh; ring attention inside."""
     from torch.distributed.tensor.experimental import context_parallel
 
@@ -62,7 +63,7 @@ def cp_context(parts: list[torch.nn.Module], dims: ParallelDims, inputs: torch.T
     seq_len = inputs.shape[1]
     buffers, seq_dims = [inputs, labels], [1, 1]
     for part in parts:
-        tables = fit_rope_buffers(part, seq_len)
+        tables = fit_rope_buffers(part, seq_len, rope_buffers)
         buffers += tables
         seq_dims += [0] * len(tables)
     return context_parallel(mesh, buffers=buffers, buffer_seq_dims=seq_dims, no_restore_buffers={inputs, labels})

@@ -83,6 +83,22 @@ class ParallelDims:
         """Data-parallel degree: how many different batches one step consumes."""
         return self.dp_replicate * self.dp_shard
 
+    def batch_plan(self, local_batch_size: int, global_batch_size: int) -> tuple[int, int]:
+        """(global batch, gradient-accumulation steps); ``global_batch_size <= 0`` = no accumulation.
+
+        The one place this is computed (trainer, pipeline loss scaling, estimator, validation).
+        Raises ConfigError when the global batch is not a whole number of local batches.
+        """
+        per_step = local_batch_size * self.dp_degree
+        if global_batch_size <= 0:
+            return per_step, 1
+        if global_batch_size % per_step:
+            raise ConfigError(
+                f"training.global_batch_size={global_batch_size} is not a multiple of local_batch_size "
+                f"{local_batch_size} x data-parallel degree {self.dp_degree}"
+            )
+        return global_batch_size, global_batch_size // per_step
+
     @property
     def dp_replicate_enabled(self) -> bool:
         return self.dp_replicate > 1

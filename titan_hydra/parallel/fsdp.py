@@ -8,8 +8,9 @@ DTensor-aware gradient clipping and ``get_model_state_dict`` exactly like FSDP d
 classic ``DistributedDataParallel`` wrapper would hide the model behind ``.module`` (FQNs
 change) and does not take DTensor parameters.
 
-Grouping (one all-gather / reduce-scatter per group): token embeddings, each transformer
-block, norm+output together, then the root (which only owns what is left, e.g. nothing).
+Grouping (one all-gather / reduce-scatter per group) is the model family's: for the decoders
+token embeddings, each transformer block, norm+output together (tied models: embeddings, norm
+and output as one group), then the root (which only owns what is left, e.g. nothing).
 
 Reductions: gloo has no ``ReduceOp.PREMUL_SUM`` and no ``ReduceOp.AVG`` for these
 collectives, which FSDP picks by default to average gradients. On gloo we force plain-SUM
@@ -84,20 +85,6 @@ def block_reshard_after_forward(dims: ParallelDims, is_last: bool) -> bool:
     return not dims.pp_enabled and not is_last
 
 
-def _groups(model: torch.nn.Module) -> list[tuple[object, bool]]:
-    """(module or [modules], is_last_in_forward) in forward order, the root excluded."""
-    groups: list[tuple[object, bool]] = []
-    if getattr(model, "tok_embeddings", None) is not None:
-        groups.append((model.tok_embeddings, False))
-    blocks = list(model.layers.values()) if hasattr(model, "layers") else []
-    head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
-    for i, block in enumerate(blocks):
-        groups.append((block, i == len(blocks) - 1 and not head))
-    if head:
-        groups.append((head if len(head) > 1 else head[0], True))
-    return groups
-
-
 def use_sum_reductions(model: torch.nn.Module) -> None:
     """Make every FSDP/replicate group reduce with ReduceOp.SUM (+ its own divide): gloo-safe."""
     from torch.distributed.fsdp import FSDPModule
@@ -107,15 +94,20 @@ def use_sum_reductions(model: torch.nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-def apply_data_parallel(model: torch.nn.Module, dims: ParallelDims, cfg: DictConfig, device: torch.device) -> None:
-    """FSDP2 (dp_shard/cp > 1, 2-D HSDP with dp_replicate > 1) or FSDP2-based DDP, in place."""
+def apply_data_parallel(model: torch.nn.Module, units: list, dims: ParallelDims, cfg: DictConfig,
+                        device: torch.device) -> None:
+    """FSDP2 (dp_shard/cp > 1, 2-D HSDP with dp_replicate > 1) or FSDP2-based DDP, in place.
+
+    ``units``: (module or [modules], is_last_in_forward) in forward order, from the model
+    family (``ModelFamily.fsdp_units``); each becomes one all-gather / reduce-scatter group.
+    """
     mesh = dp_mesh_of(dims)
     mp = mp_policy_of(cfg, dims)
     if dims.fsdp_enabled:
         from torch.distributed.fsdp import fully_shard
 
         offload = offload_policy_of(dims, device)
-        for module, is_last in _groups(model):
+        for module, is_last in units:
             fully_shard(
                 module,
                 mesh=mesh,
@@ -127,7 +119,7 @@ def apply_data_parallel(model: torch.nn.Module, dims: ParallelDims, cfg: DictCon
     else:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
-        for module, _ in _groups(model):
+        for module, _ in units:
             replicate(module, mesh=mesh, mp_policy=mp)
         replicate(model, mesh=mesh, mp_policy=mp)
     if cfg.cluster.backend == "gloo":

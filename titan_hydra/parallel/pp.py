@@ -1,10 +1,10 @@
-"""Pipeline parallelism: cut the Llama into stages and drive them with a torch schedule.
+"""Pipeline parallelism: cut the model into stages and drive them with a torch schedule.
 
 Why it is built this way:
 
-* Stages are cut by deep-copying the meta-device model and deleting what a stage does not
-  own (other layers; ``tok_embeddings`` outside the first stage; ``norm``/``output`` outside
-  the last). Every parameter keeps its FQN, so checkpoints, the full-init broadcast
+* Stages are cut by the model family (``ModelFamily.cut_stage``; decoders deep-copy the
+  meta-device model and delete what a stage does not own: other layers, the embedding outside
+  the first stage, norm/output outside the last). Every parameter keeps its FQN, so checkpoints, the full-init broadcast
   (``set_model_state_dict(strict=False)``) and HF conversion need no PP special case.
 * Stage placement follows torch's schedules: loop style (stage ``s`` on pp rank ``s % pp``)
   except for the V-shaped ZBVZeroBubble / DualPipeV, where rank ``r`` holds stages ``r`` and
@@ -26,7 +26,6 @@ Why it is built this way:
 
 from __future__ import annotations
 
-import copy
 import math
 import re
 from typing import Any, Callable
@@ -146,7 +145,10 @@ def check_config(cfg: DictConfig, dims) -> None:
     """Pre-launch rules for pipeline parallelism (validate.py calls this)."""
     if not dims.pp_enabled:
         return
-    n_layers = int(cfg.model.n_layers)
+    from titan_hydra.models.registry import args_of
+
+    family, args = args_of(cfg.model)
+    n_layers = family.shape(args).n_layers
     ranges = stage_layer_ranges(dims, n_layers)
     check_stage_count(dims, len(ranges), n_layers)
     check_microbatches(dims, len(ranges), int(cfg.training.local_batch_size))
@@ -160,28 +162,11 @@ def stage_ids_for_rank(pp_rank: int, pp: int, n_stages: int, schedule: str) -> l
 
 
 def grad_accum_steps(cfg: DictConfig, dims) -> int:
-    """The trainer's accumulation count (same formula as pretrain)."""
-    t = cfg.training
-    local = int(t.local_batch_size)
-    global_bs = int(t.global_batch_size) if t.global_batch_size > 0 else local * dims.dp_degree
-    return max(1, global_bs // (local * dims.dp_degree))
+    """The trainer's accumulation count (``ParallelDims.batch_plan``)."""
+    return dims.batch_plan(int(cfg.training.local_batch_size), int(cfg.training.global_batch_size))[1]
 
 
 # --------------------------------------------------------------------------- stages
-
-
-def cut_stage(model: torch.nn.Module, layers: range, is_first: bool, is_last: bool) -> torch.nn.Module:
-    """A copy of the (meta) model holding only this stage's modules; FQNs unchanged."""
-    stage = copy.deepcopy(model)
-    for name in list(stage.layers.keys()):
-        if int(name) not in layers:
-            del stage.layers[name]
-    if not is_first:
-        stage.tok_embeddings = None
-    if not is_last:
-        stage.norm = None
-        stage.output = None
-    return stage
 
 
 class PipelineRunner:
@@ -270,23 +255,23 @@ def _recv_tensor(src: int, group, device: torch.device) -> torch.Tensor:
     return out
 
 
-def build_pipeline(model, dims, cfg: DictConfig, device: torch.device, parallelize_part, make_step_context):
-    """Split ``model`` into this rank's stages, parallelize each, and build the schedule."""
+def build_pipeline(model, family, dims, cfg: DictConfig, device: torch.device, parallelize_part, make_step_context):
+    """Split ``model`` into this rank's stages (``family.cut_stage``), parallelize each, build the schedule."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
     from titan_hydra.parallel.apply import ParallelModel
 
     check_config(cfg, dims)
-    ranges = stage_layer_ranges(dims, model.args.n_layers)
+    ranges = stage_layer_ranges(dims, len(family.blocks(model)))
     n_stages = len(ranges)
     pp_mesh = dims.submesh("pp")
     pp_rank, group = pp_mesh.get_local_rank(), pp_mesh.get_group()
     ids = stage_ids_for_rank(pp_rank, dims.pp, n_stages, dims.pp_schedule)
     parts, stages = [], []
     for sid in ids:
-        part = cut_stage(model, ranges[sid], is_first=sid == 0, is_last=sid == n_stages - 1)
-        part = parallelize_part(part, dims, cfg, device)
+        part = family.cut_stage(model, ranges[sid], is_first=sid == 0, is_last=sid == n_stages - 1)
+        part = parallelize_part(part, family, dims, cfg, device)
         parts.append(part)
         stages.append(PipelineStage(part, sid, n_stages, device, group=group))
 
@@ -308,7 +293,7 @@ def build_pipeline(model, dims, cfg: DictConfig, device: torch.device, paralleli
     runner.pp_rank, runner.group, runner.device = pp_rank, group, device
     return ParallelModel(
         model_parts=parts,
-        step_context=make_step_context(parts, dims, cfg, device),
+        step_context=make_step_context(parts, family, dims, cfg, device),
         pp_schedule=runner,
         pp_has_first_stage=0 in ids,
         pp_has_last_stage=n_stages - 1 in ids,

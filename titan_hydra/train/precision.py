@@ -9,7 +9,8 @@ because the per-score softmax work dominates when each score costs only 2*head_d
 everywhere else. fp32 attention is also the more accurate choice, so ``auto`` never trades
 accuracy for speed.
 
-The model exposes the knob (``Attention.sdpa_dtype``); this module sets it from outside, as the
+The model exposes the knob (an attention module with ``sdpa_dtype`` and ``head_dim`` attributes,
+e.g. ``models/common/attention.Attention``); this module sets it from outside, as the
 parallelism modules do, so the model file carries no device rules.
 """
 
@@ -19,7 +20,6 @@ import torch
 from omegaconf import DictConfig
 
 from titan_hydra.config import mixed_precision_of
-from titan_hydra.models.llama3 import Attention
 
 CPU_FP32_BELOW_HEAD_DIM = 32
 
@@ -39,7 +39,7 @@ def apply_attention_precision(model: torch.nn.Module, cfg: DictConfig, device: t
     """Set every attention module's SDPA dtype from ``training.attention_precision``."""
     chosen = None
     for module in model.modules():
-        if isinstance(module, Attention):
+        if hasattr(module, "sdpa_dtype") and hasattr(module, "head_dim"):  # any family's attention
             chosen = attention_dtype(str(cfg.training.attention_precision), mixed_precision_of(cfg),
                                      device.type, module.head_dim)
             module.sdpa_dtype = chosen

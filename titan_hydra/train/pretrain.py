@@ -24,7 +24,7 @@ from titan_hydra.errors import UserError
 from titan_hydra.metrics.logger import MetricLogger
 from titan_hydra.metrics.memory import MemoryMonitor
 from titan_hydra.metrics.throughput import ThroughputMeter, cpu_bf16_slower_than_fp32, device_peak_tflops
-from titan_hydra.models.llama3 import flops_per_token, num_params
+from titan_hydra.models.registry import args_of, build_model
 from titan_hydra.parallel.apply import parallelize
 from titan_hydra.parallel.compile import build_loss_fn
 from titan_hydra.profiling import build_profiler
@@ -74,7 +74,8 @@ def init_distributed(cluster: DictConfig, world_size: int) -> None:
 FULL_INIT_MAX_PARAMS = 1.5e9
 
 
-def init_weights(cfg: DictConfig, parts: list[torch.nn.Module], device: torch.device, world_size: int, rank: int) -> None:
+def init_weights(cfg: DictConfig, parts: list[torch.nn.Module], n_params: int, device: torch.device,
+                 world_size: int, rank: int) -> None:
     """Materialize the meta-device parts and give them their initial weights.
 
     With ``init_mode=full`` (auto below 1.5B parameters) rank 0 builds the whole model on CPU
@@ -89,7 +90,6 @@ def init_weights(cfg: DictConfig, parts: list[torch.nn.Module], device: torch.de
         with torch.no_grad():
             part.init_weights(buffer_device=device)
     mode = cfg.training.init_mode
-    n_params = num_params(parts[0].args)
     if mode == "auto":
         mode = "full" if n_params <= FULL_INIT_MAX_PARAMS else "sharded"
     if mode != "full" or (world_size == 1 and len(parts) == 1):
@@ -99,7 +99,7 @@ def init_weights(cfg: DictConfig, parts: list[torch.nn.Module], device: torch.de
     full_sd: dict[str, torch.Tensor] = {}
     if rank == 0:
         with torch.device("cpu"):
-            full = instantiate(cfg.model, _convert_="all")
+            _, full = build_model(cfg.model)
             torch.manual_seed(seed)  # after construction: same RNG stream as the meta path above
             full.init_weights()
         full_sd = full.state_dict()
@@ -170,8 +170,7 @@ def _run(
     dataset = build_dataset(cfg)
     dp_rank, dp_degree = dims.dp_rank(), dims.dp_degree
     local_bs = training.local_batch_size
-    global_bs = training.global_batch_size if training.global_batch_size > 0 else local_bs * dp_degree
-    grad_accum = global_bs // (local_bs * dp_degree)
+    _, grad_accum = dims.batch_plan(local_bs, training.global_batch_size)
     train_loader = dataset.loader("train", local_bs, dp_rank=dp_rank, dp_degree=dp_degree)
     val_bs = training.val_local_batch_size or local_bs
 
@@ -180,13 +179,15 @@ def _run(
 
     # Model on meta, layout applied, then materialized on the device and initialized.
     with torch.device("meta"):
-        model = instantiate(cfg.model, _convert_="all")
-    fpt = flops_per_token(model.args, training.seq_len)
+        family, model = build_model(cfg.model)
+    _, model_args = args_of(cfg.model)
+    shape = family.shape(model_args)
+    fpt = family.flops_per_token(model_args, training.seq_len)
     apply_attention_precision(model, cfg, device)
     float8 = instantiate(cfg.float8, _convert_="all")
     model = float8.convert(model)
-    pm = parallelize(model, dims, cfg, device)
-    init_weights(cfg, pm.model_parts, device, world_size, rank)
+    pm = parallelize(model, family, dims, cfg, device)
+    init_weights(cfg, pm.model_parts, shape.params, device, world_size, rank)
 
     params = [p for part in pm.model_parts for p in part.parameters()]
     optimizer = instantiate(cfg.optimizer)(params)
@@ -236,7 +237,9 @@ def _run(
     from titan_hydra.checkpoint import build_checkpointer
 
     trainer.checkpointer = build_checkpointer(
-        cfg, run_dir, trainer, model=model, model_parts=pm.model_parts, optimizer=optimizer,
+        cfg, run_dir, trainer, family=family, model_args=model_args,
+        flavor=str(OmegaConf.select(cfg, "model.flavor", default=None) or "custom"),
+        model_parts=pm.model_parts, optimizer=optimizer,
         lr_scheduler=lr_scheduler, train_loader=train_loader, dims=dims, rank=rank, world_size=world_size,
     )
     from titan_hydra.launch.preemption import watch_for_preemption

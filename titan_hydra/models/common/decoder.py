@@ -1,0 +1,135 @@
+"""The decoder shell every dense and MoE language-model family here is built from.
+
+``tok_embeddings -> layers (ModuleDict) -> norm -> output``, pre-norm blocks, rotary tables as
+non-persistent buffers. A family subclasses ``Decoder`` and supplies its blocks and its rotary
+frequencies; the layout code (``decoder_family.py``) addresses the module names used here.
+
+Two small concessions make the layouts possible without the model knowing about them:
+
+* ``tok_embeddings`` / ``norm`` / ``output`` may be ``None`` and entries of ``layers`` may be
+  deleted: that is how pipeline stages are cut. forward then passes hidden states through
+  instead of tokens/logits.
+* ``layers`` is a ModuleDict keyed by the layer index, so a stage keeps its blocks' FQNs.
+
+Tied input/output embeddings (Qwen3 small models, Llama 3.2) share one Parameter. Building on
+the meta device and ``to_empty`` create a fresh tensor per module, so ``tie_weights`` re-points
+the embedding at the output weight after every such step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from titan_hydra.models.common.layers import RMSNorm, trunc_normal_
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
+
+    def __init__(self, layer_id: int, attention: nn.Module, feed_forward: nn.Module, dim: int,
+                 norm_eps: float, out_std: float):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention = attention
+        self.feed_forward = feed_forward
+        self.attention_norm = RMSNorm(dim, norm_eps)
+        self.ffn_norm = RMSNorm(dim, norm_eps)
+        self.out_std = out_std
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        self.attention.init_weights(self.out_std)
+        self.feed_forward.init_weights(self.out_std)
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+
+
+def residual_out_std(layer_id: int, n_layers: int, depth_init: bool) -> float:
+    """Output projections of residual branches start smaller in deeper models/layers, so the
+    residual stream's variance does not grow with depth at init."""
+    depth = (layer_id + 1) if depth_init else n_layers
+    return 0.02 / math.sqrt(2 * depth)
+
+
+class Decoder(nn.Module):
+    """A decoder-only LM. Subclasses set ``self.args`` and implement ``make_block`` and
+    ``rope_frequencies``; ``args`` must have dim, n_layers, vocab_size, norm_eps, max_seq_len and
+    tie_word_embeddings."""
+
+    def __init__(self, args) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): self.make_block(i) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
+        cos, sin = self.rope_tables()
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    # --- what a family supplies ----------------------------------------------------------
+    def make_block(self, layer_id: int) -> nn.Module:
+        raise NotImplementedError
+
+    def rope_frequencies(self, device=None) -> torch.Tensor:
+        """Inverse frequencies [rotary_dim/2]."""
+        raise NotImplementedError
+
+    # --- shared behaviour ----------------------------------------------------------------
+    def rope_tables(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        from titan_hydra.models.common.rotary import tables_from_frequencies
+
+        return tables_from_frequencies(self.rope_frequencies(device), self.args.max_seq_len, device)
+
+    def tie_weights(self) -> None:
+        """Point the embedding at the output projection's weight (tied models; both present)."""
+        if self.args.tie_word_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.tok_embeddings.weight = self.output.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, S] -> logits [B, S, vocab].
+
+        On a pipeline stage without ``tok_embeddings`` the input is hidden states [B, S, dim];
+        without ``output`` the return value is hidden states.
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        cos, sin = self.rope_cos, self.rope_sin
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """(Re)build rope tables and initialize every present parameter.
+
+        Meant to run after ``to_empty`` on a meta-built (possibly sharded / staged) model.
+        Untied: token embeddings std 1.0 (Meta/torchtitan convention: the first RMSNorm rescales
+        them, and a unit-scale residual stream keeps the small residual branches near identity),
+        output dim**-0.5 so initial logits are O(1) at any width. Tied: the one shared matrix
+        takes the output rule (dim**-0.5), which keeps logits O(1); the input side is rescaled
+        by the first norm anyway.
+        """
+        if buffer_device is None:
+            buffer_device = next((p.device for p in self.parameters()), self.rope_cos.device)
+        self.rope_cos, self.rope_sin = self.rope_tables(buffer_device)
+        self.tie_weights()
+        tied = self.args.tie_word_embeddings
+        if self.tok_embeddings is not None and not (tied and self.output is not None):
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=self.args.dim**-0.5 if tied else 1.0)
+        for layer in self.layers.values():
+            layer.init_weights()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            trunc_normal_(self.output.weight, self.args.dim**-0.5)

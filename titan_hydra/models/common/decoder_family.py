@@ -1,0 +1,186 @@
+"""``DecoderFamily``: the model protocol implemented once for every ``common.decoder.Decoder``.
+
+What it decides, and why:
+
+* Counting is exact by construction: the model is built on the meta device (no memory) and its
+  parameters are counted, split into embedding / blocks / head. No hand formula can drift from
+  the code; results are cached per shape.
+* FLOPs per token = 6 x (active parameters that are matmul weights) + attention's
+  12 x layers x heads x head_dim x seq_len (causal mask ignored, the common MFU convention).
+  The input embedding is a lookup, not a matmul, unless it is tied to the output.
+* Tensor parallel (Megatron-style): wq/wk/wv/w1/w3 column-wise, wo/w2 row-wise, so one
+  all-reduce (or all-gather + reduce-scatter with sequence parallel) per sub-layer; embedding
+  row-wise over the vocabulary; output column-wise with the logits left vocab-sharded for loss
+  parallel; norms sequence-parallel (or replicated); Qwen3's QK-norm runs on the local heads.
+  A tied embedding gets the output's sharded weight back after the plan (both are Shard(0) of
+  [vocab, dim]).
+* FSDP units: embeddings, each block, norm+output; a tied model keeps embedding, norm and
+  output in one unit (a parameter can belong to only one unit).
+* Pipeline stages: a deep copy of the meta model with other layers deleted and the embedding /
+  head set to None; tied models cannot be cut (the two ends live on different stages) and are
+  refused with one line.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch import nn
+
+from titan_hydra.errors import ConfigError
+from titan_hydra.models.protocol import ModelFamily, ModelShape
+
+
+# Fields beyond the shape that change what saved weights mean (rotary, norms).
+SEMANTIC_FIELDS = ("norm_eps", "rope_theta", "rope_scaling", "rope_scaling_factor", "qk_norm")
+
+
+class DecoderFamily(ModelFamily):
+    model_cls: type | None = None  # the Decoder subclass, built from args fields
+    rope_buffers = ("rope_cos", "rope_sin")
+
+    # --- shape --------------------------------------------------------------------------
+    def build(self, args: Any) -> nn.Module:
+        return self.model_cls(**self.args_fields(args))
+
+    def ffn_dim(self, args: Any) -> int:
+        return int(args.ffn_hidden_dim)
+
+    def shape(self, args: Any) -> ModelShape:
+        return _shape(self, tuple(sorted(self.args_fields(args).items())))
+
+    def flops_per_token(self, args: Any, seq_len: int) -> float:
+        s = self.shape(args)
+        matmul = s.active_params - (0 if s.tied_embeddings else s.embedding_params)
+        return float(6 * matmul + 12 * s.n_layers * s.n_heads * s.head_dim * seq_len)
+
+    def signature(self, args: Any) -> dict[str, Any]:
+        """Shapes (derived ones, so two spellings of one FFN width agree) and the fields that change
+        what the weights mean; max_seq_len and init-only fields may differ."""
+        s = self.shape(args)
+        sig = {"family": self.name, "dim": s.dim, "n_layers": s.n_layers, "n_heads": s.n_heads,
+               "kv_heads": s.n_kv_heads, "head_dim": s.head_dim, "vocab_size": s.vocab_size,
+               "ffn_hidden_dim": s.ffn_dim, "tie_word_embeddings": s.tied_embeddings}
+        sig.update({k: getattr(args, k) for k in SEMANTIC_FIELDS if hasattr(args, k)})
+        return sig
+
+    def check(self, args: Any, dims: Any, seq_len: int) -> None:
+        if seq_len > args.max_seq_len:
+            raise ConfigError(
+                f"training.seq_len={seq_len} exceeds model.max_seq_len={args.max_seq_len}; shorten the sequence"
+            )
+        tp = dims.tp
+        if args.n_heads % tp or args.kv_heads % tp:
+            raise ConfigError(
+                f"parallelism.tp={tp} must divide model.n_heads={args.n_heads} and n_kv_heads={args.kv_heads}"
+            )
+        if dims.pp > args.n_layers:
+            raise ConfigError(f"parallelism.pp={dims.pp} exceeds model.n_layers={args.n_layers}")
+        if dims.pp > 1 and args.tie_word_embeddings:
+            raise ConfigError(
+                "model.tie_word_embeddings=true cannot run under pipeline parallel (embedding and output "
+                "live on different stages); set model.tie_word_embeddings=false or parallelism.pp=1"
+            )
+
+    # --- layout -------------------------------------------------------------------------
+    def blocks(self, model: nn.Module) -> nn.ModuleDict:
+        return model.layers
+
+    def fsdp_units(self, model: nn.Module) -> list[tuple[Any, bool]]:
+        tied = model.args.tie_word_embeddings and model.tok_embeddings is not None and model.output is not None
+        emb = model.tok_embeddings
+        head = [m for m in (model.norm, model.output) if m is not None]
+        blocks = list(model.layers.values())
+        units: list[tuple[Any, bool]] = []
+        if emb is not None and not tied:
+            units.append((emb, False))
+        for i, block in enumerate(blocks):
+            units.append((block, i == len(blocks) - 1 and not head and not tied))
+        if tied:
+            units.append(([emb, *head], True))
+        elif head:
+            units.append((head if len(head) > 1 else head[0], True))
+        return units
+
+    def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+        from titan_hydra.parallel.styles import HeadShardedNorm, ReplicateParallel
+
+        seq = Shard(1) if sequence_parallel else Replicate()
+
+        def norm_style():
+            return SequenceParallel() if sequence_parallel else ReplicateParallel()
+
+        plan: dict = {}
+        if model.tok_embeddings is not None:
+            # Row-wise over the vocab: each rank looks up its rows, then reduce(-scatter) the sum.
+            plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        if model.norm is not None:
+            plan["norm"] = norm_style()
+        if model.output is not None:
+            plan["output"] = ColwiseParallel(
+                input_layouts=seq,
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,  # loss_parallel() needs the vocab-sharded DTensor
+            )
+        for name, block in model.layers.items():
+            p = f"layers.{name}."
+            # forward(x, cos, sin): x is gathered to the full sequence; cos/sin are replicated
+            # plain tensors, so their layout is None (left untouched).
+            plan[p + "attention"] = PrepareModuleInput(
+                input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None),
+                use_local_output=True,
+            )
+            for w in ("wq", "wk", "wv"):
+                plan[f"{p}attention.{w}"] = ColwiseParallel()
+            plan[p + "attention.wo"] = RowwiseParallel(output_layouts=seq)
+            if getattr(block.attention, "q_norm", None) is not None:
+                plan[p + "attention.q_norm"] = HeadShardedNorm()
+                plan[p + "attention.k_norm"] = HeadShardedNorm()
+            plan[p + "feed_forward"] = PrepareModuleInput(
+                input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
+            plan[p + "feed_forward.w1"] = ColwiseParallel()
+            plan[p + "feed_forward.w3"] = ColwiseParallel()
+            plan[p + "feed_forward.w2"] = RowwiseParallel(output_layouts=seq)
+            plan[p + "attention_norm"] = norm_style()
+            plan[p + "ffn_norm"] = norm_style()
+        return plan
+
+    def finish_tp(self, model: nn.Module) -> None:
+        model.tie_weights()
+
+    def cut_stage(self, model: nn.Module, layer_ids: range, is_first: bool, is_last: bool) -> nn.Module:
+        stage = copy.deepcopy(model)
+        for name in list(stage.layers.keys()):
+            if int(name) not in layer_ids:
+                del stage.layers[name]
+        if not is_first:
+            stage.tok_embeddings = None
+        if not is_last:
+            stage.norm = None
+            stage.output = None
+        return stage
+
+
+@lru_cache(maxsize=256)
+def _shape(family: DecoderFamily, key: tuple) -> ModelShape:
+    args = family.make_args(dict(key))
+    with torch.device("meta"):
+        model = family.build(args)
+    tied = bool(args.tie_word_embeddings)
+    total = sum(p.numel() for p in model.parameters())  # parameters() yields a shared one once
+    emb = model.tok_embeddings.weight.numel()
+    head = model.norm.weight.numel() + model.output.weight.numel()
+    return ModelShape(
+        n_layers=int(args.n_layers), dim=int(args.dim), vocab_size=int(args.vocab_size),
+        n_heads=int(args.n_heads), n_kv_heads=int(args.kv_heads), head_dim=int(args.head_dim),
+        ffn_dim=family.ffn_dim(args), params=total, active_params=total, embedding_params=emb,
+        head_params=head, tied_embeddings=tied,
+    )
+

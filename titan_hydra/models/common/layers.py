@@ -1,0 +1,45 @@
+"""Small layers every decoder family uses: RMSNorm, SwiGLU feed-forward, truncated-normal init."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def trunc_normal_(w: torch.Tensor, std: float) -> None:
+    """Normal(0, std) truncated at +-3 std (keeps rare large weights out of the init)."""
+    nn.init.trunc_normal_(w, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 (stable under bf16), then scaled by a learned weight."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, out_std: float, in_std: float = 0.02) -> None:
+        trunc_normal_(self.w1.weight, in_std)
+        trunc_normal_(self.w3.weight, in_std)
+        trunc_normal_(self.w2.weight, out_std)

@@ -1,0 +1,23 @@
+"""Llama 2 / 3 family: the model (model.py), its HF adapter (hf.py), its config schema (config.py).
+
+``FAMILY`` is what ``model.family: llama3`` resolves to. Flavors (published shapes) live in
+``conf/model/llama*.yaml`` and nowhere else.
+"""
+
+from __future__ import annotations
+
+from titan_hydra.models.common.decoder_family import DecoderFamily
+from titan_hydra.models.llama3.hf import LlamaHFAdapter
+from titan_hydra.models.llama3.model import Llama3, LlamaArgs
+
+
+class Llama3Family(DecoderFamily):
+    name = "llama3"
+    args_cls = LlamaArgs
+    model_cls = Llama3
+    hf = LlamaHFAdapter()
+
+
+FAMILY = Llama3Family()
+
+__all__ = ["FAMILY", "Llama3", "LlamaArgs"]

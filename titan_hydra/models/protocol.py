@@ -1,0 +1,129 @@
+"""The model protocol: everything the engine may ask of a model family, and nothing more.
+
+The engine (``parallel/``, ``train/``, ``checkpoint/``, ``estimate.py``, ``recipes/convert.py``)
+never names a family. It gets a ``ModelFamily`` from the ``model.family`` config key (see
+``registry.py``) and asks it:
+
+* shape and counting: ``make_args``, ``shape`` (parameters total/active, widths the memory
+  estimator needs), ``flops_per_token``, ``signature`` (the fields that decide whether saved
+  weights fit), ``check`` (family rules against a layout, as one-line ConfigErrors);
+* layout: ``blocks`` (the units activation checkpointing, compile and FSDP wrap, and the
+  pipeline cuts), ``fsdp_units``, ``tp_plan`` + ``finish_tp``, ``cut_stage``, ``rope_buffers``
+  (what context parallel shards with the tokens);
+* conversion: ``hf`` (an ``HFAdapter``; None when the family has no HF counterpart).
+
+``common/decoder_family.DecoderFamily`` implements all of it for models built from
+``common/decoder.Decoder``; a family subclasses it and overrides what differs. A model that is
+not a ``Decoder`` implements this class directly (README: "Bring your own model").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields as dc_fields
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Family-independent numbers of one model configuration (estimator, dry run, auto layout)."""
+
+    n_layers: int
+    dim: int
+    vocab_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int  # FFN width a token passes through (MoE: the active experts' sum)
+    params: int  # total, a tied matrix counted once
+    active_params: int  # used per token (dense: == params)
+    embedding_params: int  # the input lookup table when it is not also the output matmul
+    head_params: int  # final norm + output projection
+    tied_embeddings: bool = False
+
+    @property
+    def block_params(self) -> float:
+        """Average parameters of one transformer block."""
+        rest = self.params - self.head_params - (0 if self.tied_embeddings else self.embedding_params)
+        return rest / max(self.n_layers, 1)
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+
+class HFAdapter:
+    """Our state dict <-> a Hugging Face checkpoint of the same architecture."""
+
+    model_type: str = ""  # config.json model_type this adapter reads and writes
+
+    def to_hf_state(self, sd: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def from_hf_state(self, sd: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def hf_config(self, args: Any, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def args_from_hf_config(self, cfg: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+
+class ModelFamily:
+    """Base of every family spec. Subclass ``DecoderFamily`` unless the model is not a Decoder."""
+
+    name: str = ""
+    args_cls: type | None = None
+    hf: HFAdapter | None = None
+
+    # --- shape --------------------------------------------------------------------------
+    def make_args(self, fields: Mapping[str, Any]) -> Any:
+        """The family's args object from a model config node (``_target_``/``family``/``flavor`` removed)."""
+        return self.args_cls(**dict(fields))
+
+    def args_fields(self, args: Any) -> dict[str, Any]:
+        """Plain dict of ``args`` (stored in checkpoint markers; ``make_args`` inverts it)."""
+        return {f.name: getattr(args, f.name) for f in dc_fields(args)}
+
+    def shape(self, args: Any) -> ModelShape:
+        raise NotImplementedError
+
+    def flops_per_token(self, args: Any, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per token: 6 x active matmul params + attention."""
+        raise NotImplementedError
+
+    def signature(self, args: Any) -> dict[str, Any]:
+        """Fields that decide whether saved weights fit this model (checkpoint compatibility)."""
+        return self.args_fields(args)
+
+    def check(self, args: Any, dims: Any, seq_len: int) -> None:
+        """Raise ConfigError (one line) for a layout or length this family cannot run."""
+
+    # --- layout -------------------------------------------------------------------------
+    def blocks(self, model: nn.Module) -> nn.ModuleDict:
+        """The repeated units, keyed by layer id (AC, compile and FSDP wrap them; PP cuts between)."""
+        raise NotImplementedError
+
+    def fsdp_units(self, model: nn.Module) -> list[tuple[Any, bool]]:
+        """(module or [modules], is_last_in_forward) in forward order, the root excluded."""
+        raise NotImplementedError
+
+    def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
+        """{fqn: ParallelStyle} for ``parallelize_module`` on the whole model (or one stage)."""
+        raise NotImplementedError
+
+    def finish_tp(self, model: nn.Module) -> None:
+        """Fix-ups after the TP plan was applied (e.g. re-tie shared weights)."""
+
+    def cut_stage(self, model: nn.Module, layer_ids: range, is_first: bool, is_last: bool) -> nn.Module:
+        """A copy of the meta model holding only one pipeline stage's modules, FQNs unchanged."""
+        raise NotImplementedError
+
+    rope_buffers: tuple[str, ...] = ()

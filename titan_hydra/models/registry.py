@@ -1,0 +1,99 @@
+"""From a ``model`` config node to its family and model: the only place that maps names to families.
+
+``model.family`` is a short name of a built-in family (``llama3``, ``qwen3``) or the dotted path
+of any ``ModelFamily`` object (``my_pkg.my_model.FAMILY``): a model defined outside this package
+plugs in with ``model._target_`` + ``model.family`` and nothing else. ``family`` and ``flavor``
+are labels for the engine; every other key of the node is a constructor argument of
+``_target_`` and a field of the family's args.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from titan_hydra.errors import ConfigError
+from titan_hydra.models.protocol import ModelFamily
+
+# family name -> (module holding FAMILY, module holding its config schema, schema class name)
+BUILTIN: dict[str, tuple[str, str, str]] = {
+    "llama3": ("titan_hydra.models.llama3", "titan_hydra.models.llama3.config", "Llama3Config"),
+    "qwen3": ("titan_hydra.models.qwen3", "titan_hydra.models.qwen3.config", "Qwen3Config"),
+}
+LABELS = ("_target_", "family", "flavor")
+# Checkpoints written before model families existed hold a Llama and no family name.
+LEGACY_FAMILY = "llama3"
+
+
+def get_family(name: str) -> ModelFamily:
+    """The family spec for ``model.family`` (built-in name or dotted path to a ModelFamily)."""
+    if name in BUILTIN:
+        return importlib.import_module(BUILTIN[name][0]).FAMILY
+    module_name, _, attr = str(name).rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr) if module_name else None
+    except (ImportError, AttributeError):
+        obj = None
+    if isinstance(obj, type) and issubclass(obj, ModelFamily):
+        obj = obj()
+    if not isinstance(obj, ModelFamily):
+        raise ConfigError(
+            f"model.family={name!r} is neither a built-in family ({', '.join(BUILTIN)}) nor the dotted "
+            "path of a titan_hydra.models.protocol.ModelFamily"
+        )
+    return obj
+
+
+def family_for_hf_type(model_type: str | None) -> ModelFamily:
+    """The built-in family whose HF adapter reads ``config.json``'s ``model_type``."""
+    for name in BUILTIN:
+        family = get_family(name)
+        if family.hf is not None and family.hf.model_type == model_type:
+            return family
+    from titan_hydra.models.common.hf_decoder import HFConversionError
+
+    known = ", ".join(t for t in (get_family(n).hf.model_type for n in BUILTIN if get_family(n).hf) if t)
+    raise HFConversionError(f"config.json model_type={model_type!r} is not supported (known: {known})")
+
+
+def model_node(model_cfg: Any) -> dict[str, Any]:
+    """The model config node as a plain, resolved dict."""
+    if isinstance(model_cfg, DictConfig):
+        return OmegaConf.to_container(model_cfg, resolve=True)  # type: ignore[return-value]
+    return dict(model_cfg)
+
+
+def family_of(model_cfg: Any) -> ModelFamily:
+    node = model_node(model_cfg)
+    if "family" not in node:
+        raise ConfigError("the model config has no `family` key; set model.family=<family name or dotted path>")
+    return get_family(node["family"])
+
+
+def args_of(model_cfg: Any) -> tuple[ModelFamily, Any]:
+    """(family, its args) for a model config, with a bad shape reported as one line."""
+    family = family_of(model_cfg)
+    fields = {k: v for k, v in model_node(model_cfg).items() if k not in LABELS}
+    try:
+        return family, family.make_args(fields)
+    except ValueError as e:  # a shape rule of the family's args
+        raise ConfigError(str(e).splitlines()[0]) from None
+    except TypeError as e:  # a field the family's args do not have
+        raise ConfigError(f"model config does not fit family {family.name!r}: {e}") from None
+
+
+def build_model(model_cfg: Any) -> tuple[ModelFamily, Any]:
+    """Instantiate ``model._target_`` with the node's fields (on the current default device)."""
+    from titan_hydra.errors import instantiate_checked as instantiate
+
+    family = family_of(model_cfg)
+    node = {k: v for k, v in model_node(model_cfg).items() if k not in ("family", "flavor")}
+    return family, instantiate(node, _convert_="all")
+
+
+def register_schemas(cs) -> None:
+    """Store each built-in family's schema as ``schema_model_<family>`` (option files extend it)."""
+    for name, (_, module, cls) in BUILTIN.items():
+        cs.store(name=f"schema_model_{name}", node=getattr(importlib.import_module(module), cls))
