@@ -1,7 +1,7 @@
 """Convert between titan_hydra DCP checkpoints and Hugging Face directories (offline, one process).
 
     python recipes/convert.py to-hf   OUT/checkpoint/step-1000  hf_out/  [--dtype bfloat16]
-    python recipes/convert.py from-hf hf_llama_dir/             ckpt/step-0
+    python recipes/convert.py from-hf hf_model_dir/             ckpt/step-0
 
 ``to-hf`` reads the model weights of any checkpoint this project wrote (any layout: DCP stores
 global tensors), and writes ``config.json`` + ``model.safetensors`` through the model family's

@@ -176,29 +176,19 @@ def test_seed_checkpoint_and_initial_load(tmp_path):
 # ---------------------------------------------------------------------------- bad checkpoints
 
 
-class _Trainer:
-    def __init__(self):
-        from titan_hydra.train.trainer import TrainState
-
-        self.state = TrainState()
-        self.steps = 1
-
-
 def _manager(tmp_path: Path, dim: int = 32, n_layers: int = 2) -> CheckpointManager:
-    from omegaconf import OmegaConf
-
-    from titan_hydra.config import CheckpointConfig
     from titan_hydra.models.llama3 import FAMILY, Llama3
+    from titan_hydra.train.trainer import TrainState
     from titan_hydra.parallel.dims import ParallelDims
     from titan_hydra.train.lr_schedule import build_lr_scheduler
 
     torch.manual_seed(0)
     model = Llama3(dim=dim, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cfg = OmegaConf.structured(CheckpointConfig(enable=True, interval=1))
-    return CheckpointManager(cfg, tmp_path, model_parts=[model], optimizer=opt,
-                             lr_scheduler=build_lr_scheduler(opt, 10), train_loader=object(), trainer=_Trainer(),
-                             dims=ParallelDims(), family=FAMILY, model_args=model.args, flavor="custom")
+    return CheckpointManager(run_dir=tmp_path, model_parts=[model], optimizer=opt,
+                             lr_scheduler=build_lr_scheduler(opt, 10), train_loader=object(), train_state=TrainState(),
+                             dims=ParallelDims(), family=FAMILY, model_args=model.args, flavor="custom",
+                             enable=True, interval=1)
 
 
 def _snapshot(m: CheckpointManager) -> dict:

@@ -189,3 +189,46 @@ def test_hf_dir_of_another_family_refused(qwen3_dir, tmp_path):
     assert "\n" not in str(err.value)
     with pytest.raises(CheckpointError, match="model_type='mistral'"):
         load_hf_checkpoint(other, QWEN3)
+
+
+# ------------------------------------------------------------------ initial_load_path=<HF dir>
+
+# A run's first loss, after checkpoint.initial_load_path=<HF dir>, equals HF's own loss on the
+# same first batch: the weights arrived (names, rotary layout, tying) through the engine's path.
+RUN_SHAPES = {
+    "llama": (["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2"],
+              dict(intermediate_size=256, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "qwen3": (["model=qwen3_debug", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+               "model.head_dim=32", "model.ffn_hidden_dim=192"],
+              dict(intermediate_size=192, head_dim=32, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+}
+
+
+@pytest.mark.parametrize("kind", list(RUN_SHAPES))
+def test_initial_load_path_reads_an_hf_directory(tmp_path, kind):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from conftest import compose_cfg
+
+    from titan_hydra.train.loss import cross_entropy_loss
+    from titan_hydra.train.pretrain import build_dataset, run
+
+    overrides, hf_fields = RUN_SHAPES[kind]
+    rope = hf_fields.pop("rope_theta")
+    cfg_cls = transformers.LlamaConfig if kind == "llama" else transformers.Qwen3Config
+    hf_cfg = cfg_cls(vocab_size=2048, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=2048,
+                     rope_parameters={"rope_type": "default", "rope_theta": rope}, **hf_fields)
+    torch.manual_seed(0)
+    hf_model = HF_CLASSES[kind](hf_cfg).eval()
+    randomize_norms(hf_model)
+    hf_model.save_pretrained(tmp_path / "hf")
+    cfg = compose_cfg(overrides + [
+        "training.seq_len=32", "training.local_batch_size=2", "training.steps=1", "training.val_freq=0",
+        "training.mixed_precision=fp32", "lr_scheduler.warmup_steps=0", "data.max_documents=40", "logger=minimal",
+        f"checkpoint.initial_load_path={tmp_path / 'hf'}",
+    ])
+    inputs, labels = next(build_dataset(cfg).loader("train", 2))
+    with torch.no_grad():
+        expected = cross_entropy_loss(hf_model(inputs).logits, labels).item()
+    got = run(cfg, str(tmp_path / "run"))["losses"][0]
+    assert abs(got - expected) < 1e-4, (got, expected)

@@ -230,9 +230,10 @@ def test_rope_scaling_only_touches_low_frequencies():
 def test_init_statistics(debug_model):
     m, args = debug_model, debug_model.args
     tied = args.tie_word_embeddings
-    assert m.output.weight.std().item() == pytest.approx(args.dim**-0.5 * TRUNC3, rel=0.03)
-    assert m.output.weight.abs().max().item() <= 3 * args.dim**-0.5 + 1e-6
-    if tied:  # the one shared matrix takes the output rule
+    out_std = args.dim ** (-1.0 if tied else -0.5)  # tied: 1/dim keeps the self-logit ~1
+    assert m.output.weight.std().item() == pytest.approx(out_std * TRUNC3, rel=0.03)
+    assert m.output.weight.abs().max().item() <= 3 * out_std + 1e-6
+    if tied:  # one shared matrix
         assert m.tok_embeddings.weight is m.output.weight
     else:
         assert m.tok_embeddings.weight.std().item() == pytest.approx(1.0, rel=0.03)

@@ -200,7 +200,7 @@ def test_regional_compile_with_ac_and_compiled_loss_matches_eager(kind):
         loss_fn = cross_entropy_loss
         if compiled:
             assert apply_compile(m, m.layers, cfg) == 2
-            loss_fn = build_loss_fn(cfg)
+            loss_fn = build_loss_fn(cfg, cross_entropy_loss)
         opt = torch.optim.SGD(m.parameters(), lr=0.5)
         losses = []
         for _ in range(3):

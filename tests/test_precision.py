@@ -60,7 +60,7 @@ def test_model_runs_sdpa_in_chosen_dtype_under_autocast(kind, head_dim, mode, ex
     torch.manual_seed(0)
     model = tiny(kind, head_dim)
     model.init_weights()
-    chosen = apply_attention_precision(model, cfg, torch.device("cpu"))
+    chosen = apply_attention_precision(model, str(cfg.training.attention_precision), "bf16", torch.device("cpu"))
     assert chosen == (None if expected == torch.bfloat16 else expected)
     tokens = torch.randint(0, 128, (2, 32))
     with torch.autocast("cpu", dtype=torch.bfloat16), KernelDtypes() as kernels:

@@ -151,8 +151,10 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Distributed checkpointing (DCP)."""
+    """Distributed checkpointing (DCP); the recipe completes the partial with what it built."""
 
+    _target_: str = "titan_hydra.checkpoint.CheckpointManager"
+    _partial_: bool = True
     enable: bool = False
     folder: str = "checkpoint"
     interval: int = 500
@@ -169,12 +171,14 @@ class CheckpointConfig:
 
 @dataclass
 class ActivationCheckpointConfig:
+    _target_: str = "titan_hydra.parallel.ac.ActivationCheckpointing"
     mode: str = "none"  # none | full | selective_op | selective_layer
     selective_layer_freq: int = 2
 
 
 @dataclass
 class CompileConfig:
+    _target_: str = "titan_hydra.parallel.compile.Compiler"
     mode: str = "none"  # none | model | model_loss
     backend: str = "inductor"
 
@@ -220,6 +224,10 @@ class LoggerConfig:
 
 @dataclass
 class ProfilingConfig:
+    """torch.profiler traces / memory snapshots; a partial completed by the recipe."""
+
+    _target_: str = "titan_hydra.profiling.build_profiler"
+    _partial_: bool = True
     enable: bool = False
     traces_folder: str = "profile_traces"
     profile_freq: int = 10

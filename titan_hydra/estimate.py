@@ -45,6 +45,14 @@ ACT_COEF = {
     ("bf16", "selective_op"): (26, 6, 4),
     ("bf16_params", "selective_op"): (14, 4, 4),
 }
+# Attention wider than the residual stream (Qwen3: n_heads x head_dim > dim): bytes per token,
+# block and element of (q_dim - dim) for the q-wide tensors SDPA and wo keep (q, repeated k/v,
+# output). Per-head QK-norm (Qwen3): bytes per element of (q_dim + kv_dim) plus an fp32 rstd per
+# head; selective_op recomputes the norms. Measured with MemTracker on qwen3_debug variants
+# (head_dim 32 vs 64, qk_norm on/off; the bf16 ones net of autocast's larger weight copies).
+Q_WIDE_COEF = {("fp32", "none"): 16, ("bf16", "none"): 6, ("bf16_params", "none"): 6,
+               ("fp32", "selective_op"): 8, ("bf16", "selective_op"): 1, ("bf16_params", "selective_op"): 1}
+QK_NORM_COEF = {("fp32", "none"): 8, ("bf16", "none"): 6, ("bf16_params", "none"): 6}
 RESIDUAL_BYTES = {"fp32": 4, "bf16": 4, "bf16_params": 2}
 # Extra bytes per token and block (x dim) when bf16 training runs SDPA in fp32
 # (training.attention_precision; auto does on CPU below head_dim 32): the fp32 copies of q/k/v
@@ -65,7 +73,11 @@ def block_activation_bytes(args: ModelShape, kind: str, mode: str, tokens: float
     if mode == "full":
         return tokens * RESIDUAL_BYTES[kind] * d / tp  # only the block input
     cd, ckv, cf = ACT_COEF[(kind, mode)]
-    return tokens * ((cd * d + ckv * kv + cf * f) + 4 * args.n_heads) / tp
+    per_token = cd * d + ckv * kv + cf * f + 4 * args.n_heads
+    per_token += Q_WIDE_COEF[(kind, mode)] * max(args.q_dim - d, 0)
+    if args.qk_norm and (kind, mode) in QK_NORM_COEF:
+        per_token += QK_NORM_COEF[(kind, mode)] * (args.q_dim + kv) + 4 * (args.n_heads + args.n_kv_heads)
+    return tokens * per_token / tp
 
 
 def activation_bytes(args: ModelShape, kind: str, mode: str, tokens: float, layers: float,

@@ -22,10 +22,10 @@ import json
 import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
 log = logging.getLogger("titan_hydra")
 MIB = 1024**2
@@ -44,7 +44,7 @@ def tensor_peak_bytes(tracker) -> dict[str, int]:
 class Profiler:
     """Owns the torch.profiler session and the memory snapshot window of one rank."""
 
-    def __init__(self, cfg: DictConfig, run_dir: str, rank: int, model_parts: list[torch.nn.Module],
+    def __init__(self, cfg, run_dir: str, rank: int, model_parts: list[torch.nn.Module],
                  optimizer: torch.optim.Optimizer | None, device: torch.device) -> None:
         self.cfg, self.rank, self.device = cfg, rank, device
         self.model_parts, self.optimizer = model_parts, optimizer
@@ -153,13 +153,19 @@ class Profiler:
             torch.cuda.memory._record_memory_history(enabled=None)
 
 
-def build_profiler(cfg: DictConfig, run_dir: str, rank: int, model_parts, optimizer, device) -> Profiler | None:
-    """A Profiler when traces or memory snapshots are enabled, else None (zero overhead)."""
-    p = cfg.profiling
-    if not (p.enable or p.enable_memory_snapshot):
+def build_profiler(*, run_dir: str, rank: int, model_parts, optimizer, device, enable: bool = False,
+                   traces_folder: str = "profile_traces", profile_freq: int = 10, warmup: int = 3, active: int = 1,
+                   enable_memory_snapshot: bool = False, memory_snapshot_folder: str = "memory_snapshot"
+                   ) -> Profiler | None:
+    """The ``profiling`` group's target (a partial; the recipe adds the run's parts): a Profiler
+    when traces or memory snapshots are enabled, else None (zero overhead)."""
+    if not (enable or enable_memory_snapshot):
         return None
-    if int(p.profile_freq) < 1:
+    if int(profile_freq) < 1:
         from titan_hydra.errors import UserError
 
-        raise UserError(f"profiling.profile_freq={p.profile_freq} must be >= 1")
-    return Profiler(p, run_dir, rank, model_parts, optimizer, device)
+        raise UserError(f"profiling.profile_freq={profile_freq} must be >= 1")
+    settings = SimpleNamespace(enable=enable, traces_folder=traces_folder, profile_freq=profile_freq, warmup=warmup,
+                               active=active, enable_memory_snapshot=enable_memory_snapshot,
+                               memory_snapshot_folder=memory_snapshot_folder)
+    return Profiler(settings, run_dir, rank, model_parts, optimizer, device)

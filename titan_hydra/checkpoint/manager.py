@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import random
 import time
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,7 @@ class PartsView(nn.Module):
     """One module whose FQNs are those of several pipeline parts of the same model.
 
     torch's state-dict helpers take one module; a rank holding two stages (interleaved or
-    V schedules) has two. Stages are cuts of one Llama3 with disjoint layer keys, so their
+    V schedules) has two. Stages are cuts of one model with disjoint layer keys, so their
     children can be re-registered under one parent without renaming anything.
     """
 
@@ -133,21 +134,32 @@ class CheckpointManager:
 
     def __init__(
         self,
-        ckpt,
-        run_dir: str | Path,
         *,
+        run_dir: str | Path,
         model_parts: list[nn.Module],
         optimizer: torch.optim.Optimizer,
         lr_scheduler,
         train_loader,
-        trainer,
+        train_state,
         dims,
         family,
         model_args,
         flavor: str,
         rank: int = 0,
         world_size: int = 1,
+        **settings: Any,
     ) -> None:
+        """``settings`` are the ``checkpoint`` group's fields (the group instantiates this class as a
+        partial); the rest is what the recipe built. ``train_state`` is the trainer's progress
+        (step, tokens, losses), saved and restored with everything else."""
+        defaults = {"enable": False, "folder": "checkpoint", "interval": 500, "keep_latest_k": 3,
+                    "async_mode": "disabled", "load_step": -1, "initial_load_path": None,
+                    "initial_load_model_only": True, "exclude_from_loading": [], "last_save_model_only": False,
+                    "export_dtype": "float32", "create_seed_checkpoint": False}
+        unknown = set(settings) - set(defaults)
+        if unknown:
+            raise TypeError(f"unknown checkpoint settings {sorted(unknown)}")
+        ckpt = SimpleNamespace(**{**defaults, **settings})
         self.cfg = ckpt
         self.enabled = bool(ckpt.enable)
         folder = Path(ckpt.folder)
@@ -156,7 +168,8 @@ class CheckpointManager:
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.train_loader = train_loader
-        self.trainer = trainer
+        self.train_state = train_state
+        self.seed_only = False  # set by restore() under create_seed_checkpoint: train nothing
         self.dims = dims
         self.family = family  # titan_hydra.models.protocol.ModelFamily
         self.model_args = model_args
@@ -231,7 +244,7 @@ class CheckpointManager:
         sched = {k: v for k, v in self.lr_scheduler.state_dict().items() if _jsonable(v)}
         shared_loader, _ = self._loader_state()
         return {
-            "train_state": self.trainer.state.state_dict(),
+            "train_state": self.train_state.state_dict(),
             "lr_scheduler": sched,
             "optimizer_groups": groups,
             "dataloader": shared_loader,
@@ -351,10 +364,10 @@ class CheckpointManager:
                 marker = read_marker(target)
                 model_only = bool(marker and marker.get("kind") == "model_only")
                 self.load(target, model_only=model_only, exclude=exclude)
-                return self.trainer.state.step
+                return self.train_state.step
         if cfg.initial_load_path:
             self.load_initial(cfg.initial_load_path, model_only=bool(cfg.initial_load_model_only), exclude=exclude)
-            return self.trainer.state.step
+            return self.train_state.step
         return 0
 
     def _resume_target(self) -> Path | None:
@@ -391,7 +404,7 @@ class CheckpointManager:
             model_only = True
         self.load(path, model_only=model_only, exclude=exclude, require_marker=False)
         if model_only:
-            self.trainer.state.step = 0
+            self.train_state.step = 0
 
     def _check_signature(self, path: Path, marker: dict | None) -> None:
         if not marker or "model" not in marker:
@@ -446,7 +459,7 @@ class CheckpointManager:
         what = "model only" if model_only else "full state"
         skipped = f", excluded {sorted(exclude)}" if exclude else ""
         rng = "" if model_only or load_rank else ", RNG not restored (different layout)"
-        self.log(f"loaded {path} ({what}{skipped}{rng}); resuming at step {self.trainer.state.step}")
+        self.log(f"loaded {path} ({what}{skipped}{rng}); resuming at step {self.train_state.step}")
 
     def _add_wanted(self, path: Path, want: dict, entries: dict, template: dict, what: str) -> None:
         missing = [k for k in template if k not in entries]
@@ -499,7 +512,7 @@ class CheckpointManager:
             if loader_sd is not None:
                 self.train_loader.load_state_dict(loader_sd)
         if "train_state" not in exclude and "train_state" in extra:
-            self.trainer.state.load_state_dict(extra["train_state"])
+            self.train_state.load_state_dict(extra["train_state"])
         if "rng" not in exclude and own.get("rng"):
             set_rng_state(own["rng"])
 
@@ -544,5 +557,5 @@ class CheckpointManager:
                 "and parallelism=single"
             )
         self.save(0, model_only=True, dtype="float32", wait=True)
-        self.trainer.steps = 0
+        self.seed_only = True
         return 0

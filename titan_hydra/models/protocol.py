@@ -39,9 +39,10 @@ class ModelShape:
     ffn_dim: int  # FFN width a token passes through (MoE: the active experts' sum)
     params: int  # total, a tied matrix counted once
     active_params: int  # used per token (dense: == params)
-    embedding_params: int  # the input lookup table when it is not also the output matmul
+    embedding_params: int  # the input lookup table (vocab x dim), whether or not it is tied to the output
     head_params: int  # final norm + output projection
     tied_embeddings: bool = False
+    qk_norm: bool = False  # per-head norms on q and k (their saved activations count)
 
     @property
     def block_params(self) -> float:

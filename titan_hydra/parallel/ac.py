@@ -80,16 +80,30 @@ def checkpointed_layer_ids(layer_names: list[str], mode: str, freq: int) -> list
     return list(layer_names)
 
 
-def apply_ac(layers: torch.nn.ModuleDict, ac_cfg: DictConfig) -> list[str]:
-    """Checkpoint these blocks (``family.blocks(part)``) per ``ac_cfg.mode``; returns the ids done."""
-    mode = ac_cfg.mode
-    if mode not in MODES:
-        raise ConfigError(f"activation_checkpoint.mode={mode!r} is not one of {', '.join(MODES)}")
-    names = list(layers.keys())
-    chosen = checkpointed_layer_ids(names, mode, int(ac_cfg.get("selective_layer_freq", 2)))
-    for name in chosen:
-        checkpoint_block(layers[name], selective_op=mode == "selective_op")
-    return chosen
+class ActivationCheckpointing:
+    """The ``activation_checkpoint`` group's object (``_target_``): applies one mode to blocks."""
+
+    def __init__(self, mode: str = "none", selective_layer_freq: int = 2) -> None:
+        mode = str(getattr(mode, "value", mode))
+        if mode not in MODES:
+            raise ConfigError(f"activation_checkpoint.mode={mode!r} is not one of {', '.join(MODES)}")
+        self.mode, self.freq = mode, int(selective_layer_freq)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    def apply(self, layers: torch.nn.ModuleDict) -> list[str]:
+        """Checkpoint these blocks (``family.blocks(part)``) per the mode; returns the ids done."""
+        chosen = checkpointed_layer_ids(list(layers.keys()), self.mode, self.freq)
+        for name in chosen:
+            checkpoint_block(layers[name], selective_op=self.mode == "selective_op")
+        return chosen
+
+
+def apply_ac(layers: torch.nn.ModuleDict, ac_cfg) -> list[str]:
+    """``ActivationCheckpointing(**ac_cfg).apply(layers)`` for a config node (tests, tools)."""
+    return ActivationCheckpointing(ac_cfg.mode, int(ac_cfg.get("selective_layer_freq", 2))).apply(layers)
 
 
 def check_config(cfg: DictConfig, dims) -> None:

@@ -3,39 +3,35 @@
 float8 (done by the recipe) -> PP split -> per stage: TP -> AC -> compile -> FSDP/HSDP/DDP,
 as torchtitan does: TP must see plain nn.Linear weights before FSDP wraps them in DTensors,
 AC/compile wrap whole blocks, and FSDP goes last so that it shards whatever the others made.
-Each technique lives in its own module; this file only decides the order and what the
-trainer's per-step context is (autocast, loss parallel, context-parallel sharding).
+Each technique lives in its own module and arrives here as an object built from its own
+config group (``ParallelDims``, ``ActivationCheckpointing``, ``Compiler``); the model family
+says what to shard and wrap. This file only decides the order, the per-microbatch context
+(autocast, loss parallel, context-parallel sharding) and which runner drives the parts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
 import torch
-from omegaconf import DictConfig
-
-from titan_hydra.config import mixed_precision_of
 
 from titan_hydra.parallel.dims import ParallelDims
+from titan_hydra.parallel.runner import SingleStageRunner
 
 
 @dataclass
 class ParallelModel:
-    """What the trainer needs from the layout."""
+    """What the trainer needs from the layout: this rank's parts and the runner that drives them."""
 
     model_parts: list[torch.nn.Module]
-    step_context: Callable[[torch.Tensor, torch.Tensor], ContextManager]
-    pp_schedule: Any = None
-    pp_has_first_stage: bool = True
-    pp_has_last_stage: bool = True
+    runner: Any  # SingleStageRunner | pp.PipelineRunner: forward_backward / eval_loss
     notes: list[str] = field(default_factory=list)
 
 
-
-
-def parallelize_part(part: torch.nn.Module, family, dims: ParallelDims, cfg: DictConfig,
+def parallelize_part(part: torch.nn.Module, family, dims: ParallelDims, ac, compiler, mixed_precision: str,
                      device: torch.device) -> torch.nn.Module:
     """TP -> AC -> compile -> data parallel on one model (or one pipeline stage).
 
@@ -46,18 +42,14 @@ def parallelize_part(part: torch.nn.Module, family, dims: ParallelDims, cfg: Dic
         from titan_hydra.parallel.tp import apply_tp
 
         apply_tp(part, family, dims)
-    if cfg.activation_checkpoint.mode != "none":
-        from titan_hydra.parallel.ac import apply_ac
-
-        apply_ac(family.blocks(part), cfg.activation_checkpoint)
-    if cfg.compile.mode != "none":
-        from titan_hydra.parallel.compile import apply_compile
-
-        apply_compile(part, family.blocks(part), cfg.compile)
+    if ac is not None and ac.enabled:
+        ac.apply(family.blocks(part))
+    if compiler is not None and compiler.enabled:
+        compiler.apply(part, family.blocks(part))
     if dims.fsdp_enabled or dims.dp_replicate_enabled:
         from titan_hydra.parallel.fsdp import apply_data_parallel
 
-        apply_data_parallel(part, family.fsdp_units(part), dims, cfg, device)
+        apply_data_parallel(part, family.fsdp_units(part), dims, mixed_precision, device)
     return part
 
 
@@ -66,9 +58,10 @@ def uses_fsdp_mixed_precision(dims: ParallelDims) -> bool:
     return dims.fsdp_enabled
 
 
-def make_step_context(parts: list[torch.nn.Module], family, dims: ParallelDims, cfg: DictConfig, device: torch.device):
-    """The context each microbatch's forward+backward runs in."""
-    bf16_autocast = mixed_precision_of(cfg) == "bf16" and not uses_fsdp_mixed_precision(dims)
+def make_step_context(parts: list[torch.nn.Module], family, dims: ParallelDims, mixed_precision: str,
+                      device: torch.device):
+    """The context each microbatch's forward(+backward) runs in."""
+    bf16_autocast = mixed_precision == "bf16" and not uses_fsdp_mixed_precision(dims)
 
     def step_context(inputs: torch.Tensor, labels: torch.Tensor) -> ContextManager:
         stack = contextlib.ExitStack()
@@ -87,12 +80,26 @@ def make_step_context(parts: list[torch.nn.Module], family, dims: ParallelDims, 
     return step_context
 
 
-def parallelize(model: torch.nn.Module, family, dims: ParallelDims, cfg: DictConfig,
-                device: torch.device) -> ParallelModel:
-    """Return this rank's model parts with every configured technique applied (still on meta)."""
+def parallelize(model: torch.nn.Module, family, dims: ParallelDims, *, device: torch.device,
+                mixed_precision: str, loss_fn: Callable, grad_accum_steps: int, ac=None,
+                compiler=None) -> ParallelModel:
+    """This rank's model parts with every configured technique applied (still on meta), and
+    the runner the trainer drives them with.
+
+    ``loss_fn(logits, labels)`` is the training loss (compiled by ``compiler`` under
+    ``compile=model_loss``); ``grad_accum_steps`` sets the runners' gradient scaling.
+    """
+    if compiler is not None:
+        loss_fn = compiler.compile_loss(loss_fn)
+    part_fn = functools.partial(parallelize_part, family=family, dims=dims, ac=ac, compiler=compiler,
+                                mixed_precision=mixed_precision, device=device)
+    context_fn = functools.partial(make_step_context, family=family, dims=dims,
+                                   mixed_precision=mixed_precision, device=device)
     if dims.pp_enabled:
         from titan_hydra.parallel.pp import build_pipeline
 
-        return build_pipeline(model, family, dims, cfg, device, parallelize_part, make_step_context)
-    part = parallelize_part(model, family, dims, cfg, device)
-    return ParallelModel(model_parts=[part], step_context=make_step_context([part], family, dims, cfg, device))
+        return build_pipeline(model, family, dims, device, part_fn, context_fn,
+                              grad_accum=grad_accum_steps, loss_fn=loss_fn)
+    part = part_fn(model)
+    return ParallelModel(model_parts=[part],
+                         runner=SingleStageRunner(part, loss_fn, grad_accum_steps, context_fn([part])))

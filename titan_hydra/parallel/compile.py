@@ -18,12 +18,32 @@ import torch
 from omegaconf import DictConfig
 
 from titan_hydra.errors import ConfigError
-from titan_hydra.train.loss import cross_entropy_loss
 
 MODES = ("none", "model", "model_loss")
 
 
-def apply_compile(part: torch.nn.Module, layers: torch.nn.ModuleDict, compile_cfg: DictConfig) -> int:
+class Compiler:
+    """The ``compile`` group's object (``_target_``): compiles blocks, and the loss under model_loss."""
+
+    def __init__(self, mode: str = "none", backend: str = "inductor") -> None:
+        mode = str(getattr(mode, "value", mode))
+        if mode not in MODES:
+            raise ConfigError(f"compile.mode={mode!r} is not one of {', '.join(MODES)}")
+        self.mode, self.backend = mode, backend
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    def apply(self, part: torch.nn.Module, layers: torch.nn.ModuleDict) -> int:
+        return apply_compile(part, layers, self)
+
+    def compile_loss(self, loss_fn: Callable) -> Callable:
+        """The loss the trainer uses: compiled under ``model_loss``, else unchanged."""
+        return build_loss_fn(self, loss_fn)
+
+
+def apply_compile(part: torch.nn.Module, layers: torch.nn.ModuleDict, compile_cfg) -> int:
     """Compile each block of ``layers`` (``family.blocks(part)``) in place; returns how many."""
     if compile_cfg.mode == "none":
         return 0
@@ -53,8 +73,8 @@ def _resolve_async_output(_module: torch.nn.Module, _inputs, output):
     return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
 
 
-def build_loss_fn(compile_cfg: DictConfig, base: Callable = cross_entropy_loss) -> Callable:
-    """The loss the Trainer uses: compiled under ``model_loss``, else the eager one."""
+def build_loss_fn(compile_cfg, base: Callable) -> Callable:
+    """``base`` compiled under ``model_loss``, else ``base`` itself."""
     if compile_cfg.mode != "model_loss":
         return base
     return torch.compile(base, backend=compile_cfg.backend)

@@ -203,8 +203,3 @@ class ParallelDims:
         loss = loss.detach().float().clone()
         dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=mesh.get_group())
         return loss
-
-    def pp_eval(self, trainer) -> dict[str, float]:
-        from titan_hydra.parallel.pp import pipeline_validate
-
-        return pipeline_validate(trainer)

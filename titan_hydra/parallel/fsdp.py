@@ -25,7 +25,6 @@ import warnings
 import torch
 from omegaconf import DictConfig
 
-from titan_hydra.config import mixed_precision_of
 
 from titan_hydra.errors import ConfigError
 from titan_hydra.parallel.dims import ParallelDims
@@ -33,11 +32,11 @@ from titan_hydra.parallel.dims import ParallelDims
 
 
 
-def mp_policy_of(cfg: DictConfig, dims: ParallelDims):
+def mp_policy_of(mixed_precision: str, dims: ParallelDims):
     """bf16: bf16 compute params, fp32 gradient reduction. DDP keeps fp32 params (apply.py autocasts)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if mixed_precision_of(cfg) == "bf16" and dims.fsdp_enabled:
+    if mixed_precision == "bf16" and dims.fsdp_enabled:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
 
@@ -94,7 +93,7 @@ def use_sum_reductions(model: torch.nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-def apply_data_parallel(model: torch.nn.Module, units: list, dims: ParallelDims, cfg: DictConfig,
+def apply_data_parallel(model: torch.nn.Module, units: list, dims: ParallelDims, mixed_precision: str,
                         device: torch.device) -> None:
     """FSDP2 (dp_shard/cp > 1, 2-D HSDP with dp_replicate > 1) or FSDP2-based DDP, in place.
 
@@ -102,7 +101,7 @@ def apply_data_parallel(model: torch.nn.Module, units: list, dims: ParallelDims,
     family (``ModelFamily.fsdp_units``); each becomes one all-gather / reduce-scatter group.
     """
     mesh = dp_mesh_of(dims)
-    mp = mp_policy_of(cfg, dims)
+    mp = mp_policy_of(mixed_precision, dims)
     if dims.fsdp_enabled:
         from torch.distributed.fsdp import fully_shard
 
@@ -122,8 +121,14 @@ def apply_data_parallel(model: torch.nn.Module, units: list, dims: ParallelDims,
         for module, _ in units:
             replicate(module, mesh=mesh, mp_policy=mp)
         replicate(model, mesh=mesh, mp_policy=mp)
-    if cfg.cluster.backend == "gloo":
+    if _backend_is_gloo():
         use_sum_reductions(model)
+
+
+def _backend_is_gloo() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_backend() == "gloo"
 
 
 def check_config(cfg: DictConfig, dims: ParallelDims) -> None:

@@ -21,12 +21,11 @@ Why it is built this way:
   shrink the bubble; it must divide ``training.local_batch_size``.
 * Validation walks the stages in order with blocking P2P of activations (one whole batch, no
   microbatches), not ``schedule.eval()``, which fails for the V-shaped runtimes; the last
-  stage's loss is shared over the pipeline group, then averaged over data parallel.
+  stage's loss is shared over the pipeline group (the trainer averages it over data parallel).
 """
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any, Callable
 
@@ -35,7 +34,6 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from titan_hydra.errors import ConfigError
-from titan_hydra.train.loss import cross_entropy_loss
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
@@ -161,51 +159,65 @@ def stage_ids_for_rank(pp_rank: int, pp: int, n_stages: int, schedule: str) -> l
     return list(range(pp_rank, n_stages, pp))
 
 
-def grad_accum_steps(cfg: DictConfig, dims) -> int:
-    """The trainer's accumulation count (``ParallelDims.batch_plan``)."""
-    return dims.batch_plan(int(cfg.training.local_batch_size), int(cfg.training.global_batch_size))[1]
-
-
 # --------------------------------------------------------------------------- stages
 
 
 class PipelineRunner:
-    """A torch schedule plus the loss scaling the trainer expects.
+    """This rank's pipeline stages behind the runner interface (``parallel/runner.py``).
 
-    ``step``/``eval`` take the trainer's arguments and fill ``losses`` with the *unscaled*
-    per-microbatch losses (on the rank holding the last stage), while the schedule itself
-    backpropagates ``loss / (microbatches * grad_accum_steps)``.
+    ``forward_backward`` runs one torch schedule step over the microbatch and returns the mean
+    of the *unscaled* per-microbatch losses, shared over the pipeline group (only the rank with
+    the last stage computes them), while the schedule itself backpropagates
+    ``loss / (microbatches * grad_accum_steps)``. ``eval_loss`` walks the stages forward-only.
     """
 
-    def __init__(self, schedule, stages, n_microbatches: int, grad_accum: int,
-                 loss_fn: Callable = cross_entropy_loss) -> None:
+    def __init__(self, schedule, stages, n_microbatches: int, grad_accum: int, loss_fn: Callable,
+                 dims, step_context) -> None:
         self.schedule = schedule
         self.stages = stages
         self.n_microbatches = n_microbatches
         self.scale = 1.0 / (n_microbatches * grad_accum)
         self.base_loss_fn = loss_fn
+        self.dims = dims
+        self.step_context = step_context
         self._recorded: list[torch.Tensor] = []
         # Filled by build_pipeline: which pp rank owns each stage, this rank's stage modules.
         self.stage_owner: list[int] = []
         self.parts: dict[int, torch.nn.Module] = {}
         self.pp_rank, self.group, self.device = 0, None, torch.device("cpu")
+        self.has_first_stage = self.has_last_stage = True
 
     def loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = self.base_loss_fn(output, target)
         self._recorded.append(loss.detach().float().clone())
         return loss * self.scale
 
-    def _run(self, fn, args, target, losses) -> None:
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         self._recorded = []
-        fn(*args, target=target)
-        if losses is not None and self._recorded:
-            # The first step's shape inference also calls the loss on a probe batch: keep
-            # only the last n_microbatches calls, which are the real ones.
-            losses.extend(self._recorded[-self.n_microbatches:])
+        target = labels if self.has_last_stage else None
+        with self.step_context(inputs, labels):
+            if self.has_first_stage:
+                self.schedule.step(inputs, target=target)
+            else:
+                self.schedule.step(target=target)
+        # The first step's shape inference also calls the loss on a probe batch: keep only the
+        # last n_microbatches calls, which are the real ones.
+        losses = self._recorded[-self.n_microbatches:]
         self._recorded = []
+        if self.has_last_stage:
+            loss = torch.mean(torch.stack(losses))
+        else:
+            loss = torch.zeros((), device=self.device)
+        return self.dims.broadcast_pp_loss(loss)
 
-    def step(self, *args, target=None, losses: list | None = None) -> None:
-        self._run(self.schedule.step, args, target, losses)
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The whole batch's loss on every pipeline rank."""
+        with self.step_context(inputs, labels):
+            loss = self.forward_loss(inputs, labels)
+        if loss is None:
+            loss = torch.zeros((), device=self.device)
+        return self.dims.broadcast_pp_loss(loss)
 
     @torch.no_grad()
     def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
@@ -255,15 +267,20 @@ def _recv_tensor(src: int, group, device: torch.device) -> torch.Tensor:
     return out
 
 
-def build_pipeline(model, family, dims, cfg: DictConfig, device: torch.device, parallelize_part, make_step_context):
-    """Split ``model`` into this rank's stages (``family.cut_stage``), parallelize each, build the schedule."""
+def build_pipeline(model, family, dims, device: torch.device, parallelize_part, make_step_context, *,
+                   grad_accum: int, loss_fn: Callable):
+    """Split ``model`` into this rank's stages (``family.cut_stage``), parallelize each, build the schedule.
+
+    ``parallelize_part(part)`` applies the per-stage techniques (TP, AC, compile, FSDP);
+    ``make_step_context(parts)`` gives the per-microbatch context.
+    """
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
     from titan_hydra.parallel.apply import ParallelModel
 
-    check_config(cfg, dims)
     ranges = stage_layer_ranges(dims, len(family.blocks(model)))
+    check_stage_count(dims, len(ranges), len(family.blocks(model)))
     n_stages = len(ranges)
     pp_mesh = dims.submesh("pp")
     pp_rank, group = pp_mesh.get_local_rank(), pp_mesh.get_group()
@@ -271,14 +288,12 @@ def build_pipeline(model, family, dims, cfg: DictConfig, device: torch.device, p
     parts, stages = [], []
     for sid in ids:
         part = family.cut_stage(model, ranges[sid], is_first=sid == 0, is_last=sid == n_stages - 1)
-        part = parallelize_part(part, family, dims, cfg, device)
+        part = parallelize_part(part)
         parts.append(part)
         stages.append(PipelineStage(part, sid, n_stages, device, group=group))
 
     n_mb = num_microbatches(dims, n_stages)
-    from titan_hydra.parallel.compile import build_loss_fn  # compile=model_loss compiles it
-
-    runner = PipelineRunner(None, stages, n_mb, grad_accum_steps(cfg, dims), loss_fn=build_loss_fn(cfg.compile))
+    runner = PipelineRunner(None, stages, n_mb, grad_accum, loss_fn, dims, make_step_context(parts))
     cls = get_schedule_class(dims.pp_schedule)
     if issubclass(cls, PipelineScheduleSingle):
         schedule = cls(stages[0], n_microbatches=n_mb, loss_fn=runner.loss_fn, scale_grads=False)
@@ -291,42 +306,16 @@ def build_pipeline(model, family, dims, cfg: DictConfig, device: torch.device, p
     ]
     runner.parts = dict(zip(ids, parts))
     runner.pp_rank, runner.group, runner.device = pp_rank, group, device
+    runner.has_first_stage, runner.has_last_stage = 0 in ids, n_stages - 1 in ids
     return ParallelModel(
         model_parts=parts,
-        step_context=make_step_context(parts, family, dims, cfg, device),
-        pp_schedule=runner,
-        pp_has_first_stage=0 in ids,
-        pp_has_last_stage=n_stages - 1 in ids,
+        runner=runner,
         notes=[f"pp: {dims.pp_schedule}, {n_stages} stages {[list(r) for r in ranges]}, "
                f"this rank {ids}, {n_mb} microbatches"],
     )
 
 
 # --------------------------------------------------------------------------- validation
-
-
-@torch.no_grad()
-def pipeline_validate(trainer) -> dict[str, float]:
-    """Mean validation loss through the pipeline (forward only), equal to the unsplit model's."""
-    runner: PipelineRunner = trainer.pp_schedule
-    for m in trainer.model_parts:
-        m.eval()
-    total = torch.zeros((), device=trainer.device)
-    count = 0
-    for inputs, labels in trainer.val_loader_factory():
-        if count >= trainer.val_steps:
-            break  # every pp rank reads the same batches, so all stop together
-        inputs, labels = inputs.to(trainer.device), labels.to(trainer.device)
-        with trainer.step_context(inputs, labels):
-            loss = runner.forward_loss(inputs, labels)
-        if loss is not None:
-            total += loss
-        count += 1
-    for m in trainer.model_parts:
-        m.train()
-    loss = trainer.dims.broadcast_pp_loss(total / max(count, 1))
-    loss = trainer.dims.global_mean(loss)
-    return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}
 
 
 def describe(dims, n_layers: int) -> dict[str, Any]:

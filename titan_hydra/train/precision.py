@@ -17,9 +17,6 @@ parallelism modules do, so the model file carries no device rules.
 from __future__ import annotations
 
 import torch
-from omegaconf import DictConfig
-
-from titan_hydra.config import mixed_precision_of
 
 CPU_FP32_BELOW_HEAD_DIM = 32
 
@@ -35,12 +32,12 @@ def attention_dtype(mode: str, mixed_precision: str, device_type: str, head_dim:
     return None
 
 
-def apply_attention_precision(model: torch.nn.Module, cfg: DictConfig, device: torch.device) -> torch.dtype | None:
-    """Set every attention module's SDPA dtype from ``training.attention_precision``."""
+def apply_attention_precision(model: torch.nn.Module, mode: str, mixed_precision: str,
+                              device: torch.device) -> torch.dtype | None:
+    """Set every attention module's SDPA dtype from ``training.attention_precision`` (``mode``)."""
     chosen = None
     for module in model.modules():
         if hasattr(module, "sdpa_dtype") and hasattr(module, "head_dim"):  # any family's attention
-            chosen = attention_dtype(str(cfg.training.attention_precision), mixed_precision_of(cfg),
-                                     device.type, module.head_dim)
+            chosen = attention_dtype(mode, mixed_precision, device.type, module.head_dim)
             module.sdpa_dtype = chosen
     return chosen

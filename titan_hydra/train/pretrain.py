@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import random
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -26,10 +27,10 @@ from titan_hydra.metrics.memory import MemoryMonitor
 from titan_hydra.metrics.throughput import ThroughputMeter, cpu_bf16_slower_than_fp32, device_peak_tflops
 from titan_hydra.models.registry import args_of, build_model
 from titan_hydra.parallel.apply import parallelize
-from titan_hydra.parallel.compile import build_loss_fn
-from titan_hydra.profiling import build_profiler
+from titan_hydra.launch.preemption import watch_for_preemption
+from titan_hydra.train.loss import cross_entropy_loss
 from titan_hydra.train.precision import apply_attention_precision
-from titan_hydra.train.trainer import Trainer
+from titan_hydra.train.trainer import Trainer, TrainState
 
 log = logging.getLogger("titan_hydra")
 
@@ -158,15 +159,27 @@ def run(cfg: DictConfig, run_dir: str, return_state: bool = False) -> dict[str, 
             dist.destroy_process_group()
 
 
-def _run(
-    cfg: DictConfig, run_dir: str, rank: int, world_size: int, device: torch.device, return_state: bool = False
-) -> dict[str, Any]:
-    training = cfg.training
-    seed_everything(training.seed, training.deterministic)
-    dims = instantiate(cfg.parallelism, world_size=world_size, _convert_="all")
-    dims.build_mesh(device.type)
+@dataclass
+class DataPlan:
+    dataset: Any
+    train_loader: Any
+    val_loader_factory: Callable[[], Any]
+    grad_accum_steps: int
 
-    # Data first: bad records must fail before the model is built.
+
+@dataclass
+class BuiltModel:
+    family: Any  # titan_hydra.models.protocol.ModelFamily
+    args: Any
+    parts: list[torch.nn.Module]  # this rank's model (or pipeline stages)
+    runner: Any  # forward_backward / eval_loss for this layout
+    float8: Any
+    flops_per_token: float
+
+
+def build_data(cfg: DictConfig, dims) -> DataPlan:
+    """Dataset and this rank's loaders. Runs before the model: bad records fail before anything big."""
+    training = cfg.training
     dataset = build_dataset(cfg)
     dp_rank, dp_degree = dims.dp_rank(), dims.dp_degree
     local_bs = training.local_batch_size
@@ -177,86 +190,94 @@ def _run(
     def val_loader_factory():
         return dataset.loader("val", val_bs, dp_rank=dp_rank, dp_degree=dp_degree, infinite=False)
 
-    # Model on meta, layout applied, then materialized on the device and initialized.
+    return DataPlan(dataset, train_loader, val_loader_factory, grad_accum)
+
+
+def build_parallel_model(cfg: DictConfig, dims, device: torch.device, grad_accum: int, rank: int,
+                         world_size: int) -> BuiltModel:
+    """Model on meta -> attention precision -> float8 -> layout -> materialized and initialized."""
     with torch.device("meta"):
         family, model = build_model(cfg.model)
     _, model_args = args_of(cfg.model)
-    shape = family.shape(model_args)
-    fpt = family.flops_per_token(model_args, training.seq_len)
-    apply_attention_precision(model, cfg, device)
+    mp = mixed_precision_of(cfg)
+    apply_attention_precision(model, str(cfg.training.attention_precision), mp, device)
     float8 = instantiate(cfg.float8, _convert_="all")
     model = float8.convert(model)
-    pm = parallelize(model, family, dims, cfg, device)
-    init_weights(cfg, pm.model_parts, shape.params, device, world_size, rank)
+    pm = parallelize(
+        model, family, dims, device=device, mixed_precision=mp, loss_fn=cross_entropy_loss,
+        grad_accum_steps=grad_accum, ac=instantiate(cfg.activation_checkpoint), compiler=instantiate(cfg.compile),
+    )
+    init_weights(cfg, pm.model_parts, family.shape(model_args).params, device, world_size, rank)
+    return BuiltModel(family, model_args, pm.model_parts, pm.runner, float8,
+                      family.flops_per_token(model_args, cfg.training.seq_len))
 
-    params = [p for part in pm.model_parts for p in part.parameters()]
+
+def build_optimizer(cfg: DictConfig, built: BuiltModel):
+    """Optimizer over this rank's parameters (``_partial_``) and its LR schedule."""
+    params = [p for part in built.parts for p in part.parameters()]
     optimizer = instantiate(cfg.optimizer)(params)
-    float8.register(optimizer, pm.model_parts)  # float8 scale precompute after each optimizer step
-    lr_scheduler = instantiate(cfg.lr_scheduler)(optimizer, training.steps)
+    built.float8.register(optimizer, built.parts)  # float8 scale precompute after each optimizer step
+    return optimizer, instantiate(cfg.lr_scheduler)(optimizer, cfg.training.steps)
 
-    config_dict = to_container(cfg)
-    metric_logger = MetricLogger(run_dir, rank, backends=logger_backends(cfg, run_dir), config=config_dict)
+
+def build_throughput(cfg: DictConfig, device: torch.device, rank: int, world_size: int,
+                     flops_per_token: float) -> ThroughputMeter:
+    bf16 = mixed_precision_of(cfg) == "bf16"
     peak = device_peak_tflops(
-        device,
-        torch.bfloat16 if mixed_precision_of(cfg) == "bf16" else torch.float32,
-        override=cfg.cluster.peak_tflops,
+        device, torch.bfloat16 if bf16 else torch.float32, override=cfg.cluster.peak_tflops,
         # Re-measure each run (~1 s on CPU): the cache keeps the best value, so one measurement
         # taken under load cannot leave MFU inflated for every later run.
         fresh=True,
     )
-    if device.type == "cpu" and mixed_precision_of(cfg) == "bf16" and rank == 0:
+    if device.type == "cpu" and bf16 and rank == 0:
         slow = cpu_bf16_slower_than_fp32()
         if slow:
             log.warning("this CPU has no native bf16 matmuls (bf16 %.3f vs fp32 %.3f TFLOP/s measured): "
                         "bf16 training will be slow here; use training.mixed_precision=fp32", *slow)
-    profiler = build_profiler(cfg, run_dir, rank, pm.model_parts, optimizer, device)
+    return ThroughputMeter(flops_per_token, peak, world_size=world_size)
+
+
+def _run(
+    cfg: DictConfig, run_dir: str, rank: int, world_size: int, device: torch.device, return_state: bool = False
+) -> dict[str, Any]:
+    training = cfg.training
+    seed_everything(training.seed, training.deterministic)
+    dims = instantiate(cfg.parallelism, world_size=world_size, _convert_="all")
+    dims.build_mesh(device.type)
+    data = build_data(cfg, dims)
+    built = build_parallel_model(cfg, dims, device, data.grad_accum_steps, rank, world_size)
+    optimizer, lr_scheduler = build_optimizer(cfg, built)
+    metric_logger = MetricLogger(run_dir, rank, backends=logger_backends(cfg, run_dir), config=to_container(cfg))
+    profiler = instantiate(cfg.profiling)(run_dir=run_dir, rank=rank, model_parts=built.parts,
+                                          optimizer=optimizer, device=device)
+    state = TrainState()
+    checkpointer = instantiate(cfg.checkpoint)(
+        run_dir=run_dir, model_parts=built.parts, optimizer=optimizer, lr_scheduler=lr_scheduler,
+        train_loader=data.train_loader, train_state=state, dims=dims, family=built.family, model_args=built.args,
+        flavor=str(OmegaConf.select(cfg, "model.flavor", default=None) or "custom"), rank=rank, world_size=world_size,
+    )
     trainer = Trainer(
-        model_parts=pm.model_parts,
-        optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
-        train_loader=train_loader,
-        val_loader_factory=val_loader_factory,
-        dims=dims,
-        steps=training.steps,
-        grad_accum_steps=grad_accum,
-        max_norm=training.max_norm,
-        log_freq=training.log_freq,
-        val_freq=training.val_freq,
-        val_steps=training.val_steps,
-        metric_logger=metric_logger,
-        throughput=ThroughputMeter(fpt, peak, world_size=world_size),
-        memory=MemoryMonitor(device),
-        step_context=pm.step_context,
-        pp_schedule=pm.pp_schedule,
-        pp_has_first_stage=pm.pp_has_first_stage,
-        pp_has_last_stage=pm.pp_has_last_stage,
-        device=device,
+        model_parts=built.parts, runner=built.runner, optimizer=optimizer, lr_scheduler=lr_scheduler,
+        train_loader=data.train_loader, val_loader_factory=data.val_loader_factory, dims=dims,
+        steps=training.steps, grad_accum_steps=data.grad_accum_steps, max_norm=training.max_norm,
+        log_freq=training.log_freq, val_freq=training.val_freq, val_steps=training.val_steps,
+        metric_logger=metric_logger, throughput=build_throughput(cfg, device, rank, world_size, built.flops_per_token),
+        memory=MemoryMonitor(device), state=state, device=device, checkpointer=checkpointer,
+        preemption=watch_for_preemption(rank, world_size, device),  # None outside SLURM
         profiler=profiler,
-        loss_fn=build_loss_fn(cfg.compile),
     )
-    from titan_hydra.checkpoint import build_checkpointer
-
-    trainer.checkpointer = build_checkpointer(
-        cfg, run_dir, trainer, family=family, model_args=model_args,
-        flavor=str(OmegaConf.select(cfg, "model.flavor", default=None) or "custom"),
-        model_parts=pm.model_parts, optimizer=optimizer,
-        lr_scheduler=lr_scheduler, train_loader=train_loader, dims=dims, rank=rank, world_size=world_size,
-    )
-    from titan_hydra.launch.preemption import watch_for_preemption
-
-    trainer.preemption = watch_for_preemption(rank, world_size, device)  # None outside SLURM
     try:
-        if trainer.checkpointer is not None:
-            trainer.checkpointer.restore()
+        checkpointer.restore()
+        if checkpointer.seed_only:
+            trainer.steps = 0
         summary = trainer.train()
-        if trainer.checkpointer is not None:
-            trainer.checkpointer.close()
+        checkpointer.close()
     finally:
         metric_logger.close()
         if profiler is not None:
             profiler.close()
     summary["run_dir"] = run_dir
     if return_state:
-        summary["full_state"] = gather_full_state(pm.model_parts)
-    summary["dataset_stats"] = getattr(dataset, "stats", {})
+        summary["full_state"] = gather_full_state(built.parts)
+    summary["dataset_stats"] = getattr(data.dataset, "stats", {})
     return summary

@@ -1,24 +1,23 @@
 """The training loop: one loop for every parallel layout.
 
 Everything layout-specific arrives already built: the model parts (one module, or this rank's
-pipeline stages), an optional pipeline schedule, the per-step context (autocast, loss
-parallel, context-parallel sharding) and ParallelDims for reductions. The loop itself only
+pipeline stages), the runner that runs a microbatch on them (single stage or pipeline; it also
+owns the per-step context: autocast, loss parallel, context-parallel sharding) and
+ParallelDims for reductions. The loop itself only
 accumulates gradients, clips, steps, validates, logs and checks the loss is finite.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable
 
 import torch
 
 from titan_hydra.errors import TrainingDiverged
 from titan_hydra.train.grad_clip import clip_grad_norm_
-from titan_hydra.train.loss import cross_entropy_loss
 
 
 @dataclass
@@ -39,10 +38,15 @@ class TrainState:
 
 
 class Trainer:
+    """The loop. ``runner`` (``parallel/runner.py`` or ``parallel/pp.py``) runs each microbatch for
+    whatever layout this rank has; ``checkpointer`` (a CheckpointManager holding ``state``) and
+    ``preemption`` (a SLURM watcher, None elsewhere) are optional."""
+
     def __init__(
         self,
         *,
         model_parts: list[torch.nn.Module],
+        runner,
         optimizer: torch.optim.Optimizer,
         lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
         train_loader,
@@ -57,16 +61,14 @@ class Trainer:
         metric_logger,
         throughput,
         memory,
-        step_context: Callable[[torch.Tensor, torch.Tensor], ContextManager],
-        pp_schedule=None,
-        pp_has_first_stage: bool = True,
-        pp_has_last_stage: bool = True,
+        state: TrainState | None = None,
         device: torch.device = torch.device("cpu"),
         checkpointer=None,
+        preemption=None,
         profiler=None,
-        loss_fn: Callable = cross_entropy_loss,
     ) -> None:
         self.model_parts = model_parts
+        self.runner = runner
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.train_loader = train_loader
@@ -81,16 +83,11 @@ class Trainer:
         self.metric_logger = metric_logger
         self.throughput = throughput
         self.memory = memory
-        self.step_context = step_context
-        self.pp_schedule = pp_schedule
-        self.pp_has_first_stage = pp_has_first_stage
-        self.pp_has_last_stage = pp_has_last_stage
         self.device = device
         self.checkpointer = checkpointer
-        self.preemption = None  # titan_hydra.launch.preemption.Preemption inside a SLURM job
+        self.preemption = preemption  # titan_hydra.launch.preemption.Preemption inside a SLURM job
         self.profiler = profiler
-        self.loss_fn = loss_fn
-        self.state = TrainState()
+        self.state = state if state is not None else TrainState()
         self.last_val_loss: float | None = None
 
     # --- one microbatch -------------------------------------------------------------
@@ -98,28 +95,7 @@ class Trainer:
         """Forward + backward of one microbatch; returns its (local) mean loss, detached."""
         inputs = inputs.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
-        with self.step_context(inputs, labels):
-            if self.pp_schedule is not None:
-                return self._pipeline_forward_backward(inputs, labels)
-            logits = self.model_parts[0](inputs)
-            loss = self.loss_fn(logits, labels)
-            # Scale so accumulated gradients equal those of one big batch.
-            (loss / self.grad_accum_steps).backward()
-            del logits
-        return loss.detach()
-
-    def _pipeline_forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        losses: list[torch.Tensor] = []
-        targets = labels if self.pp_has_last_stage else None
-        if self.pp_has_first_stage:
-            self.pp_schedule.step(inputs, target=targets, losses=losses)
-        else:
-            self.pp_schedule.step(target=targets, losses=losses)
-        if self.pp_has_last_stage:
-            loss = torch.mean(torch.stack([x.detach().float() for x in losses]))
-        else:
-            loss = torch.zeros((), device=self.device)
-        return self.dims.broadcast_pp_loss(loss)
+        return self.runner.forward_backward(inputs, labels)
 
     # --- one optimizer step -----------------------------------------------------------
     def train_step(self) -> dict[str, float]:
@@ -160,29 +136,19 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """Mean loss over the first ``val_steps`` held-out batches (same batches every time)."""
-        if self.pp_schedule is not None:
-            return self._pipeline_validate()
         for m in self.model_parts:
             m.eval()
-        loader = self.val_loader_factory()
         total = torch.zeros((), device=self.device)
         count = 0
-        for inputs, labels in loader:
+        for inputs, labels in self.val_loader_factory():
             if count >= self.val_steps:
-                break
-            inputs = inputs.to(self.device)
-            labels = labels.to(self.device)
-            with self.step_context(inputs, labels):
-                total += self.loss_fn(self.model_parts[0](inputs), labels).detach().float()
+                break  # every rank reads the same number of batches, so all stop together
+            total += self.runner.eval_loss(inputs.to(self.device), labels.to(self.device))
             count += 1
         for m in self.model_parts:
             m.train()
         loss = self.dims.global_mean(total / max(count, 1))
         return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}
-
-    def _pipeline_validate(self) -> dict[str, float]:
-        """Pipeline schedules only run training steps; evaluate through ``pp_eval``."""
-        return self.dims.pp_eval(self)
 
     # --- the loop --------------------------------------------------------------------
     def train(self) -> dict[str, Any]:

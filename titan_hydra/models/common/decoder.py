@@ -116,9 +116,11 @@ class Decoder(nn.Module):
         Meant to run after ``to_empty`` on a meta-built (possibly sharded / staged) model.
         Untied: token embeddings std 1.0 (Meta/torchtitan convention: the first RMSNorm rescales
         them, and a unit-scale residual stream keeps the small residual branches near identity),
-        output dim**-0.5 so initial logits are O(1) at any width. Tied: the one shared matrix
-        takes the output rule (dim**-0.5), which keeps logits O(1); the input side is rescaled
-        by the first norm anyway.
+        output dim**-0.5 so initial logits are O(1) at any width. Tied: the one shared matrix gets
+        std 1/dim. The final norm's output still points along the current token's own embedding
+        (norm sqrt(dim)), so its self-logit is dim x std: 1/dim keeps it at ~1 and the initial loss
+        at ln(vocab) at any width (dim**-0.5 would start it sqrt(dim) high: loss 10.8 instead of
+        7.6 on qwen3_debug); the input side is rescaled by the first norm anyway.
         """
         if buffer_device is None:
             buffer_device = next((p.device for p in self.parameters()), self.rope_cos.device)
@@ -126,10 +128,10 @@ class Decoder(nn.Module):
         self.tie_weights()
         tied = self.args.tie_word_embeddings
         if self.tok_embeddings is not None and not (tied and self.output is not None):
-            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=self.args.dim**-0.5 if tied else 1.0)
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=self.args.dim**-1.0 if tied else 1.0)
         for layer in self.layers.values():
             layer.init_weights()
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None:
-            trunc_normal_(self.output.weight, self.args.dim**-0.5)
+            trunc_normal_(self.output.weight, self.args.dim ** (-1.0 if tied else -0.5))

@@ -181,6 +181,6 @@ def _shape(family: DecoderFamily, key: tuple) -> ModelShape:
         n_layers=int(args.n_layers), dim=int(args.dim), vocab_size=int(args.vocab_size),
         n_heads=int(args.n_heads), n_kv_heads=int(args.kv_heads), head_dim=int(args.head_dim),
         ffn_dim=family.ffn_dim(args), params=total, active_params=total, embedding_params=emb,
-        head_params=head, tied_embeddings=tied,
+        head_params=head, tied_embeddings=tied, qk_norm=bool(getattr(args, "qk_norm", False)),
     )
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 # our suffix within a block -> HF suffix within model.layers.<i>.
 BLOCK_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -25,6 +27,7 @@ BLOCK_NAMES = {
 }
 TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _BLOCK_INV = {v: k for k, v in BLOCK_NAMES.items()}
 _TOP_INV = {v: k for k, v in TOP_NAMES.items()}
 _OURS_RE = re.compile(r"^layers\.(\d+)\.(.+)$")

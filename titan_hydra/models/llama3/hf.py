@@ -19,14 +19,11 @@ from typing import Any
 import torch
 
 from titan_hydra.models.common.hf_decoder import (
-    HFConversionError, check_model_type, from_hf_name, rope_theta_of, to_hf_name,
+    DTYPE_NAMES, HFConversionError, check_model_type, from_hf_name, rope_theta_of, to_hf_name,
 )
 from titan_hydra.models.common.rotary import LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT
 from titan_hydra.models.llama3.model import LlamaArgs
 from titan_hydra.models.protocol import HFAdapter
-
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
 
 def to_hf_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Interleaved (Meta) -> half-split (HF) rows of a q/k projection [n_heads*hd, dim]."""

@@ -11,12 +11,11 @@ from typing import Any
 
 import torch
 
-from titan_hydra.models.common.hf_decoder import HFConversionError, check_model_type, from_hf_name, rope_theta_of, to_hf_name
+from titan_hydra.models.common.hf_decoder import (
+    DTYPE_NAMES, HFConversionError, check_model_type, from_hf_name, rope_theta_of, to_hf_name,
+)
 from titan_hydra.models.protocol import HFAdapter
 from titan_hydra.models.qwen3.model import Qwen3Args
-
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
 
 class Qwen3HFAdapter(HFAdapter):
     model_type = "qwen3"

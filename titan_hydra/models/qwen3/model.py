@@ -31,7 +31,7 @@ class Qwen3Args:
     rope_theta: float = 1000000.0
     max_seq_len: int = 40960
     qk_norm: bool = True
-    tie_word_embeddings: bool = True
+    tie_word_embeddings: bool = False
     depth_init: bool = True
 
     def __post_init__(self) -> None:

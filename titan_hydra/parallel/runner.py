@@ -1,0 +1,40 @@
+"""How one microbatch runs on this rank: the one interface the trainer drives for every layout.
+
+``forward_backward(inputs, labels)`` runs forward + backward of a microbatch and returns its
+loss (detached, the same on every rank of a pipeline); ``eval_loss(inputs, labels)`` is the
+forward-only loss for validation. ``SingleStageRunner`` is the whole model (or a data/tensor/
+context-parallel copy of it); ``pp.PipelineRunner`` drives this rank's pipeline stages. The
+trainer therefore has no pipeline branches, and the step context (autocast, loss parallel,
+context-parallel sharding) is entered here, around exactly the code it concerns.
+
+Gradient scaling: every runner backpropagates ``loss / grad_accum_steps`` (the pipeline also
+divides by its microbatch count), so the accumulated gradients equal those of one big batch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, ContextManager
+
+import torch
+
+
+class SingleStageRunner:
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable, grad_accum_steps: int,
+                 step_context: Callable[[torch.Tensor, torch.Tensor], ContextManager]) -> None:
+        self.model = model
+        self.loss_fn = loss_fn
+        self.grad_accum_steps = grad_accum_steps
+        self.step_context = step_context
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with self.step_context(inputs, labels):
+            logits = self.model(inputs)
+            loss = self.loss_fn(logits, labels)
+            (loss / self.grad_accum_steps).backward()
+            del logits
+        return loss.detach()
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with self.step_context(inputs, labels):
+            return self.loss_fn(self.model(inputs), labels).detach().float()
