@@ -22,11 +22,42 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 
-class Precision(str, Enum):
-    """Training precision: bf16 autocast / FSDP param dtype, or plain fp32."""
+class Choice(str, Enum):
+    """A string choice that the schema checks while Hydra composes (``compile.mode=modle`` fails
+    there, listing the valid values) and that behaves as its plain string everywhere else:
+    equal to it, hashed like it, printed as it (f-strings, ``repr`` in error messages, logs)."""
 
-    bf16 = "bf16"
-    fp32 = "fp32"
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    def __repr__(self) -> str:
+        return repr(str(self.value))
+
+
+def choice(name: str, values: str) -> type:
+    """A Choice enum whose member names are the values (``async`` and ``1F1B`` are valid too)."""
+    return Choice(name, [(v, v) for v in values.split()])  # type: ignore[return-value]
+
+
+Precision = choice("Precision", "bf16 fp32")  # bf16 autocast / FSDP param dtype, or plain fp32
+ReshardPolicy = choice("ReshardPolicy", "default always never")
+RotateMethod = choice("RotateMethod", "allgather alltoall")
+DecayType = choice("DecayType", "linear cosine sqrt none")
+Float8Recipe = choice("Float8Recipe", "none tensorwise rowwise")
+Device = choice("Device", "cpu cuda")
+Backend = choice("Backend", "gloo nccl")
+Launcher = choice("Launcher", "local slurm")
+DataSource = choice("DataSource", "builtin json parquet text hf")
+AsyncMode = choice("AsyncMode", "disabled async")
+ExportDtype = choice("ExportDtype", "float32 bfloat16 float16")
+ACMode = choice("ACMode", "none full selective_op selective_layer")
+CompileMode = choice("CompileMode", "none model model_loss")
+WandbMode = choice("WandbMode", "offline online disabled")
+AttentionPrecision = choice("AttentionPrecision", "auto compute fp32")
+InitMode = choice("InitMode", "auto full sharded")
 
 
 @dataclass
@@ -44,7 +75,7 @@ class ParallelismConfig:
     pp: int = 1
     cp: int = 1
     # FSDP / DDP
-    fsdp_reshard_after_forward: str = "default"  # default | always | never
+    fsdp_reshard_after_forward: ReshardPolicy = ReshardPolicy["default"]
     fsdp_cpu_offload: bool = False
     # tensor parallel
     tp_sequence_parallel: bool = True
@@ -56,7 +87,7 @@ class ParallelismConfig:
     pp_layers_per_stage: Optional[int] = None
     pp_split_points: List[str] = field(default_factory=list)
     # context parallel
-    cp_rotate_method: str = "allgather"  # allgather | alltoall
+    cp_rotate_method: RotateMethod = RotateMethod["allgather"]
 
 
 @dataclass
@@ -81,7 +112,7 @@ class LRSchedulerConfig:
     name: str = "warmup_cosine"
     warmup_steps: int = 10
     decay_ratio: Optional[float] = None  # fraction of steps spent decaying; None = all after warmup
-    decay_type: str = "cosine"  # linear | cosine | sqrt | none
+    decay_type: DecayType = DecayType["cosine"]
     min_lr_factor: float = 0.0
 
 
@@ -90,7 +121,7 @@ class Float8Config:
     """torchao Float8 training (``recipe: none`` leaves the model untouched)."""
 
     _target_: str = "titan_hydra.quant.float8.Float8Converter"
-    recipe: str = "none"  # none | tensorwise | rowwise
+    recipe: Float8Recipe = Float8Recipe["none"]
     enable_fsdp_float8_all_gather: bool = False
     precompute_float8_dynamic_scale_for_fsdp: bool = False
     filter_fqns: List[str] = field(default_factory=lambda: ["output"])
@@ -103,8 +134,8 @@ class ClusterConfig:
     """Where and how ranks run: device, backend, processes, launcher settings."""
 
     name: str = "local_cpu"
-    device: str = "cpu"  # cpu | cuda
-    backend: str = "gloo"  # gloo | nccl
+    device: Device = Device["cpu"]
+    backend: Backend = Backend["gloo"]
     nnodes: int = 1
     nproc_per_node: int = 1
     threads_per_proc: Optional[int] = None
@@ -112,7 +143,7 @@ class ClusterConfig:
     master_port: Optional[int] = None
     peak_tflops: Optional[float] = None  # per-device peak for MFU; None = table or measured
     # SLURM (used by slurm clusters through hydra/launcher=titan_slurm; see launch/slurm.py)
-    launcher: str = "local"  # local | slurm
+    launcher: Launcher = Launcher["local"]
     tasks_per_node: Optional[int] = None  # SLURM tasks (= ranks) per node; slurm clusters tie nproc_per_node to it
     max_requeue: int = 3  # requeues after timeout/preemption (submitit max_num_timeout)
     signal_delay_s: int = 120  # SLURM signals this long before the time limit
@@ -133,7 +164,7 @@ class DataConfig:
 
     _target_: str = "titan_hydra.data.dataset.TokenDataset"
     name: str = "builtin"
-    source: str = "builtin"
+    source: DataSource = DataSource["builtin"]
     path: Optional[str] = None
     tokenizer: str = "builtin"
     seq_len: int = "${training.seq_len}"  # type: ignore[assignment]
@@ -159,27 +190,27 @@ class CheckpointConfig:
     folder: str = "checkpoint"
     interval: int = 500
     keep_latest_k: int = 3
-    async_mode: str = "disabled"  # disabled | async
+    async_mode: AsyncMode = AsyncMode["disabled"]
     load_step: int = -1
     initial_load_path: Optional[str] = None
     initial_load_model_only: bool = True
     exclude_from_loading: List[str] = field(default_factory=list)
     last_save_model_only: bool = False
-    export_dtype: str = "float32"
+    export_dtype: ExportDtype = ExportDtype["float32"]
     create_seed_checkpoint: bool = False  # one process: save the initialized model as step-0, train nothing
 
 
 @dataclass
 class ActivationCheckpointConfig:
     _target_: str = "titan_hydra.parallel.ac.ActivationCheckpointing"
-    mode: str = "none"  # none | full | selective_op | selective_layer
+    mode: ACMode = ACMode["none"]
     selective_layer_freq: int = 2
 
 
 @dataclass
 class CompileConfig:
     _target_: str = "titan_hydra.parallel.compile.Compiler"
-    mode: str = "none"  # none | model | model_loss
+    mode: CompileMode = CompileMode["none"]
     backend: str = "inductor"
 
 
@@ -208,7 +239,7 @@ class WandbBackendConfig:
     group: Optional[str] = None
     name: Optional[str] = None
     tags: List[str] = field(default_factory=list)
-    mode: str = "offline"  # offline | online | disabled
+    mode: WandbMode = WandbMode["offline"]
     notes: Optional[str] = None
 
 
@@ -245,11 +276,11 @@ class TrainingConfig:
     seq_len: int = 256
     max_norm: float = 1.0
     seed: int = 42
-    mixed_precision: Precision = Precision.bf16
+    mixed_precision: Precision = Precision["bf16"]
     # dtype of scaled-dot-product attention under bf16: compute (bf16), fp32 (q/k/v upcast), or
     # auto = fp32 on CPU for head_dim < 32, where torch's CPU flash kernel runs fp32 faster than
     # bf16 (titan_hydra.train.precision), compute everywhere else.
-    attention_precision: str = "auto"
+    attention_precision: AttentionPrecision = AttentionPrecision["auto"]
     deterministic: bool = False
     log_freq: int = 1
     val_freq: int = 25  # 0 disables validation
@@ -259,7 +290,7 @@ class TrainingConfig:
     # broadcasts it into every layout's shards, so all layouts start from identical weights
     # (loss parity). sharded: each rank initializes its own shards (no full copy in memory;
     # weights then depend on the layout). auto: full below 1.5B parameters.
-    init_mode: str = "auto"
+    init_mode: InitMode = InitMode["auto"]
 
 
 @dataclass
@@ -340,9 +371,13 @@ register_configs()
 
 
 def mixed_precision_of(cfg: Any) -> str:
-    """``training.mixed_precision`` as "bf16" / "fp32" (an Enum once composed, a str after pickling)."""
-    mp = cfg.training.mixed_precision
-    return str(getattr(mp, "value", mp))
+    """``training.mixed_precision`` as a plain "bf16" / "fp32"."""
+    return plain(cfg.training.mixed_precision)
+
+
+def plain(value: Any) -> Any:
+    """A Choice as its plain string (for libraries that check ``type(x) is str``); else unchanged."""
+    return str(value.value) if isinstance(value, Enum) else value
 
 
 def to_container(cfg: Any) -> dict:

@@ -26,7 +26,12 @@ def instantiate_checked(node, **kwargs):
     """
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
+    from omegaconf import DictConfig, OmegaConf
 
+    if isinstance(node, DictConfig):
+        # Choice enums (config.Choice) arrive as their plain strings: constructors and the
+        # libraries behind them compare and store ordinary str values.
+        node = OmegaConf.to_container(node, resolve=True, enum_to_str=True)
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as e:

@@ -77,25 +77,30 @@ class PartsView(nn.Module):
     """One module whose FQNs are those of several pipeline parts of the same model.
 
     torch's state-dict helpers take one module; a rank holding two stages (interleaved or
-    V schedules) has two. Stages are cuts of one model with disjoint layer keys, so their
-    children can be re-registered under one parent without renaming anything.
+    V schedules) has two. Stages are cuts of one model: a ModuleDict of blocks (whatever the
+    family calls it) holds disjoint keys in each stage, every other child lives in one stage.
+    So children re-register under one parent, ModuleDicts merged by key, without renaming.
     """
 
     def __init__(self, parts: list[nn.Module]):
         super().__init__()
-        layers = nn.ModuleDict()
         for part in parts:
             for name, child in part.named_children():
                 if child is None:
                     continue
-                if name == "layers":
+                mine = self._modules.get(name)
+                if isinstance(child, nn.ModuleDict):
+                    if mine is None:
+                        mine = nn.ModuleDict()
+                        self.add_module(name, mine)
                     for key, block in child.items():
-                        layers[key] = block
-                elif name in self._modules:
+                        if key in mine:
+                            raise ValueError(f"pipeline parts share {name}.{key}")
+                        mine[key] = block
+                elif mine is not None:
                     raise ValueError(f"pipeline parts share submodule {name!r}")
                 else:
                     self.add_module(name, child)
-        self.add_module("layers", layers)
 
 
 def _state_module(parts: list[nn.Module]) -> nn.Module:

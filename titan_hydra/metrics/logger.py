@@ -25,7 +25,7 @@ def _plain(config: Any) -> dict | None:
         from omegaconf import DictConfig, OmegaConf
 
         if isinstance(config, DictConfig):
-            return OmegaConf.to_container(config, resolve=True)
+            return OmegaConf.to_container(config, resolve=True, enum_to_str=True)
     except ImportError:
         pass
     return dict(config)

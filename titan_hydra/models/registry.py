@@ -61,7 +61,7 @@ def family_for_hf_type(model_type: str | None) -> ModelFamily:
 def model_node(model_cfg: Any) -> dict[str, Any]:
     """The model config node as a plain, resolved dict."""
     if isinstance(model_cfg, DictConfig):
-        return OmegaConf.to_container(model_cfg, resolve=True)  # type: ignore[return-value]
+        return OmegaConf.to_container(model_cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
     return dict(model_cfg)
 
 

@@ -64,7 +64,7 @@ def setup_device(cluster: DictConfig, local_rank: int) -> torch.device:
 
 def init_distributed(cluster: DictConfig, world_size: int) -> None:
     if world_size > 1 and not dist.is_initialized():
-        backend = cluster.backend
+        backend = str(cluster.backend)
         if cluster.device == "cpu" and backend != "gloo":
             raise UserError(f"cluster.backend={backend} cannot run on CPU; use cluster.backend=gloo")
         dist.init_process_group(backend=backend)
@@ -125,7 +125,7 @@ def gather_full_state(parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
 
 def logger_backends(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     """Logger configs with run-specific W&B defaults: name from run_name or the run dir, tags."""
-    backends = OmegaConf.to_container(cfg.logger, resolve=True)
+    backends = OmegaConf.to_container(cfg.logger, resolve=True, enum_to_str=True)
     wandb = backends.get("wandb")
     if wandb is not None:
         if not wandb.get("name"):
@@ -136,7 +136,7 @@ def logger_backends(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
 
 def build_dataset(cfg: DictConfig):
     """The `data` group's dataset; ``name`` labels the option and is not a constructor argument."""
-    node = OmegaConf.to_container(cfg.data, resolve=True)
+    node = OmegaConf.to_container(cfg.data, resolve=True, enum_to_str=True)
     node.pop("name", None)
     return instantiate(node, _convert_="all")
 

@@ -56,6 +56,29 @@ def from_hf_name(name: str) -> str:
     return f"layers.{m.group(1)}.{_BLOCK_INV[m.group(2)]}"
 
 
+def decoder_hf_config(args, *, architecture: str, model_type: str, ffn_dim: int, head_dim: int,
+                      rope: dict, dtype: torch.dtype) -> dict:
+    """config.json fields every Llama-style HF decoder has; a family adds its own keys."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": args.dim,
+        "intermediate_size": ffn_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "max_position_embeddings": args.max_seq_len,
+        "rope_parameters": rope,
+        "hidden_act": "silu",
+        "tie_word_embeddings": bool(args.tie_word_embeddings),
+        "attention_bias": False,
+        "dtype": DTYPE_NAMES.get(dtype, "float32"),
+    }
+
+
 def rope_theta_of(cfg: dict) -> tuple[float, dict]:
     """(rope_theta, scaling dict) from a config.json, new (rope_parameters) or legacy style."""
     rope = dict(cfg.get("rope_parameters") or {})

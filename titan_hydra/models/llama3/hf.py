@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from titan_hydra.models.common.hf_decoder import (
-    DTYPE_NAMES, HFConversionError, check_model_type, from_hf_name, rope_theta_of, to_hf_name,
+    HFConversionError, check_model_type, decoder_hf_config, from_hf_name, rope_theta_of, to_hf_name,
 )
 from titan_hydra.models.common.rotary import LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT
 from titan_hydra.models.llama3.model import LlamaArgs
@@ -87,25 +87,9 @@ class LlamaHFAdapter(HFAdapter):
             rope.update(rope_type="llama3", factor=float(args.rope_scaling_factor),
                         low_freq_factor=LLAMA3_LOW_FREQ_FACTOR, high_freq_factor=LLAMA3_HIGH_FREQ_FACTOR,
                         original_max_position_embeddings=LLAMA3_ORIGINAL_CONTEXT)
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": args.dim,
-            "intermediate_size": args.ffn_hidden_dim,
-            "num_hidden_layers": args.n_layers,
-            "num_attention_heads": args.n_heads,
-            "num_key_value_heads": args.kv_heads,
-            "head_dim": args.head_dim,
-            "vocab_size": args.vocab_size,
-            "rms_norm_eps": args.norm_eps,
-            "max_position_embeddings": args.max_seq_len,
-            "rope_parameters": rope,
-            "hidden_act": "silu",
-            "tie_word_embeddings": bool(args.tie_word_embeddings),
-            "attention_bias": False,
-            "mlp_bias": False,
-            "dtype": DTYPE_NAMES.get(dtype, "float32"),
-        }
+        return {**decoder_hf_config(args, architecture="LlamaForCausalLM", model_type="llama",
+                                    ffn_dim=args.ffn_hidden_dim, head_dim=args.head_dim, rope=rope, dtype=dtype),
+                "mlp_bias": False}
 
     def args_from_hf_config(self, cfg: dict[str, Any]) -> LlamaArgs:
         check_model_type(cfg, "llama")

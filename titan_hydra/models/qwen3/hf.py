@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from titan_hydra.models.common.hf_decoder import (
-    DTYPE_NAMES, HFConversionError, check_model_type, from_hf_name, rope_theta_of, to_hf_name,
+    HFConversionError, check_model_type, decoder_hf_config, from_hf_name, rope_theta_of, to_hf_name,
 )
 from titan_hydra.models.protocol import HFAdapter
 from titan_hydra.models.qwen3.model import Qwen3Args
@@ -32,25 +32,10 @@ class Qwen3HFAdapter(HFAdapter):
         return out
 
     def hf_config(self, args: Qwen3Args, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-        return {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
-            "hidden_size": args.dim,
-            "intermediate_size": args.ffn_hidden_dim,
-            "num_hidden_layers": args.n_layers,
-            "num_attention_heads": args.n_heads,
-            "num_key_value_heads": args.kv_heads,
-            "head_dim": args.head_dim,
-            "vocab_size": args.vocab_size,
-            "rms_norm_eps": args.norm_eps,
-            "max_position_embeddings": args.max_seq_len,
-            "rope_parameters": {"rope_type": "default", "rope_theta": float(args.rope_theta)},
-            "hidden_act": "silu",
-            "tie_word_embeddings": bool(args.tie_word_embeddings),
-            "attention_bias": False,
-            "use_sliding_window": False,
-            "dtype": DTYPE_NAMES.get(dtype, "float32"),
-        }
+        rope = {"rope_type": "default", "rope_theta": float(args.rope_theta)}
+        return {**decoder_hf_config(args, architecture="Qwen3ForCausalLM", model_type="qwen3",
+                                    ffn_dim=args.ffn_hidden_dim, head_dim=args.head_dim, rope=rope, dtype=dtype),
+                "use_sliding_window": False}
 
     def args_from_hf_config(self, cfg: dict[str, Any]) -> Qwen3Args:
         check_model_type(cfg, "qwen3")
