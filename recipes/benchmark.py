@@ -13,6 +13,7 @@ are comparable; absolute numbers on shared 2-core machines are noisy.
     python recipes/benchmark.py --suite targets --threads 2 --steps 10 --warmup 3
                                                         # debug and ~100M models vs a plain fp32 loop
     python recipes/benchmark.py --suite perf --threads 2  # compile, float8, AC modes
+    python recipes/benchmark.py --suite families --threads 2  # each model family's debug model
     python recipes/benchmark.py --steps 30 --threads 2 --out bench_out/foundation.json
 """
 
@@ -86,6 +87,17 @@ SUITES: dict[str, dict[str, Variant]] = {
         "ac full": Variant(("training.mixed_precision=bf16", "activation_checkpoint=full")),
         "ac selective_op": Variant(("training.mixed_precision=bf16", "activation_checkpoint=selective_op")),
         "ac selective_layer": Variant(("training.mixed_precision=bf16", "activation_checkpoint=selective_layer")),
+    },
+    # Each model family at its debug shape (same data, batch and sequence): bf16 eager, compiled,
+    # and tp on 2 ranks (where tied embeddings and QK-norm change the plan). "vs baseline"
+    # compares within a family.
+    "families": {
+        "llama3_debug: bf16": Variant(("model=llama3_debug",), group="llama3"),
+        "llama3_debug: compile + bf16": Variant(("model=llama3_debug", "compile=model_loss"), group="llama3"),
+        "llama3_debug: tp 2 ranks, bf16": Variant(("model=llama3_debug", "parallelism=tp"), 2, group="llama3", threads=1),
+        "qwen3_debug: bf16": Variant(("model=qwen3_debug",), group="qwen3"),
+        "qwen3_debug: compile + bf16": Variant(("model=qwen3_debug", "compile=model_loss"), group="qwen3"),
+        "qwen3_debug: tp 2 ranks, bf16": Variant(("model=qwen3_debug", "parallelism=tp"), 2, group="qwen3", threads=1),
     },
 }
 

@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 
 SCRIPTS = REPO / "scripts" / "slurm"
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, TINY
+from helpers import REPO, TINY
 
 
 def test_benchmark_precision_suite_tiny(tmp_path):

@@ -5,7 +5,6 @@ names no family and the test model shares no module name with titan_hydra's deco
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, run_launch
+from helpers import REPO, run_launch, series
 
 BYO = REPO / "tests" / "byo"
 STEPS = 6
@@ -30,8 +29,7 @@ def train(tmp_path: Path, name: str, overrides: list[str]) -> list[float]:
     run_dir = tmp_path / name
     proc = run_launch(BASE + overrides + [f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=ENV)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    return [r["loss"] for r in rows if "loss" in r]
+    return series(run_dir, "loss")
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +72,22 @@ def test_unknown_family_is_one_line(tmp_path):
     proc = run_launch(["model.family=no_such_pkg.FAMILY"], cwd=tmp_path)
     assert proc.returncode == 2
     assert "model.family='no_such_pkg.FAMILY' is neither a built-in family" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_checkpoint_view_of_two_stages_has_the_whole_models_names():
+    """A rank holding two pipeline stages (V schedules) saves them through one view whose names
+    are the whole model's, whatever the family calls its block container (here ``h``)."""
+    from titan_hydra.checkpoint import PartsView
+
+    sys.path.insert(0, str(BYO))
+    try:
+        import tiny_gpt
+    finally:
+        sys.path.remove(str(BYO))
+    model = tiny_gpt.TinyGPT(dim=32, n_layers=4, n_heads=4, vocab_size=64, max_seq_len=16)
+    first = tiny_gpt.FAMILY.cut_stage(model, range(0, 1), is_first=True, is_last=False)
+    last = tiny_gpt.FAMILY.cut_stage(model, range(3, 4), is_first=False, is_last=True)
+    view = PartsView([first, last])
+    expected = {k for k in model.state_dict() if not k.startswith(("h.1.", "h.2."))}
+    assert set(view.state_dict()) == expected
+    assert view.h["3"] is last.h["3"] and view.wte is first.wte

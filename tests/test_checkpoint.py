@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import compose_cfg
+from helpers import compose_cfg
 from titan_hydra.checkpoint import CheckpointError, CheckpointManager, list_steps, read_marker
 from titan_hydra.checkpoint.storage import load_plain, read_metadata, save_plain, tensor_entries, tensor_json
 from titan_hydra.train.pretrain import run
@@ -40,20 +40,14 @@ def train(run_dir: Path, *extra: str, family: str = "llama3") -> dict:
     return run(compose_cfg(BASE + FAMILIES[family] + list(extra)), str(run_dir), return_state=True)
 
 
-_REFERENCE: dict[str, tuple[Path, dict]] = {}
-
-
-def reference_of(tmp_path_factory, family: str) -> tuple[Path, dict]:
+def reference_of(run_cache, family: str) -> tuple[Path, dict]:
     """8 uninterrupted steps of ``family``, checkpoints every 2 (kept: the latest 2); once per family."""
-    if family not in _REFERENCE:
-        run_dir = tmp_path_factory.mktemp(f"ref_{family}")
-        _REFERENCE[family] = run_dir, train(run_dir, family=family)
-    return _REFERENCE[family]
+    return run_cache.once(("checkpoint_reference", family), lambda run_dir: (run_dir, train(run_dir, family=family)))
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return reference_of(tmp_path_factory, "llama3")
+@pytest.fixture
+def reference(run_cache):
+    return reference_of(run_cache, "llama3")
 
 
 def assert_same_params(a: dict, b: dict) -> None:
@@ -91,12 +85,12 @@ def test_state_contents(reference):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_exact_resume(tmp_path_factory, tmp_path, capsys, family):
+def test_exact_resume(run_cache, tmp_path, capsys, family):
     """6 steps + resume + 2 steps == 8 steps, bit for bit (losses and parameters).
 
     Qwen3 is tied: a load that broke the tie (two matrices with equal values) would still give
     step 7's loss but not step 8's, after two separate updates."""
-    run_dir, ref = reference_of(tmp_path_factory, family)
+    run_dir, ref = reference_of(run_cache, family)
     model = read_marker(ckpt(run_dir, 8))["model"]
     assert model["family"] == family and model["signature"]["tie_word_embeddings"] == (family == "qwen3"), model
     shutil.copytree(run_dir / "checkpoint", tmp_path / "checkpoint")

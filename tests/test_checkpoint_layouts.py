@@ -5,14 +5,13 @@ A launch costs ~10-30 s here, mostly process start-up, so the module starts each
 One synchronous FSDP run (2 ranks, checkpoints every 2 steps) is the reference and the source
 of the reshard tests; the kill -9 run uses ``checkpoint=async``, so the same run shows that async
 checkpoints are tensor-identical to sync ones and that a resume from one continues bit for bit.
-All runs share parity.BASE (fp32, full init, global batch 8), so losses compare across layouts.
+All runs share helpers.BASE (fp32, full init, global batch 8), so losses compare across layouts.
 Single-process runs (seed creation, seed reference, reshard to one process) run in this process:
 they need no launcher and start much faster.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -26,8 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, compose_cfg
-from parity import BASE, GLOBAL_BATCH
+from helpers import BASE, GLOBAL_BATCH, REPO, by_step, compose_cfg, read_metrics
 from titan_hydra.checkpoint.storage import load_plain, read_metadata, tensor_entries
 
 pytestmark = pytest.mark.slow
@@ -64,17 +62,6 @@ def run_here(run_dir: Path, extra: list[str], ckpt: list[str] = SEED_RUN) -> Non
                        f"training.local_batch_size={GLOBAL_BATCH}", *extra])
     run_dir.mkdir(parents=True, exist_ok=True)
     run(cfg, str(run_dir))
-
-
-def losses_by_step(run_dir: Path) -> dict[int, float]:
-    """Last logged loss per step (a resumed run logs re-run steps again)."""
-    out = {}
-    path = run_dir / "metrics.jsonl"
-    for line in (path.read_text().splitlines() if path.exists() else []):
-        row = json.loads(line) if line.strip() else {}
-        if "loss" in row:
-            out[row["step"]] = row["loss"]
-    return out
 
 
 def entries_of(run_dir: Path, step: int, prefixes: tuple[str, ...] = ("model.",)) -> dict[str, torch.Tensor]:
@@ -193,8 +180,8 @@ def test_async_fsdp_kill9_recovery(runs):
     fsdp_run, run_dir = result(runs, "fsdp"), d["kill9"]
     loads = re.findall(r"\[checkpoint\] loaded \S+/step-(\d+) ", out)
     assert len(loads) == 1 and 1 <= int(loads[0]) < STEPS, out[-5000:]  # resumed mid-run, from an async save
-    ref = losses_by_step(fsdp_run)
-    got = losses_by_step(run_dir)
+    ref = by_step(fsdp_run, "loss")
+    got = by_step(run_dir, "loss")
     assert got == ref, (got, ref)
     for step in (2, 4, STEPS):
         assert_bitwise(entries_of(run_dir, step, ("model.", "optim.")), entries_of(fsdp_run, step, ("model.", "optim.")))
@@ -237,13 +224,13 @@ def _worker_pids(parent: int) -> list[int]:
 
 def test_reshard_fsdp_to_tp_and_tp_exact_resume(runs):
     """FSDP step-2 checkpoint -> TP (full state): losses continue; then TP resumes itself bitwise."""
-    ref = losses_by_step(result(runs, "fsdp"))
+    ref = by_step(result(runs, "fsdp"), "loss")
     tp_dir = result(runs, "tp")
-    tp = losses_by_step(tp_dir)
+    tp = by_step(tp_dir, "loss")
     assert sorted(tp) == list(range(SRC + 1, STEPS + 1))
     assert max_diff(tp, ref) <= ATOL, (tp, ref)
     again = result(runs, "tp2")
-    resumed = losses_by_step(again)
+    resumed = by_step(again, "loss")
     assert sorted(resumed) == list(range(5, STEPS + 1))
     assert all(resumed[s] == tp[s] for s in resumed), (resumed, tp)
     assert_bitwise(entries_of(again, STEPS), entries_of(tp_dir, STEPS))
@@ -252,8 +239,8 @@ def test_reshard_fsdp_to_tp_and_tp_exact_resume(runs):
 @pytest.mark.parametrize("name", ["pp_v", "single"])
 def test_reshard_fsdp(name, runs):
     """FSDP step-2 full state -> PP with two stages per rank (V placement) / one process."""
-    ref = losses_by_step(result(runs, "fsdp"))
-    got = losses_by_step(result(runs, name))
+    ref = by_step(result(runs, "fsdp"), "loss")
+    got = by_step(result(runs, name), "loss")
     assert sorted(got) == list(range(SRC + 1, STEPS + 1))
     assert max_diff(got, ref) <= ATOL, (got, ref)
 
@@ -268,9 +255,9 @@ def test_seed_checkpoint_under_pp(schedule, runs):
     The seed is made from training.seed=7; the runs themselves initialize from 42 (what the FSDP
     run started from), so a load that silently did nothing shows up as a loss mismatch.
     """
-    assert losses_by_step(result(runs, "seed")) == {}  # the seed run trains nothing
-    single = losses_by_step(result(runs, "seed_single"))
-    assert abs(single[1] - losses_by_step(result(runs, "fsdp"))[1]) > 1e-3
-    pp = losses_by_step(result(runs, schedule))
+    assert by_step(read_metrics(result(runs, "seed"), missing_ok=True), "loss") == {}  # the seed run trains nothing
+    single = by_step(result(runs, "seed_single"), "loss")
+    assert abs(single[1] - by_step(result(runs, "fsdp"), "loss")[1]) > 1e-3
+    pp = by_step(result(runs, schedule), "loss")
     assert sorted(pp) == list(range(1, SEED_STEPS + 1))
     assert max_diff(pp, single) <= ATOL, (pp, single)

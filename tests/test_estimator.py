@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from conftest import compose_cfg, run_launch
+from helpers import compose_cfg, run_launch
 
 from titan_hydra.estimate import plan
 from titan_hydra.models.registry import build_model

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import compose_cfg
+from helpers import compose_cfg
 
 from titan_hydra.errors import ConfigError
 from titan_hydra.models.common.hf_decoder import HFConversionError

@@ -207,7 +207,7 @@ RUN_SHAPES = {
 @pytest.mark.parametrize("kind", list(RUN_SHAPES))
 def test_initial_load_path_reads_an_hf_directory(tmp_path, kind):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from conftest import compose_cfg
+    from helpers import compose_cfg
 
     from titan_hydra.train.loss import cross_entropy_loss
     from titan_hydra.train.pretrain import build_dataset, run

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import REPO, compose_cfg, run_launch
-from parity import read_losses
+from helpers import REPO, compose_cfg, run_launch, series
 
 # A short fsdp(2) run: 4 steps of a 2-layer model, one thread per rank.
 ARGS = [
@@ -44,14 +43,14 @@ def test_torchrun_matches_spawn(tmp_path):
     spawn_dir = tmp_path / "spawn"
     proc = run_launch(ARGS + ["cluster.nproc_per_node=2", f"hydra.run.dir={spawn_dir}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    spawned = read_losses(spawn_dir)
+    spawned = series(spawn_dir, "loss")
 
     proc = _torchrun(ARGS, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     # Both ranks composed their own config yet share one run dir (outputs/torchrun/<run id>).
     run_dirs = list((tmp_path / "outputs" / "torchrun").iterdir())
     assert len(run_dirs) == 1, run_dirs
-    torchrun = read_losses(run_dirs[0])
+    torchrun = series(run_dirs[0], "loss")
 
     assert len(spawned) == 4
     assert torchrun == spawned  # same config, same ranks, same reduction order: bit-identical

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from helpers import read_metrics
 from titan_hydra.metrics import throughput as tp
 from titan_hydra.metrics.backends import ConsoleBackend, JsonlBackend, TensorBoardBackend
 from titan_hydra.metrics.logger import MetricLogger
@@ -127,7 +128,7 @@ def test_jsonl_backend(tmp_path):
         b.log(m, step)
     b.close()
     b.close()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r, (_, m) in zip(rows, ROWS):
         assert {k: r[k] for k in m} == m and r["time"] > 1e9
@@ -219,8 +220,7 @@ def test_logger_builds_from_hydra_config_and_closes_all(tmp_path):
     assert "broken" not in ml.backends and Broken.closed
     ml.log({"loss": 1.25}, 2)
     ml.close()
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["loss"] for x in lines] == [1.5, 1.25]
+    assert [r["loss"] for r in read_metrics(tmp_path)] == [1.5, 1.25]
     assert any((tmp_path / "tb").iterdir())
 
 

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import CONF, compose_cfg
+from helpers import CONF, compose_cfg
 
 from titan_hydra.models.common.rotary import apply_rope, tables_from_frequencies
 from titan_hydra.models.llama3 import FAMILY as LLAMA

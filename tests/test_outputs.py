@@ -3,13 +3,12 @@ loss scalars, and an offline W&B run holding the resolved config and the same lo
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 
-from conftest import TINY, run_launch
+from helpers import TINY, by_step, read_metrics, run_launch
 
 
 @pytest.fixture(scope="module")
@@ -27,17 +26,13 @@ def run_dir(tmp_path_factory) -> Path:
     return rd
 
 
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_hydra_dir(run_dir):
     assert (run_dir / ".hydra" / "config.yaml").exists()
     assert "training.steps=6" in (run_dir / ".hydra" / "overrides.yaml").read_text()
 
 
 def test_metrics_jsonl(run_dir):
-    data = rows(run_dir)
+    data = read_metrics(run_dir)
     train = [r for r in data if "loss" in r]
     val = [r for r in data if "val/loss" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
@@ -58,7 +53,7 @@ def test_tensorboard_holds_the_losses(run_dir):
     acc = EventAccumulator(str(run_dir / "tb"))
     acc.Reload()
     events = acc.Scalars("loss")
-    losses = {r["step"]: r["loss"] for r in rows(run_dir) if "loss" in r}
+    losses = by_step(run_dir, "loss")
     assert [e.step for e in events] == sorted(losses)
     for e in events:
         assert e.value == pytest.approx(losses[e.step], rel=1e-6)
@@ -77,7 +72,7 @@ def test_wandb_offline_run_holds_config_and_history(run_dir):
     assert run["run"]["name"] == "outputs-test"
     assert "unit" in list(run["run"]["tags"])
     hist = [h for h in run["history"] if "loss" in h]
-    losses = {r["step"]: r["loss"] for r in rows(run_dir) if "loss" in r}
+    losses = by_step(run_dir, "loss")
     assert [h["_step"] for h in hist] == sorted(losses)
     for h in hist:
         assert h["loss"] == pytest.approx(losses[h["_step"]], rel=1e-6)

@@ -9,8 +9,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import compose_cfg, run_launch
-from parity import BASE, GLOBAL_BATCH, STEPS, assert_parity, read_losses, reference_losses
+from helpers import BASE, GLOBAL_BATCH, STEPS, assert_parity, compose_cfg, reference_losses, run_launch, series
 
 from titan_hydra.errors import ConfigError
 from titan_hydra.estimate import plan
@@ -113,16 +112,16 @@ def test_long_sequences_consider_context_parallel():
     assert {c.cp for c in short} == {1}
 
 
-def test_debug_model_trains_with_auto_on_two_cpu_processes(tmp_path, tmp_path_factory):
+def test_debug_model_trains_with_auto_on_two_cpu_processes(tmp_path, run_cache, record_property):
     run_dir = tmp_path / "run"
     args = BASE + ["parallelism=auto", "cluster.nproc_per_node=2",
                    f"training.local_batch_size={GLOBAL_BATCH // 2}", f"hydra.run.dir={run_dir}"]
     proc = run_launch(args, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "parallelism=auto chose dp_shard=2:" in proc.stdout  # FSDP: no TP traffic on CPU
-    losses = read_losses(run_dir)
+    losses = series(run_dir, "loss")
     assert len(losses) == STEPS
-    assert_parity(losses, reference_losses(tmp_path_factory), atol=1e-5)
+    assert_parity(losses, reference_losses(run_cache), atol=1e-5, label="auto fsdp", record=record_property)
 
 
 def test_launch_nothing_fits_one_line_error(tmp_path):

@@ -10,14 +10,12 @@ head-tail load-balanced slice and that logits/gradients still equal the full-seq
 from __future__ import annotations
 
 import json
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
-from parity import assert_parity, run_layout, run_single
+from helpers import assert_parity, run_layout, run_single, series, spawn_gloo
 
 CP = 2
 ATOL = 1e-5
@@ -25,12 +23,6 @@ VAL = ("training.val_freq=5",)
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _head_tail(t: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
@@ -118,30 +110,21 @@ def _model_diffs(method: str, rank: int) -> dict[str, float]:
     return diffs
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
+def _worker(rank: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=CP)
-    try:
-        mesh = init_device_mesh("cpu", (CP,), mesh_dim_names=("cp",))
-        diffs: dict[str, float] = {}
-        for method in ("allgather", "alltoall"):
-            diffs.update(_attention_diffs(method, rank, mesh))
-            diffs.update(_model_diffs(method, rank))
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(diffs))
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (CP,), mesh_dim_names=("cp",))
+    diffs: dict[str, float] = {}
+    for method in ("allgather", "alltoall"):
+        diffs.update(_attention_diffs(method, rank, mesh))
+        diffs.update(_model_diffs(method, rank))
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(diffs))
 
 
 @pytest.fixture(scope="module")
 def spawned_diffs(tmp_path_factory) -> list[dict[str, float]]:
-    import torch.multiprocessing as mp
-
     out = tmp_path_factory.mktemp("cp_shim")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=CP)
+    spawn_gloo(_worker, CP, str(out))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(CP)]
 
 
@@ -201,38 +184,28 @@ def test_check_config_rejects_cp_on_cpu_without_the_shim(compose_config, monkeyp
 # ----------------------------------------------------------------------------- end to end
 
 
-def _val_losses(run_dir: Path) -> list[float]:
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    return [r["val/loss"] for r in rows if "val/loss" in r]
-
-
 def _layout(tmp_path: Path, overrides: list[str], nproc: int, dp: int, family: str = "llama3"
             ) -> tuple[list[float], list[float]]:
     losses = run_layout(tmp_path, [*overrides, *VAL], nproc=nproc, dp=dp, family=family)
-    return losses, _val_losses(tmp_path / "run")
+    return losses, series(tmp_path / "run", "val/loss")
 
 
-_SINGLE: dict[str, tuple[list[float], list[float]]] = {}
-
-
-def single_of(tmp_path_factory, family: str) -> tuple[list[float], list[float]]:
+def single_of(run_cache, family: str) -> tuple[list[float], list[float]]:
     """Single-process training and validation losses of ``family`` (validation every 5 steps)."""
-    if family not in _SINGLE:
-        path = tmp_path_factory.mktemp(f"cp_reference_{family}")
-        _SINGLE[family] = run_single(path, [*VAL], family=family), _val_losses(path / "run")
-    return _SINGLE[family]
+    return run_cache.once(("cp_single", family),
+                          lambda path: (run_single(path, [*VAL], family=family), series(path / "run", "val/loss")))
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory) -> tuple[list[float], list[float]]:
-    return single_of(tmp_path_factory, "llama3")
+@pytest.fixture
+def single(run_cache) -> tuple[list[float], list[float]]:
+    return single_of(run_cache, "llama3")
 
 
-def _assert_layout_matches(layout, single, label: str = "") -> None:
+def _assert_layout_matches(layout, single, label: str, record) -> None:
     (losses, val), (ref, ref_val) = layout, single
-    assert_parity(losses, ref, atol=ATOL, label=f"{label} train")
+    assert_parity(losses, ref, atol=ATOL, label=f"{label} train", record=record)
     assert len(val) == len(ref_val) == 2, (val, ref_val)
-    assert_parity(val, ref_val, atol=ATOL, label=f"{label} val")
+    assert_parity(val, ref_val, atol=ATOL, label=f"{label} val", record=record)
 
 
 # Llama 3 with both rotate methods; Qwen3 (tied, head_dim 32 != dim / n_heads: its rope tables are
@@ -241,12 +214,12 @@ CP_RUNS = [("llama3", "allgather"), ("llama3", "alltoall"), ("qwen3", "allgather
 
 
 @pytest.mark.parametrize("family,method", CP_RUNS, ids=[f"{f}-{m}" for f, m in CP_RUNS])
-def test_cp_matches_single(tmp_path, tmp_path_factory, family, method):
+def test_cp_matches_single(tmp_path, run_cache, record_property, family, method):
     layout = _layout(tmp_path, ["parallelism=cp", f"parallelism.cp_rotate_method={method}"], nproc=CP, dp=1,
                      family=family)
-    _assert_layout_matches(layout, single_of(tmp_path_factory, family), label=f"{family} cp {method}")
+    _assert_layout_matches(layout, single_of(run_cache, family), f"{family} cp {method}", record_property)
 
 
-def test_fsdp_cp_matches_single(tmp_path, single):
+def test_fsdp_cp_matches_single(tmp_path, single, record_property):
     layout = _layout(tmp_path, ["parallelism=fsdp_cp"], nproc=4, dp=2)
-    _assert_layout_matches(layout, single, label="llama3 fsdp_cp")
+    _assert_layout_matches(layout, single, "llama3 fsdp_cp", record_property)

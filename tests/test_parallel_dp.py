@@ -11,14 +11,10 @@ slightly. See BF16_ATOL for the measured difference.
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 
-from conftest import compose_cfg
-from parity import BASE, assert_parity, reference_losses, run_layout
+from helpers import BASE, assert_parity, compose_cfg, reference_losses, run_layout, spawn_gloo
 
 # Measured max |loss diff| fsdp(2) bf16 vs single bf16 over 10 steps: 2.3e-3; ~3x that.
 BF16_ATOL = 7e-3
@@ -27,33 +23,20 @@ PARAM_ATOL = 1e-6
 
 
 # --------------------------------------------------------------------------- gloo reductions
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _grad_worker(rank: int, port: int, divide_factor: float | None, out: dict) -> None:
+def _grad_worker(rank: int, divide_factor: float | None, out: dict) -> None:
     """One rank: a Linear under fully_shard + our gloo sum-reduction setting; rank r sees x = r+1."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from titan_hydra.parallel.fsdp import use_sum_reductions
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        model = torch.nn.Linear(4, 4, bias=False)
-        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
-        if divide_factor is not None:
-            model.set_gradient_divide_factor(divide_factor)
-        use_sum_reductions(model)
-        model(torch.full((1, 4), float(rank + 1))).sum().backward()
-        out[rank] = model.weight.grad.full_tensor().clone()
-    finally:
-        dist.destroy_process_group()
+    model = torch.nn.Linear(4, 4, bias=False)
+    fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+    if divide_factor is not None:
+        model.set_gradient_divide_factor(divide_factor)
+    use_sum_reductions(model)
+    model(torch.full((1, 4), float(rank + 1))).sum().backward()
+    out[rank] = model.weight.grad.full_tensor().clone()
 
 
 @pytest.mark.parametrize("divide_factor, expected", [(None, 1.5), (4.0, 0.75)])
@@ -64,7 +47,7 @@ def test_gloo_sum_reduction_keeps_mean(divide_factor, expected):
 
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_grad_worker, args=(_free_port(), divide_factor, out), nprocs=2)
+        spawn_gloo(_grad_worker, 2, divide_factor, out)
         grads = dict(out)
     for rank in (0, 1):
         torch.testing.assert_close(grads[rank], torch.full((4, 4), expected), rtol=0, atol=1e-7)
@@ -85,15 +68,17 @@ FP32_LAYOUTS = [
 
 @pytest.mark.parametrize("family, name, overrides, nproc, dp", FP32_LAYOUTS,
                          ids=[f"{f}-{n}" for f, n, *_ in FP32_LAYOUTS])
-def test_fp32_loss_parity(tmp_path, tmp_path_factory, family, name, overrides, nproc, dp):
+def test_fp32_loss_parity(tmp_path, run_cache, record_property, family, name, overrides, nproc, dp):
     losses = run_layout(tmp_path, overrides, nproc=nproc, dp=dp, family=family)
-    assert_parity(losses, reference_losses(tmp_path_factory, family=family), atol=1e-5, label=f"{family} {name}")
+    assert_parity(losses, reference_losses(run_cache, family=family), atol=1e-5, label=f"{family} {name}",
+                  record=record_property)
 
 
-def test_bf16_loss_parity(tmp_path, tmp_path_factory):
+def test_bf16_loss_parity(tmp_path, run_cache, record_property):
     bf16 = ("training.mixed_precision=bf16",)
     losses = run_layout(tmp_path, ["parallelism=fsdp", *bf16], nproc=2, dp=2)
-    assert_parity(losses, reference_losses(tmp_path_factory, bf16), atol=BF16_ATOL)
+    assert_parity(losses, reference_losses(run_cache, bf16), atol=BF16_ATOL, label="bf16 fsdp_2",
+                  record=record_property)
 
 
 # --------------------------------------------------------------------------- parameter parity
@@ -106,12 +91,14 @@ def _train_with_state(tmp_path, overrides: list[str], nproc: int, dp: int) -> di
     return run_local(cfg, str(tmp_path), return_state=True)
 
 
-def test_fsdp_losses_and_trained_params_match_single(tmp_path, tmp_path_factory):
+def test_fsdp_losses_and_trained_params_match_single(tmp_path, run_cache, record_property):
     """fsdp(2) through run_local: per-step losses and the gathered trained parameters."""
     fsdp = _train_with_state(tmp_path / "fsdp", ["parallelism=fsdp"], nproc=2, dp=2)
     single = _train_with_state(tmp_path / "single", ["parallelism=single"], nproc=1, dp=1)
-    assert_parity(fsdp["losses"], reference_losses(tmp_path_factory), atol=1e-5)
+    assert_parity(fsdp["losses"], reference_losses(run_cache), atol=1e-5, label="fsdp_2 run_local",
+                  record=record_property)
     assert fsdp["full_state"].keys() == single["full_state"].keys()
     diffs = {k: (fsdp["full_state"][k] - v).abs().max().item() for k, v in single["full_state"].items()}
     worst = max(diffs, key=diffs.get)
+    record_property(f"max |param - single| ({worst})", diffs[worst])
     assert diffs[worst] <= PARAM_ATOL, f"{worst}: max |fsdp - single| = {diffs[worst]:.3g}"

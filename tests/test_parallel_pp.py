@@ -12,14 +12,12 @@ run, untied: tied embeddings cannot be cut into stages, which launch refuses wit
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import compose_cfg, run_launch
-from parity import BASE, FAMILIES, GLOBAL_BATCH, UNTIED, run_layout, run_single
+from helpers import (BASE, FAMILIES, GLOBAL_BATCH, UNTIED, compose_cfg, read_metrics, run_launch, run_layout,
+                     run_single, series)
 from titan_hydra.errors import ConfigError
 from titan_hydra.parallel.dims import ParallelDims
 from titan_hydra.parallel.pp import stage_ids_for_rank, stage_layer_ranges
@@ -32,51 +30,47 @@ COMMON = ["training.val_freq=5", "training.val_steps=2", "training.max_norm=0.3"
 PP_MODEL = {"llama3": [], "qwen3": [UNTIED]}
 
 
-def read_metrics(run_dir: Path) -> dict[str, list[float]]:
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    return {
-        "loss": [r["loss"] for r in rows if "loss" in r],
-        "grad_norm": [r["grad_norm"] for r in rows if "grad_norm" in r],
-        "val": [r["val/loss"] for r in rows if "val/loss" in r],
-    }
+# What each run is compared on: training loss, clipped grad norm, validation loss.
+KEYS = ("loss", "grad_norm", "val/loss")
+
+
+def compared(run_dir: Path) -> dict[str, list[float]]:
+    rows = read_metrics(run_dir)
+    return {key: series(rows, key) for key in KEYS}
 
 
 def train(tmp_path: Path, overrides: list[str], nproc: int, dp: int, dp_degree: int = 1,
           family: str = "llama3") -> dict[str, list[float]]:
     """``dp`` sets the local batch (GLOBAL_BATCH // dp); ``dp_degree`` is the layout's real
     data-parallel degree, which decides the validation batch that covers the same sequences."""
-    t0 = time.perf_counter()
     val_bs = f"training.val_local_batch_size={GLOBAL_BATCH // dp_degree}"
     run_layout(tmp_path, COMMON + [val_bs] + PP_MODEL[family] + overrides, nproc=nproc, dp=dp, family=family)
-    out = read_metrics(tmp_path / "run")
-    print(f"{overrides}: {time.perf_counter() - t0:.1f}s")
-    return out
+    return compared(tmp_path / "run")
 
 
-_REF: dict[str, dict[str, list[float]]] = {}
-
-
-def single_of(tmp_path_factory, family: str) -> dict[str, list[float]]:
+def single_of(run_cache, family: str) -> dict[str, list[float]]:
     """The family's single-process run with the same settings (once per family per session)."""
-    if family not in _REF:
-        path = tmp_path_factory.mktemp(f"pp_single_{family}")
+    def compute(path: Path) -> dict[str, list[float]]:
         run_single(path, COMMON + [f"training.val_local_batch_size={GLOBAL_BATCH}"] + PP_MODEL[family], family=family)
-        _REF[family] = read_metrics(path / "run")
-    return _REF[family]
+        return compared(path / "run")
+
+    return run_cache.once(("pp_single", family), compute)
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory) -> dict[str, list[float]]:
-    return single_of(tmp_path_factory, "llama3")
+@pytest.fixture
+def single(run_cache) -> dict[str, list[float]]:
+    return single_of(run_cache, "llama3")
 
 
-def assert_matches(got: dict[str, list[float]], ref: dict[str, list[float]]) -> dict[str, float]:
+def assert_matches(got: dict[str, list[float]], ref: dict[str, list[float]], record) -> dict[str, float]:
+    """Every compared series within ATOL of the single-process run; ``record`` (record_property)
+    keeps the measured max differences in the test report."""
     diffs = {}
-    for key in ("loss", "grad_norm", "val"):
+    for key in KEYS:
         assert len(got[key]) == len(ref[key]) > 0, (key, got[key], ref[key])
         diffs[key] = max(abs(a - b) for a, b in zip(got[key], ref[key]))
-    print("max diffs vs single:", diffs)
-    assert max(diffs.values()) <= ATOL, f"{diffs}\nlayout: {got}\nsingle: {ref}"
+        record(f"max |{key} - single|", diffs[key])
+    assert max(diffs.values()) <= ATOL, f"max |layout - single| {diffs} > {ATOL}\nlayout: {got}\nsingle: {ref}"
     return diffs
 
 
@@ -98,10 +92,10 @@ PP_RUNS = [("llama3", *s) for s in SCHEDULES] + [
 
 
 @pytest.mark.parametrize("family,schedule,extra,dp", PP_RUNS, ids=[f"{f}-{s}" for f, s, _, _ in PP_RUNS])
-def test_pp_schedule_matches_single(tmp_path, tmp_path_factory, family, schedule, extra, dp):
+def test_pp_schedule_matches_single(tmp_path, run_cache, record_property, family, schedule, extra, dp):
     got = train(tmp_path, ["parallelism=pp", f"parallelism.pp_schedule={schedule}", *extra], nproc=2, dp=dp,
                 family=family)
-    assert_matches(got, single_of(tmp_path_factory, family))
+    assert_matches(got, single_of(run_cache, family), record_property)
 
 
 def test_tied_embeddings_refused_under_pp(tmp_path):
@@ -117,24 +111,24 @@ def test_tied_embeddings_refused_under_pp(tmp_path):
     assert not (run_dir / "metrics.jsonl").exists()
 
 
-def test_fsdp_pp_matches_single(tmp_path, single):
+def test_fsdp_pp_matches_single(tmp_path, single, record_property):
     pytest.importorskip("titan_hydra.parallel.fsdp")
     got = train(tmp_path, ["parallelism=fsdp_pp", "parallelism.dp_shard=2"], nproc=4, dp=2, dp_degree=2)
-    assert_matches(got, single)
+    assert_matches(got, single, record_property)
 
 
-def test_tp_pp_matches_single(tmp_path, single):
+def test_tp_pp_matches_single(tmp_path, single, record_property):
     pytest.importorskip("titan_hydra.parallel.tp")
     got = train(tmp_path, ["parallelism=pp", "parallelism.tp=2"], nproc=4, dp=1)
-    assert_matches(got, single)
+    assert_matches(got, single, record_property)
 
 
 @pytest.mark.slow  # 8 oversubscribed processes: ~100 s on 2 loaded cores
-def test_3d_fsdp_tp_pp_matches_single(tmp_path, single):
+def test_3d_fsdp_tp_pp_matches_single(tmp_path, single, record_property):
     pytest.importorskip("titan_hydra.parallel.fsdp")
     pytest.importorskip("titan_hydra.parallel.tp")
     got = train(tmp_path, ["parallelism=3d"], nproc=8, dp=2, dp_degree=2)
-    assert_matches(got, single)
+    assert_matches(got, single, record_property)
 
 
 # --------------------------------------------------------------------------- the plan

@@ -9,14 +9,10 @@ differ by rounding only; see BF16_ATOL for the measured value.
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 
-from conftest import compose_cfg
-from parity import BASE, assert_parity, reference_losses, run_layout
+from helpers import BASE, assert_parity, compose_cfg, reference_losses, run_layout, spawn_gloo
 from titan_hydra.errors import ConfigError
 from titan_hydra.validate import validate
 
@@ -43,21 +39,19 @@ def tp_trained(tmp_path_factory):
     return out
 
 
-def test_tp_sp_loss_parallel_fp32_parity(tp_trained, tmp_path_factory):
+def test_tp_sp_loss_parallel_fp32_parity(tp_trained, run_cache, record_property):
     losses = tp_trained["tp"]["losses"]
-    ref = reference_losses(tmp_path_factory)
-    print("FP32DIFF tp_sp_lp", max(abs(a - b) for a, b in zip(losses, ref)))
-    assert_parity(losses, ref, atol=ATOL)
+    assert_parity(losses, reference_losses(run_cache), atol=ATOL, label="llama3 tp_sp_lp", record=record_property)
 
 
-def test_tp_trained_params_match_single(tp_trained):
+def test_tp_trained_params_match_single(tp_trained, record_property):
     tp, single = tp_trained["tp"]["full_state"], tp_trained["single"]["full_state"]
     assert tp.keys() == single.keys()
     for k, v in single.items():
         assert tp[k].shape == v.shape, k
     diffs = {k: (tp[k] - v).abs().max().item() for k, v in single.items()}
     worst = max(diffs, key=diffs.get)
-    print("PARAMDIFF", worst, diffs[worst])
+    record_property(f"max |param - single| ({worst})", diffs[worst])
     assert diffs[worst] <= PARAM_ATOL, f"{worst}: max |tp - single| = {diffs[worst]:.3g}"
 
 
@@ -74,18 +68,17 @@ FP32_LAYOUTS = [
 
 @pytest.mark.parametrize("family, name, overrides, nproc, dp", FP32_LAYOUTS,
                          ids=[f"{f}-{n}" for f, n, *_ in FP32_LAYOUTS])
-def test_fp32_loss_parity(tmp_path, tmp_path_factory, family, name, overrides, nproc, dp):
+def test_fp32_loss_parity(tmp_path, run_cache, record_property, family, name, overrides, nproc, dp):
     losses = run_layout(tmp_path, overrides, nproc=nproc, dp=dp, family=family)
-    ref = reference_losses(tmp_path_factory, family=family)
-    assert_parity(losses, ref, atol=ATOL, label=f"{family} {name}")
+    ref = reference_losses(run_cache, family=family)
+    assert_parity(losses, ref, atol=ATOL, label=f"{family} {name}", record=record_property)
 
 
-def test_bf16_loss_parity(tmp_path, tmp_path_factory):
+def test_bf16_loss_parity(tmp_path, run_cache, record_property):
     bf16 = ("training.mixed_precision=bf16",)
     losses = run_layout(tmp_path, ["parallelism=tp", *bf16], nproc=2, dp=1)
-    ref = reference_losses(tmp_path_factory, bf16)
-    print("BF16DIFF", max(abs(a - b) for a, b in zip(losses, ref)))
-    assert_parity(losses, ref, atol=BF16_ATOL)
+    ref = reference_losses(run_cache, bf16)
+    assert_parity(losses, ref, atol=BF16_ATOL, label="bf16 tp_2", record=record_property)
 
 
 # --------------------------------------------------------------------------- shard shapes
@@ -110,59 +103,46 @@ EXPECTED_LOCAL = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _shape_worker(rank: int, port: int, out: dict) -> None:
+def _shape_worker(rank: int, out: dict) -> None:
     """One of 2 ranks: TP'd full models (SP on/off) and a pipeline-like stage; record shapes
     and the max |logits - single-process logits| of one forward."""
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from titan_hydra.models.llama3 import FAMILY, Llama3
     from titan_hydra.parallel.dims import ParallelDims
     from titan_hydra.parallel.tp import apply_tp
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        torch.manual_seed(0)
-        ref = Llama3(**KW)
-        ref.init_weights()
-        tokens = torch.randint(0, KW["vocab_size"], (2, 64))
-        ref_logits = ref(tokens)
-        for sp in (True, False):
-            dims = ParallelDims(world_size=2, dp_shard=1, tp=2, tp_sequence_parallel=sp, tp_loss_parallel=False)
-            dims.build_mesh("cpu")
-            with torch.device("meta"):
-                model = Llama3(**KW)
-            apply_tp(model, FAMILY, dims)
-            out[(rank, sp, "local")] = {
-                k: tuple(p.to_local().shape) if isinstance(p, DTensor) else None
-                for k, p in model.named_parameters()
-            }
-            out[(rank, sp, "placements")] = {
-                k: str(p.placements) for k, p in model.named_parameters() if isinstance(p, DTensor)
-            }
-            model.to_empty(device="cpu")
-            model.init_weights(buffer_device="cpu")
-            with torch.no_grad():
-                for k, p in model.named_parameters():
-                    p.copy_(torch.distributed.tensor.distribute_tensor(ref.state_dict()[k], p.device_mesh, p.placements))
-                out[(rank, sp, "logits_diff")] = (model(tokens) - ref_logits).abs().max().item()
-        # A middle pipeline stage: no embeddings, no norm/output, only layer "1".
+    torch.manual_seed(0)
+    ref = Llama3(**KW)
+    ref.init_weights()
+    tokens = torch.randint(0, KW["vocab_size"], (2, 64))
+    ref_logits = ref(tokens)
+    for sp in (True, False):
+        dims = ParallelDims(world_size=2, dp_shard=1, tp=2, tp_sequence_parallel=sp, tp_loss_parallel=False)
+        dims.build_mesh("cpu")
         with torch.device("meta"):
-            stage = Llama3(**KW)
-        stage.tok_embeddings = stage.norm = stage.output = None
-        del stage.layers["0"]
-        apply_tp(stage, FAMILY, dims)
-        out[(rank, "stage")] = {k: tuple(p.to_local().shape) for k, p in stage.named_parameters()}
-    finally:
-        dist.destroy_process_group()
+            model = Llama3(**KW)
+        apply_tp(model, FAMILY, dims)
+        out[(rank, sp, "local")] = {
+            k: tuple(p.to_local().shape) if isinstance(p, DTensor) else None
+            for k, p in model.named_parameters()
+        }
+        out[(rank, sp, "placements")] = {
+            k: str(p.placements) for k, p in model.named_parameters() if isinstance(p, DTensor)
+        }
+        model.to_empty(device="cpu")
+        model.init_weights(buffer_device="cpu")
+        with torch.no_grad():
+            for k, p in model.named_parameters():
+                p.copy_(torch.distributed.tensor.distribute_tensor(ref.state_dict()[k], p.device_mesh, p.placements))
+            out[(rank, sp, "logits_diff")] = (model(tokens) - ref_logits).abs().max().item()
+    # A middle pipeline stage: no embeddings, no norm/output, only layer "1".
+    with torch.device("meta"):
+        stage = Llama3(**KW)
+    stage.tok_embeddings = stage.norm = stage.output = None
+    del stage.layers["0"]
+    apply_tp(stage, FAMILY, dims)
+    out[(rank, "stage")] = {k: tuple(p.to_local().shape) for k, p in stage.named_parameters()}
 
 
 def test_tp_local_shard_shapes_and_forward():
@@ -172,7 +152,7 @@ def test_tp_local_shard_shapes_and_forward():
 
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_shape_worker, args=(_free_port(), out), nprocs=2)
+        spawn_gloo(_shape_worker, 2, out)
         out = dict(out)
     for rank in (0, 1):
         for sp in (True, False):

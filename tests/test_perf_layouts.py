@@ -1,6 +1,6 @@
 """compile, activation checkpointing and float8 under the parallel layouts, end to end.
 
-Every run trains the parity model of tests/parity.py (dim 64, 4 layers, fp32, full-model init,
+Every run trains the parity model of tests/helpers.py (dim 64, 4 layers, fp32, full-model init,
 same global batches) for 4 steps through launch.py and compares per-step losses with a
 single-process eager run. 4 steps cover the lr warm-up and two full-lr AdamW updates; the
 cold torch.compile of one block (~20-40 s per process) is what makes these runs slow.
@@ -31,8 +31,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import compose_cfg, run_launch
-from parity import BASE, GLOBAL_BATCH, read_losses
+from helpers import BASE, GLOBAL_BATCH, compose_cfg, run_launch, series
 
 STEPS = 4
 COMPILE_ATOL = 5e-5
@@ -54,7 +53,7 @@ def run_steps(tmp_path: Path, overrides: list[str], nproc: int, dp: int) -> tupl
     ]
     proc = run_launch(args, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, f"{overrides} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    losses = read_losses(run_dir)
+    losses = series(run_dir, "loss")
     assert len(losses) == STEPS, losses
     return losses, run_dir
 

@@ -8,20 +8,14 @@ numbers of a plain loop).
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
-from tests.conftest import REPO, TINY, run_launch
+from helpers import REPO, TINY, run_launch, series
 
 # No warm-up: the plain loop runs AdamW at its configured lr throughout.
 FP32 = [o for o in TINY if not o.startswith("lr_scheduler.")] + ["training.mixed_precision=fp32"]
 STEPS = 6
-
-
-def _losses(path) -> list[float]:
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    return [r["loss"] for r in rows if "tps" in r and "loss" in r]
 
 
 def test_plain_loop_losses_equal_the_trainer_in_fp32(tmp_path):
@@ -34,8 +28,8 @@ def test_plain_loop_losses_equal_the_trainer_in_fp32(tmp_path):
     run = run_launch([*FP32, f"training.steps={STEPS}", "training.val_freq=0", "logger=minimal",
                       "lr_scheduler=constant", f"hydra.run.dir={tmp_path / 'titan'}"], cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
-    plain_losses = _losses(tmp_path / "plain" / "metrics.jsonl")
-    titan_losses = _losses(tmp_path / "titan" / "metrics.jsonl")
+    plain_losses = series(tmp_path / "plain", "loss")
+    titan_losses = series(tmp_path / "titan", "loss")
     assert len(plain_losses) == len(titan_losses) == STEPS
     for a, b in zip(plain_losses, titan_losses):
         assert abs(a - b) < 1e-5, (plain_losses, titan_losses)

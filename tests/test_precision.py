@@ -11,7 +11,7 @@ from titan_hydra.models.common.attention import Attention
 from titan_hydra.models.llama3 import Llama3
 from titan_hydra.models.qwen3 import Qwen3
 from titan_hydra.train.precision import apply_attention_precision, attention_dtype
-from tests.conftest import compose_cfg
+from helpers import compose_cfg
 
 
 @pytest.mark.parametrize("mode,mp,device,head_dim,expected", [
@@ -92,9 +92,8 @@ def test_fp32_attention_is_fp32_sdpa_of_the_bf16_inputs():
     assert not torch.equal(plain, want)  # bf16 attention rounds differently: the knob matters
 
 
-def test_bad_attention_precision_rejected():
-    from titan_hydra.errors import ConfigError
-    from titan_hydra.validate import validate
+def test_bad_attention_precision_rejected_while_composing():
+    from hydra.errors import ConfigCompositionException
 
-    with pytest.raises(ConfigError, match="attention_precision"):
-        validate(compose_cfg(["training.attention_precision=fp16"]))
+    with pytest.raises(ConfigCompositionException, match="attention_precision=fp16"):
+        compose_cfg(["training.attention_precision=fp16"])

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_launch
-from parity import BASE, GLOBAL_BATCH, STEPS, read_losses, run_layout
+from helpers import BASE, GLOBAL_BATCH, REPO, STEPS, run_launch, run_layout, series
 from slurm_fixtures import slurm  # noqa: F401  (the session fixture)
 
 pytestmark = pytest.mark.slow
@@ -34,7 +33,7 @@ def test_two_task_job_matches_local_run(slurm, tmp_path):
     ])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     assert "submitted SLURM job" in proc.stdout
-    slurm_losses = read_losses(run_dir)
+    slurm_losses = series(run_dir, "loss")
     (tmp_path / "local").mkdir()
     local_losses = run_layout(tmp_path / "local", ["parallelism=fsdp"], nproc=2, dp=2)
     assert len(slurm_losses) == STEPS
@@ -68,7 +67,7 @@ def test_multirun_becomes_array_and_report_lists_both(slurm, tmp_path):
     assert [r.status for r in rows] == ["completed", "completed"]
     for row, lr in zip(rows, ("0.001", "0.003")):
         assert f"optimizer.lr={lr}" in row.overrides
-        assert row.final_loss == pytest.approx(read_losses(sweep / str(row.job))[-1], abs=0)
+        assert row.final_loss == pytest.approx(series(sweep / str(row.job), "loss")[-1], abs=0)
         assert row.val_loss is not None and 0 < row.val_loss < 10
     assert rows[0].final_loss != rows[1].final_loss  # the two learning rates really ran
     text = (sweep / "report.md").read_text()

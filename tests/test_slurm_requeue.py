@@ -29,9 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import compose_cfg, run_launch
+from helpers import by_step, compose_cfg, run_launch, spawn_gloo
 from slurm_fixtures import slurm  # noqa: F401  (the session fixture)
 from titan_hydra.launch.preemption import JobRequeued, Preemption, save_step, watch_for_preemption
 
@@ -54,9 +53,7 @@ class FakeCheckpointer:
         pass
 
 
-def _agreement_worker(rank: int, store_path: str, out_dir: str, fail_requeue: bool) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+def _agreement_worker(rank: int, out_dir: str, fail_requeue: bool) -> None:
     requeues = Path(out_dir) / f"requeue_calls.{rank}"
 
     def requeue_fn():
@@ -87,11 +84,10 @@ def _agreement_worker(rank: int, store_path: str, out_dir: str, fail_requeue: bo
         result["saved"] = ckpt.saved
         result["signalled"] = pre.signalled
         (Path(out_dir) / f"result.{rank}.json").write_text(json.dumps(result))
-        dist.destroy_process_group()
 
 
 def _run_agreement(tmp_path: Path, fail_requeue: bool) -> list[dict]:
-    mp.spawn(_agreement_worker, args=(str(tmp_path / "store"), str(tmp_path), fail_requeue), nprocs=2, join=True)
+    spawn_gloo(_agreement_worker, 2, str(tmp_path), fail_requeue)
     results = [json.loads((tmp_path / f"result.{r}.json").read_text()) for r in range(2)]
     calls = sum(len((tmp_path / f"requeue_calls.{r}").read_text()) for r in range(2)
                 if (tmp_path / f"requeue_calls.{r}").exists())
@@ -163,11 +159,6 @@ def slow_first_attempt_task():
     return SlowFirstAttempt
 
 
-def losses_of(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
 def sacct_states(job_id: str, timeout_s: float = 60) -> list[str]:
     """States of every attempt of the job, once the last one is final in accounting (which
     lags the result file that submitit waits for by a few seconds)."""
@@ -182,7 +173,7 @@ def sacct_states(job_id: str, timeout_s: float = 60) -> list[str]:
 
 
 @pytest.mark.slow
-def test_time_limit_signal_saves_requeues_and_resumes_exactly(slurm, tmp_path, monkeypatch, capsys):
+def test_time_limit_signal_saves_requeues_and_resumes_exactly(slurm, tmp_path, monkeypatch, capsys, record_property):
     from titan_hydra.launch import slurm as slurm_launch
     from titan_hydra.validate import validate
 
@@ -212,12 +203,15 @@ def test_time_limit_signal_saves_requeues_and_resumes_exactly(slurm, tmp_path, m
     local_dir = tmp_path / "local" / "run"
     proc = run_launch(CONFIG + ["cluster.nproc_per_node=2", f"hydra.run.dir={local_dir}"], cwd=tmp_path / "local")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    local = losses_of(local_dir)
-    logged = losses_of(run_dir)  # both attempts appended to the same metrics.jsonl
+    local = by_step(local_dir, "loss")
+    logged = by_step(run_dir, "loss")  # both attempts appended: the resumed attempt's rows win
     carried = [float(x) for x in summary["losses"]]  # TrainState: steps 1..k came through the checkpoint
     assert sorted(local) == sorted(logged) == list(range(1, STEPS + 1)) and len(carried) == STEPS
     diff_logged = max(abs(logged[s] - local[s]) for s in local)
     diff_carried = max(abs(carried[s - 1] - local[s]) for s in local)
-    print(f"requeue: resumed at step {k}; SLURM job {slurm_s:.0f}s; max |slurm - local| over {STEPS} steps: "
-          f"logged {diff_logged:.3g}, carried {diff_carried:.3g}")
-    assert diff_logged <= 1e-6 and diff_carried <= 1e-6, (diff_logged, diff_carried)
+    for name, value in (("resumed at step", k), ("SLURM job seconds", round(slurm_s)),
+                        ("max |logged - local|", diff_logged), ("max |carried - local|", diff_carried)):
+        record_property(name, value)
+    assert diff_logged <= 1e-6 and diff_carried <= 1e-6, (
+        f"resumed at step {k}: max |slurm - local| over {STEPS} steps: logged {diff_logged:.3g}, "
+        f"carried {diff_carried:.3g} > 1e-6")

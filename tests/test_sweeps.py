@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, run_launch
-from parity import read_losses
+from helpers import REPO, run_launch, series
 from titan_hydra.metrics.wandb_reader import read_offline_run
 
 pytestmark = pytest.mark.slow
@@ -42,7 +41,7 @@ def test_submitit_local_sweep_grouped_and_reported(tmp_path):
     for row in rows:
         status = json.loads((sweep / str(row.job) / "status.json").read_text())
         assert status["return_value"] == pytest.approx(row.val_loss, abs=0)  # what a sweeper minimizes
-        assert row.final_loss == read_losses(sweep / str(row.job))[-1]
+        assert row.final_loss == series(sweep / str(row.job), "loss")[-1]
         assert runs[row.job]["summary"]["loss"] == pytest.approx(row.final_loss, abs=1e-6)
     assert rows[0].final_loss != rows[1].final_loss
 

@@ -12,8 +12,7 @@ import math
 import pytest
 import torch
 
-from conftest import TINY, compose_cfg
-from parity import FAMILIES, UNTIED
+from helpers import FAMILIES, TINY, UNTIED, compose_cfg
 from titan_hydra.errors import TrainingDiverged
 from titan_hydra.train.lr_schedule import lr_multiplier
 from titan_hydra.train.pretrain import run
@@ -165,7 +164,7 @@ def test_optimizer_and_schedule_come_from_config(tmp_path):
 
 # ------------------------------------------------------------------------------- per family, e2e
 # compile (regional, inductor) + selective-op activation checkpointing, and emulated float8, each
-# through the trainer for 4 fp32 steps on the tiny model of every family (parity.FAMILIES on top
+# through the trainer for 4 fp32 steps on the tiny model of every family (helpers.FAMILIES on top
 # of TINY: Qwen3 with tied embeddings, head_dim 32 on a 64-wide model, QK-norm), compared with the
 # same family's eager fp32 run.
 SHORT = ["training.steps=4", "training.mixed_precision=fp32"]
@@ -180,17 +179,14 @@ FLOAT8_ATOL = 1e-2
 FLOAT8 = ["float8=tensorwise", "float8.emulate=true", "float8.auto_filter_small_kn=false"]
 LINEARS_PER_BLOCK = 7  # wq wk wv wo w1 w2 w3
 
-_EAGER: dict[str, list[float]] = {}
 
-
-def eager_losses(tmp_path_factory, family: str) -> list[float]:
-    if family not in _EAGER:
-        _EAGER[family] = train(tmp_path_factory.mktemp(f"eager_{family}"), FAMILIES[family] + SHORT)["losses"]
-    return _EAGER[family]
+def eager_losses(run_cache, family: str) -> list[float]:
+    """The family's eager fp32 SHORT run (once per family per session)."""
+    return run_cache.once(("eager", family), lambda path: train(path, FAMILIES[family] + SHORT)["losses"])
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_compile_with_selective_ac_matches_eager(tmp_path, tmp_path_factory, monkeypatch, family):
+def test_compile_with_selective_ac_matches_eager(tmp_path, run_cache, record_property, monkeypatch, family):
     from titan_hydra.parallel import ac, compile as compile_mod
 
     done = {}
@@ -202,14 +198,15 @@ def test_compile_with_selective_ac_matches_eager(tmp_path, tmp_path_factory, mon
     compiled = ["compile=model", "activation_checkpoint=selective_op"]
     losses = train(tmp_path, FAMILIES[family] + SHORT + compiled)["losses"]
     assert done == {"ac": ("selective_op", ["0", "1"]), "compile": 2}, done
-    ref = eager_losses(tmp_path_factory, family)
+    ref = eager_losses(run_cache, family)
+    assert len(losses) == len(ref) == 4, (losses, ref)
     diff = max(abs(a - b) for a, b in zip(losses, ref))
-    print(f"{family} compile+AC max |loss - eager| = {diff:.3g}")
-    assert len(losses) == len(ref) == 4 and diff <= COMPILE_ATOL, (losses, ref)
+    record_property("compile+AC max |loss - eager|", diff)
+    assert diff <= COMPILE_ATOL, f"max |loss - eager| = {diff:.3g} > {COMPILE_ATOL}\ncompiled: {losses}\neager: {ref}"
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_float8_emulated_tracks_fp32(tmp_path, tmp_path_factory, monkeypatch, family):
+def test_float8_emulated_tracks_fp32(tmp_path, run_cache, record_property, monkeypatch, family):
     from titan_hydra.quant.float8 import Float8Converter
 
     converted = []
@@ -223,8 +220,9 @@ def test_float8_emulated_tracks_fp32(tmp_path, tmp_path_factory, monkeypatch, fa
     monkeypatch.setattr(Float8Converter, "convert", convert)
     losses = train(tmp_path, FAMILIES[family] + SHORT + FLOAT8)["losses"]
     assert len(converted) == 2 * LINEARS_PER_BLOCK and not any("output" in n for n in converted), converted
-    ref = eager_losses(tmp_path_factory, family)
+    ref = eager_losses(run_cache, family)
+    assert len(losses) == len(ref) == 4 and all(math.isfinite(x) for x in losses), (losses, ref)
     diff = max(abs(a - b) for a, b in zip(losses, ref))
-    print(f"{family} float8 max |loss - fp32| = {diff:.3g}")
-    assert len(losses) == len(ref) == 4 and all(math.isfinite(x) for x in losses), losses
-    assert 0 < diff <= FLOAT8_ATOL, (losses, ref)
+    record_property("float8 max |loss - fp32|", diff)
+    assert 0 < diff <= FLOAT8_ATOL, (
+        f"max |loss - fp32| = {diff:.3g}, not in (0, {FLOAT8_ATOL}]\nfloat8: {losses}\nfp32: {ref}")

@@ -45,6 +45,7 @@ def choice(name: str, values: str) -> type:
 Precision = choice("Precision", "bf16 fp32")  # bf16 autocast / FSDP param dtype, or plain fp32
 ReshardPolicy = choice("ReshardPolicy", "default always never")
 RotateMethod = choice("RotateMethod", "allgather alltoall")
+PPSchedule = choice("PPSchedule", "GPipe 1F1B Interleaved1F1B LoopedBFS InterleavedZeroBubble ZBVZeroBubble DualPipeV")
 DecayType = choice("DecayType", "linear cosine sqrt none")
 Float8Recipe = choice("Float8Recipe", "none tensorwise rowwise")
 Device = choice("Device", "cpu cuda")
@@ -82,7 +83,7 @@ class ParallelismConfig:
     tp_loss_parallel: bool = True
     tp_async: bool = False
     # pipeline parallel
-    pp_schedule: str = "1F1B"
+    pp_schedule: PPSchedule = PPSchedule["1F1B"]
     pp_microbatches: Optional[int] = None
     pp_layers_per_stage: Optional[int] = None
     pp_split_points: List[str] = field(default_factory=list)

@@ -1,0 +1,236 @@
+"""What the tests share, in one module: config composition and ``launch.py`` runs, gloo process
+groups, ``metrics.jsonl`` reading, and the loss-parity harness. Fixtures live in conftest.py
+(``run_cache`` keeps the results several tests compare with); this module holds plain functions
+so that test modules, and the processes they spawn, can import it by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterable, TypeVar
+
+from hydra import compose, initialize_config_dir
+
+import titan_hydra.config  # noqa: F401  (registers schemas)
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+
+T = TypeVar("T")
+
+# Tiny, fast settings shared by the end-to-end tests (seconds per run on 2 cores).
+TINY = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "training.seq_len=64",
+    "training.local_batch_size=4",
+    "lr_scheduler.warmup_steps=2",
+    "data.max_documents=200",
+]
+
+
+# ----------------------------------------------------------------------------- config and launch
+
+
+def compose_cfg(overrides: list[str] | None = None):
+    """The config launch.py would compose from these overrides (no Hydra run dir, no launch)."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides or []))
+
+
+def run_launch(args: list[str], cwd: Path, timeout: int = 600, env: dict | None = None):
+    """Run ``python launch.py ARGS`` in a subprocess (one thread per process unless ``env`` says
+    otherwise, W&B quiet); returns the CompletedProcess with its output captured."""
+    full_env = dict(os.environ)
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env["WANDB_SILENT"] = "true"
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, str(REPO / "launch.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+    )
+
+
+# ----------------------------------------------------------------------------- gloo process groups
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now: every spawned group rendezvouses on its own port,
+    so a group never meets a previous one's socket (TIME_WAIT) or another test run's."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_rank(rank: int, fn: Callable[..., None], nprocs: int, port: int, args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # nprocs ranks on 2 shared cores
+    dist.init_process_group("gloo", rank=rank, world_size=nprocs)
+    try:
+        fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_gloo(fn: Callable[..., None], nprocs: int, *args: Any) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes joined in one gloo group (default
+    group initialized before ``fn``, destroyed after; one thread each) and wait for all of them;
+    an exception in any rank fails the call. ``fn`` and ``args`` must pickle (module-level ``fn``;
+    results go back through files or an ``mp.Manager`` dict)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gloo_rank, args=(fn, nprocs, free_port(), args), nprocs=nprocs)
+
+
+# ----------------------------------------------------------------------------- metrics.jsonl
+
+
+def read_metrics(run_dir: Path, missing_ok: bool = False) -> list[dict]:
+    """The rows of ``run_dir/metrics.jsonl`` in logged order (a resumed run appends its re-run
+    steps again). ``missing_ok``: a run that trained no step may write no file; read it as empty."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if missing_ok and not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _rows(source: Path | Iterable[dict]) -> Iterable[dict]:
+    return read_metrics(source) if isinstance(source, (str, Path)) else source
+
+
+def series(source: Path | Iterable[dict], key: str) -> list[float]:
+    """Every logged value of ``key`` ("loss", "grad_norm", "val/loss", ...) in order; ``source`` is
+    a run dir or rows from read_metrics."""
+    return [r[key] for r in _rows(source) if key in r]
+
+
+def by_step(source: Path | Iterable[dict], key: str) -> dict[int, float]:
+    """``key`` per step, the last logged value winning (a resumed run logs its re-run steps again)."""
+    return {r["step"]: r[key] for r in _rows(source) if key in r}
+
+
+# ----------------------------------------------------------------------------- session cache
+
+
+class RunCache:
+    """Results that several tests compare with (single-process reference runs), computed once
+    per session: conftest's ``run_cache`` fixture is the one instance."""
+
+    def __init__(self, tmp_path_factory):
+        self._factory = tmp_path_factory
+        self._values: dict[tuple, Any] = {}
+
+    def once(self, key: tuple, compute: Callable[[Path], T]) -> T:
+        """``compute(fresh temp dir)`` the first time ``key`` is asked for, the stored result after.
+        Keys are global to the session: start them with a name of their own (``("pp_single", family)``)."""
+        if key not in self._values:
+            name = re.sub(r"[^\w.=-]+", "_", "_".join(map(str, key)))[:60]
+            self._values[key] = compute(self._factory.mktemp(name))
+        return self._values[key]
+
+
+# ----------------------------------------------------------------------------- loss parity
+# Every layout trains the same tiny model, from the same full-model init (training.init_mode=full),
+# on the same global batches (the loader gives data-parallel ranks disjoint slices of one global
+# batch), in fp32, so per-step losses must match the single-process run.
+#
+# Model families: ``family`` picks an entry of FAMILIES (overrides applied after BASE), and the
+# single-process reference is kept per family. Llama 3 is the default and runs every layout;
+# Qwen3 runs a chosen few (tests pass ``family="qwen3"``), so the suite's time stays bounded.
+
+GLOBAL_BATCH = 8
+STEPS = 10
+
+BASE = [
+    "model.dim=64",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "training.seq_len=64",
+    f"training.steps={STEPS}",
+    f"training.global_batch_size={GLOBAL_BATCH}",
+    "training.mixed_precision=fp32",
+    "training.init_mode=full",
+    "training.val_freq=0",
+    "lr_scheduler.warmup_steps=2",
+    "data.max_documents=60",
+    "logger=minimal",
+    "cluster.threads_per_proc=1",
+]
+
+# Model family -> overrides after BASE. BASE's shape (dim 64, 4 layers, 4 heads, 2 kv heads) holds
+# for every family; Qwen3 adds what it sets on its own: head_dim 32 (q is 128 wide on a 64-wide
+# model, so head_dim really is decoupled from dim/n_heads) and the FFN width. qwen3_debug ties
+# its embeddings (model.tie_word_embeddings=true), so its layouts run tied unless a test adds UNTIED.
+FAMILIES: dict[str, list[str]] = {
+    "llama3": [],
+    "qwen3": ["model=qwen3_debug", "model.head_dim=32", "model.ffn_hidden_dim=192"],
+}
+# Tied embeddings cannot be cut into pipeline stages: PP runs (and their references) untie.
+UNTIED = "model.tie_word_embeddings=false"
+
+
+def run_layout(tmp_path: Path, overrides: list[str], nproc: int, dp: int, timeout: int = 600,
+               family: str = "llama3") -> list[float]:
+    """Train one layout of ``family`` through launch.py with ``nproc`` workers and ``dp``
+    data-parallel ranks (local batch GLOBAL_BATCH // dp) in ``tmp_path/run``; return its losses."""
+    run_dir = tmp_path / "run"
+    args = BASE + FAMILIES[family] + [
+        f"cluster.nproc_per_node={nproc}",
+        f"training.local_batch_size={GLOBAL_BATCH // dp}",
+        f"hydra.run.dir={run_dir}",
+        *overrides,
+    ]
+    proc = run_launch(args, cwd=tmp_path, timeout=timeout)
+    assert proc.returncode == 0, f"{family} layout {overrides} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    losses = series(run_dir, "loss")
+    assert len(losses) == STEPS, losses
+    return losses
+
+
+def run_single(tmp_path: Path, overrides: list[str], family: str = "llama3") -> list[float]:
+    """The single-process run of ``family``, in this process (pretrain.run, the program a launched
+    rank runs): bitwise the losses of ``run_layout(..., ["parallelism=single"], 1, 1)`` without
+    its ~5 s of process start-up. Writes ``tmp_path/run/metrics.jsonl`` like a launched run."""
+    from titan_hydra.train.pretrain import run
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = compose_cfg(BASE + FAMILIES[family] + ["cluster.nproc_per_node=1", "parallelism=single",
+                                                 f"training.local_batch_size={GLOBAL_BATCH}", *overrides])
+    run(cfg, str(run_dir))
+    losses = series(run_dir, "loss")
+    assert len(losses) == STEPS, losses
+    return losses
+
+
+def reference_losses(run_cache: RunCache, extra: tuple[str, ...] = (), family: str = "llama3") -> list[float]:
+    """Single-process losses of ``family`` with ``extra`` overrides (once per family and extras
+    per session)."""
+    return run_cache.once(("reference", family, *extra), lambda path: run_single(path, list(extra), family=family))
+
+
+def assert_parity(losses: list[float], reference: list[float], atol: float = 1e-5, label: str = "",
+                  record: Callable[[str, object], None] | None = None) -> float:
+    """Assert max |loss - reference| <= atol and return it; ``record`` (pytest's record_property)
+    keeps the measured value in the test report (``--junitxml``) on success too."""
+    assert len(losses) == len(reference) > 0, (losses, reference)
+    diff = max(abs(a - b) for a, b in zip(losses, reference))
+    if record is not None:
+        record(f"{label} max |loss - single|".strip(), diff)
+    assert diff <= atol, f"{label} max |loss - single| = {diff:.3g} > {atol}\nlayout: {losses}\nsingle: {reference}"
+    return diff
