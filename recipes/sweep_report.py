@@ -20,13 +20,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-COLUMNS = ["job", "overrides", "status", "final_loss", "val_loss", "tok_per_s", "mfu_pct", "peak_mem_gib", "steps", "error"]
+COLUMNS = ["job", "label", "overrides", "status", "final_loss", "val_loss", "tok_per_s", "mfu_pct", "peak_mem_gib", "steps", "error"]
 
 
 @dataclass
 class JobRow:
     job: int
     overrides: str = ""
+    label: str = ""  # the overrides that differ across the sweep (set by label_rows)
     status: str = "failed"
     final_loss: float | None = None
     val_loss: float | None = None
@@ -107,6 +108,20 @@ def collect(sweep_dir: Path) -> list[JobRow]:
     return [job_row(n, sweep_dir / str(n), manifest.get(n)) for n in sorted(nums)]
 
 
+def label_rows(rows: list[JobRow]) -> None:
+    """Label each job by the override keys whose values differ across the sweep.
+
+    Every job repeats the sweep's fixed overrides (model, cluster, tiny shapes, ...); shown in
+    full they push the one that varies (``optimizer.lr``) off a table cell or a legend entry.
+    The full overrides stay in report.csv.
+    """
+    parsed = [dict(o.split("=", 1) if "=" in o else (o, "") for o in r.overrides.split()) for r in rows]
+    keys = sorted({k for p in parsed for k in p})
+    varying = [k for k in keys if len({p.get(k) for p in parsed}) > 1]
+    for r, p in zip(rows, parsed):
+        r.label = " ".join(f"{k}={p[k]}" if k in p else f"~{k}" for k in varying) or f"#{r.job}"
+
+
 def _fmt(value: Any, spec: str) -> str:
     return "" if value is None else format(value, spec)
 
@@ -122,13 +137,13 @@ def write_tables(rows: list[JobRow], sweep_dir: Path) -> None:
         "",
         f"{sum(r.status == 'completed' for r in rows)} of {len(rows)} jobs completed.",
         "",
-        "| job | overrides | status | final loss | val loss | tok/s | MFU % | peak mem GiB | steps |",
+        "| job | varies | status | final loss | val loss | tok/s | MFU % | peak mem GiB | steps |",
         "|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         status = r.status if not r.error else f"{r.status}: {r.error}".replace("|", "/")
         lines.append(
-            f"| {r.job} | `{r.overrides}` | {status} | {_fmt(r.final_loss, '.4f')} | {_fmt(r.val_loss, '.4f')} | "
+            f"| {r.job} | `{r.label}` | {status} | {_fmt(r.final_loss, '.4f')} | {_fmt(r.val_loss, '.4f')} | "
             f"{_fmt(r.tok_per_s, ',.0f')} | {_fmt(r.mfu_pct, '.2f')} | {_fmt(r.peak_mem_gib, '.2f')} | {r.steps} |"
         )
     lines += ["", "![loss curves](loss_curves.png)", "", "![throughput](throughput.png)", ""]
@@ -144,7 +159,7 @@ def write_plots(rows: list[JobRow], sweep_dir: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in rows:
         if r.curve:
-            ax.plot(*zip(*r.curve), label=f"#{r.job} {r.overrides}"[:60], linestyle="-" if r.status == "completed" else ":")
+            ax.plot(*zip(*r.curve), label=f"#{r.job} {r.label}"[:60], linestyle="-" if r.status == "completed" else ":")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title("Loss curves")
@@ -166,6 +181,7 @@ def write_plots(rows: list[JobRow], sweep_dir: Path) -> None:
 
 def report(sweep_dir: Path) -> list[JobRow]:
     rows = collect(sweep_dir)
+    label_rows(rows)
     write_tables(rows, sweep_dir)
     write_plots(rows, sweep_dir)
     return rows

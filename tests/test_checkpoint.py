@@ -249,3 +249,43 @@ def test_foreign_metadata_is_never_unpickled(good, tmp_path):
     assert not flag.exists()
     (path / ".metadata").write_bytes(b"not a pickle at all")
     _expect_error(_manager(tmp_path), path, r"\.metadata is unreadable")
+
+
+def test_extended_run_takes_its_learning_rates_from_the_new_schedule(tmp_path):
+    """Train 4 steps (checkpoint at 4), start again in the same run dir with 8 steps and a new
+    peak LR: from step 5 on every LR is the 8-step schedule's (the optimizer state restored from
+    the checkpoint holds the 4-step schedule's value, which must not leak into step 5)."""
+    import json
+
+    from titan_hydra.train.lr_schedule import lr_multiplier
+
+    def lrs(run_dir):
+        rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+        return {r["step"]: r["lr"] for r in rows if "lr" in r}
+
+    run_dir = tmp_path / "run"
+    train(run_dir, "training.steps=4", "checkpoint.interval=4")
+    train(run_dir, "training.steps=8", "checkpoint.interval=4", "optimizer.lr=5e-4")
+    got = lrs(run_dir)
+    schedule = dict(total_steps=8, warmup_steps=2, decay_ratio=None, decay_type="cosine", min_lr_factor=0.1)
+    for step in range(5, 9):
+        assert got[step] == pytest.approx(5e-4 * lr_multiplier(step - 1, **schedule), rel=1e-9), (step, got)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("checkpoint.interval=-1", "checkpoint.interval=-1 must be >= 0"),
+    ("checkpoint.keep_latest_k=-2", "checkpoint.keep_latest_k=-2 must be >= 0"),
+])
+def test_negative_checkpoint_settings_refused(override, message):
+    from titan_hydra.errors import ConfigError
+    from titan_hydra.validate import validate
+
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_cfg(BASE + [override]))
+
+
+def test_interval_zero_saves_only_at_the_end_and_keep_zero_keeps_all(tmp_path):
+    train(tmp_path / "end", "checkpoint.interval=0")
+    assert [s.step for s in list_steps(tmp_path / "end" / "checkpoint")] == [STEPS]
+    train(tmp_path / "all", "checkpoint.interval=2", "checkpoint.keep_latest_k=0")
+    assert [s.step for s in list_steps(tmp_path / "all" / "checkpoint")] == [2, 4, 6, 8]

@@ -10,7 +10,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from helpers import CONF, compose_cfg, run_launch
-from titan_hydra.errors import ConfigError
+from titan_hydra.errors import ConfigError, instantiate_checked
 from titan_hydra.validate import validate
 
 GROUPS = [p.name for p in CONF.iterdir() if p.is_dir()]
@@ -230,3 +230,24 @@ def test_model_option_builds_and_matches_published_hf_config(flavor):
     assert sum(unique.values()) == ours, (flavor, sum(unique.values()), ours)
     tied = hf_model.lm_head.weight is hf_model.model.embed_tokens.weight
     assert tied == model.args.tie_word_embeddings == (model.tok_embeddings.weight is model.output.weight)
+
+
+def test_default_warmup_fits_any_run_length():
+    """The default schedules warm up for a fraction of the run: a 5-step run is valid (1 warmup
+    step), the default 50-step run keeps 10; an explicit warmup longer than the run is refused."""
+    import torch
+
+    from titan_hydra.errors import ConfigError
+    from titan_hydra.train.lr_schedule import lr_multiplier
+    from titan_hydra.validate import validate
+
+    for steps, warmup in ((5, 1), (50, 10), (1000, 200)):
+        cfg = compose_cfg([f"training.steps={steps}"])
+        validate(cfg)
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        sched = instantiate_checked(cfg.lr_scheduler)(opt, steps)
+        expected = lr_multiplier(0, total_steps=steps, warmup_steps=warmup, decay_ratio=None,
+                                 decay_type="cosine", min_lr_factor=0.1)
+        assert sched.get_last_lr()[0] == pytest.approx(expected) == pytest.approx(1 / (warmup + 1))
+    with pytest.raises(ConfigError, match="lr_scheduler.warmup_steps=20 exceeds training.steps=5"):
+        validate(compose_cfg(["training.steps=5", "lr_scheduler.warmup_steps=20"]))

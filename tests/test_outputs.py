@@ -23,7 +23,31 @@ def run_dir(tmp_path_factory) -> Path:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "step     6 | loss" in proc.stdout
+    (rd / "console.txt").write_text(proc.stdout)
     return rd
+
+
+def test_header_and_footer_say_what_ran_and_where_it_went(run_dir):
+    """Before step 1: model, parameters, layout, precision, data, batch, run dir; after the last
+    step: the final losses as logged and a `wandb sync` command for a W&B run that exists."""
+    from helpers import compose_cfg
+    from titan_hydra.models.registry import args_of
+
+    out = (run_dir / "console.txt").read_text().splitlines()
+    first_step = next(i for i, l in enumerate(out) if l.startswith("step "))
+    header = "\n".join(out[:first_step])
+    family, args = args_of(compose_cfg(TINY).model)
+    assert f"llama3_debug (llama3): {family.shape(args).params:,} parameters" in header
+    assert "1 rank(s): one process" in header and "bf16: bf16 autocast, fp32 params" in header
+    assert "global 4 sequences = 256 tokens per step (local 4 x data parallel 1 x accumulation 1); 6 steps" in header
+    assert f"run dir    {run_dir}" in header
+    rows = read_metrics(run_dir)
+    loss = [r["loss"] for r in rows if "loss" in r][-1]
+    val = [r["val/loss"] for r in rows if "val/loss" in r][-1]
+    done = next(l for l in out if l.startswith("done: 6 steps in "))
+    assert f"final loss {loss:.4f} | val loss {val:.4f}" in done
+    sync = next(l for l in out if "wandb sync " in l).split("wandb sync ")[1].strip()
+    assert Path(sync).is_dir() and Path(sync).parent == run_dir / "wandb" and list(Path(sync).glob("run-*.wandb"))
 
 
 def test_hydra_dir(run_dir):
@@ -76,3 +100,18 @@ def test_wandb_offline_run_holds_config_and_history(run_dir):
     assert [h["_step"] for h in hist] == sorted(losses)
     for h in hist:
         assert h["loss"] == pytest.approx(losses[h["_step"]], rel=1e-6)
+
+
+def test_fsdp_float8_run_prints_no_warning_a_user_cannot_act_on(tmp_path):
+    """2-rank FSDP with torchao float8: stderr stays empty (no DTensor CPU-random warning per
+    rank, no torchao library-load failures, no pytree deprecation notes); stdout is the header,
+    the step lines and the footer."""
+    proc = run_launch(TINY + ["training.steps=2", "training.val_freq=0", "parallelism=fsdp",
+                              "cluster.nproc_per_node=2", "training.local_batch_size=2",
+                              "float8=tensorwise", "float8.emulate=true", "float8.auto_filter_small_kn=false",
+                              f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.strip() == "", proc.stderr[-3000:]
+    other = [l for l in proc.stdout.splitlines()
+             if l.strip() and not l.startswith(("titan_hydra run", "  ", "step ", "done: "))]
+    assert other == [], other

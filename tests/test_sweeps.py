@@ -65,4 +65,22 @@ def test_report_lists_failed_job_as_failed(tmp_path):
     assert rows[0].final_loss == 8.25 and rows[0].tok_per_s == 300.0 and rows[0].peak_mem_gib == 0.75
     assert rows[1].error == "never started (no run dir)"
     csv_lines = (sweep / "report.csv").read_text().splitlines()
-    assert len(csv_lines) == 3 and csv_lines[2].startswith("1,optimizer.lr=0.2,failed")
+    assert len(csv_lines) == 3 and csv_lines[2].startswith("1,optimizer.lr=0.2,optimizer.lr=0.2,failed")
+
+
+def test_report_labels_jobs_by_what_varies(tmp_path):
+    """Table cells and legend entries name the swept keys only; the CSV keeps every override."""
+    sys.path.insert(0, str(REPO / "recipes"))
+    import sweep_report
+
+    fixed = "model=qwen3_debug cluster=slurm_local training.steps=20 data.max_documents=200"
+    rows = [sweep_report.JobRow(job=i, overrides=f"{fixed} optimizer.lr={lr} parallelism={p}")
+            for i, (lr, p) in enumerate([("1e-4", "fsdp"), ("3e-4", "fsdp"), ("1e-4", "tp")])]
+    rows.append(sweep_report.JobRow(job=3, overrides=f"{fixed} optimizer.lr=1e-4"))  # a default left out
+    sweep_report.label_rows(rows)
+    assert [r.label for r in rows] == ["optimizer.lr=1e-4 parallelism=fsdp", "optimizer.lr=3e-4 parallelism=fsdp",
+                                       "optimizer.lr=1e-4 parallelism=tp", "optimizer.lr=1e-4 ~parallelism"]
+    sweep_report.write_tables(rows, tmp_path)
+    table = (tmp_path / "report.md").read_text()
+    assert "| 1 | `optimizer.lr=3e-4 parallelism=fsdp` |" in table and "cluster=slurm_local" not in table
+    assert "cluster=slurm_local" in (tmp_path / "report.csv").read_text()

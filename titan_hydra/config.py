@@ -111,7 +111,8 @@ class LRSchedulerConfig:
     _target_: str = "titan_hydra.train.lr_schedule.build_lr_scheduler"
     _partial_: bool = True
     name: str = "warmup_cosine"
-    warmup_steps: int = 10
+    warmup_steps: Optional[int] = None  # None: warmup_fraction of training.steps (any run length works)
+    warmup_fraction: float = 0.2
     decay_ratio: Optional[float] = None  # fraction of steps spent decaying; None = all after warmup
     decay_type: DecayType = DecayType["cosine"]
     min_lr_factor: float = 0.0
@@ -189,8 +190,8 @@ class CheckpointConfig:
     _partial_: bool = True
     enable: bool = False
     folder: str = "checkpoint"
-    interval: int = 500
-    keep_latest_k: int = 3
+    interval: int = 500  # save every N steps; 0 = only at the end of the run (and on preemption)
+    keep_latest_k: int = 3  # newest complete checkpoints kept; 0 = keep all
     async_mode: AsyncMode = AsyncMode["disabled"]
     load_step: int = -1
     initial_load_path: Optional[str] = None

@@ -40,13 +40,17 @@ def validate(cfg: DictConfig) -> None:
                 "training.val_steps", "cluster.nproc_per_node", "cluster.nnodes", "optimizer.lr",
                 "model.dim", "model.n_layers", "model.n_heads", "model.vocab_size"):
         _positive(cfg, key)
-    for key in ("training.max_norm", "training.val_freq", "lr_scheduler.warmup_steps"):
+    for key in ("training.max_norm", "training.val_freq", "lr_scheduler.warmup_steps", "checkpoint.interval",
+                "checkpoint.keep_latest_k"):
         _positive(cfg, key, allow_zero=True)
 
     t, s = cfg.training, cfg.lr_scheduler
-    if s.warmup_steps > t.steps:
+    if not 0.0 <= s.warmup_fraction <= 1.0:
+        raise ConfigError(f"lr_scheduler.warmup_fraction={s.warmup_fraction} must be within [0, 1]")
+    if s.warmup_steps is not None and s.warmup_steps > t.steps:
         raise ConfigError(
-            f"lr_scheduler.warmup_steps={s.warmup_steps} exceeds training.steps={t.steps}; lower the warmup"
+            f"lr_scheduler.warmup_steps={s.warmup_steps} exceeds training.steps={t.steps}; lower it or set "
+            "lr_scheduler.warmup_steps=null (warmup_fraction of the run)"
         )
     if s.decay_ratio is not None and not 0.0 <= s.decay_ratio <= 1.0:
         raise ConfigError(f"lr_scheduler.decay_ratio={s.decay_ratio} must be within [0, 1]")

@@ -508,9 +508,7 @@ class CheckpointManager:
             set_optimizer_state_dict(self._module, self.optimizer, new, options=options)
             self._apply_groups(extra.get("optimizer_groups", []))
         if "lr_scheduler" not in exclude and "lr_scheduler" in extra:
-            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
-            for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
-                group["lr"] = lr
+            self._restore_schedule(extra["lr_scheduler"])
         own = tensor_json(got[rank_key]) if load_rank else {}
         if "dataloader" not in exclude:
             loader_sd = extra.get("dataloader") or own.get("dataloader")
@@ -520,6 +518,28 @@ class CheckpointManager:
             self.train_state.load_state_dict(extra["train_state"])
         if "rng" not in exclude and own.get("rng"):
             set_rng_state(own["rng"])
+
+    def _restore_schedule(self, saved: dict) -> None:
+        """Continue the saved step count on *this* run's schedule.
+
+        A run resumed with other settings (``training.steps=20`` after a 10-step run, another
+        ``optimizer.lr``) must take its learning rates from its own schedule: the saved position
+        (``last_epoch``) is kept, the peak LRs and the schedule function are the current ones,
+        and each group's LR is recomputed from them (the optimizer state holds the old value).
+        """
+        sched = self.lr_scheduler
+        peaks = list(getattr(sched, "base_lrs", []))
+        sched.load_state_dict(saved)
+        if not hasattr(sched, "lr_lambdas"):  # not a LambdaLR: keep its own restored values
+            lrs = sched.get_last_lr()
+        else:
+            sched.base_lrs = peaks
+            lrs = [peak * fn(sched.last_epoch) for peak, fn in zip(peaks, sched.lr_lambdas)]
+            sched._last_lr = list(lrs)
+        for group, peak, lr in zip(self.optimizer.param_groups, peaks or [None] * len(lrs), lrs):
+            group["lr"] = lr
+            if peak is not None:
+                group["initial_lr"] = peak
 
     def _apply_groups(self, groups: list[dict]) -> None:
         for i, group in enumerate(self.optimizer.param_groups):

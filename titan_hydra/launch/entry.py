@@ -53,7 +53,12 @@ def launch(cfg: DictConfig) -> float | None:
     apply_sweep_identity(cfg)  # W&B group / name of a multirun job
     submit_to_slurm = cfg.cluster.launcher == "slurm" and not (in_slurm_step() or in_submitit_job())
     inside_rank = "LOCAL_RANK" in os.environ or world_size_of(cfg) == 1
+    from titan_hydra.launch.run_lock import RunDirLock, owns_run
+
+    lock = RunDirLock(run_dir)
     try:
+        if owns_run(submit_to_slurm):
+            lock.acquire()  # one run per run dir; released when this process ends, however
         if submit_to_slurm:
             from titan_hydra.launch.slurm import submit
 
@@ -68,5 +73,7 @@ def launch(cfg: DictConfig) -> float | None:
             summary = run_local(cfg, run_dir)
     except UserError as e:
         fail(str(e))
+    finally:
+        lock.release()
     val = summary.get("final_val_loss") if summary else None
     return float(val) if val is not None else (summary or {}).get("final_loss")

@@ -11,6 +11,7 @@ import atexit
 import inspect
 import logging
 import os
+from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
 
@@ -97,6 +98,19 @@ class MetricLogger:
             self.close(exit_code=1)
             raise
         atexit.register(self.close)
+
+    def outputs(self) -> dict[str, str]:
+        """Where each open backend writes (read it before ``close``): jsonl file, TensorBoard dir,
+        W&B run dir (the one ``wandb sync`` takes)."""
+        out: dict[str, str] = {}
+        for name, backend in self.backends.items():
+            if getattr(backend, "path", None) is not None:
+                out["jsonl"] = str(backend.path)
+            elif getattr(backend, "log_dir", None) is not None:
+                out["tensorboard"] = str(backend.log_dir)
+            elif getattr(backend, "run", None) is not None and getattr(backend.run, "dir", None):
+                out["wandb"] = str(Path(backend.run.dir).parent)  # run.dir is <run>/files
+        return out
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         if not self.backends:

@@ -29,6 +29,25 @@ import torch
 
 from titan_hydra.errors import UserError
 
+# Loggers that speak while torchao is imported, with nothing a user can act on: torchao's own
+# "Failed to load .../_C_cutlass_90a.so / _C_mxfp8.so" (CUDA kernels for SM90 and MX formats,
+# absent from a CPU install) and torch's pytree deprecation note about torchao registering an
+# Enum as a pytree constant. Real errors (ERROR and above) still come through.
+_IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+
+
+def import_torchao_quietly() -> None:
+    """Import ``torchao.float8`` once with its import-time warnings silenced."""
+    loggers = [logging.getLogger(name) for name in _IMPORT_NOISE]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        import torchao.float8  # noqa: F401
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
 log = logging.getLogger("titan_hydra")
 
 MIN_CAPABILITY = (8, 9)
@@ -89,6 +108,7 @@ class Float8Converter:
         return self.recipe != "none"
 
     def linear_config(self):
+        import_torchao_quietly()
         from torchao.float8 import Float8LinearConfig
 
         if self.recipe == "tensorwise":
@@ -118,6 +138,7 @@ class Float8Converter:
         if not self.enabled:
             return model
         refuse_unsupported_gpu(self.emulate)
+        import_torchao_quietly()
         from torchao.float8 import convert_to_float8_training
 
         keep = self.module_filter()

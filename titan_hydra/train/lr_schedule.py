@@ -54,12 +54,19 @@ def build_lr_scheduler(
     total_steps: int,
     *,
     name: str = "custom",
-    warmup_steps: int = 0,
+    warmup_steps: int | None = 0,
+    warmup_fraction: float = 0.0,
     decay_ratio: float | None = None,
     decay_type: str = "cosine",
     min_lr_factor: float = 0.0,
 ) -> LambdaLR:
-    """LambdaLR over ``optimizer`` for a run of ``total_steps`` optimizer steps."""
+    """LambdaLR over ``optimizer`` for a run of ``total_steps`` optimizer steps.
+
+    ``warmup_steps=None`` warms up for ``warmup_fraction`` of the run, so the default schedule
+    fits a run of any length (``training.steps=5`` warms up for 1 step).
+    """
+    if warmup_steps is None:
+        warmup_steps = round(warmup_fraction * total_steps)
     if decay_type not in DECAY_TYPES:
         raise ValueError(f"unknown lr_scheduler.decay_type={decay_type!r}; use one of {DECAY_TYPES}")
     fn = partial(

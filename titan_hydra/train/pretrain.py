@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -24,6 +26,7 @@ from titan_hydra.config import mixed_precision_of, to_container
 from titan_hydra.errors import UserError
 from titan_hydra.metrics.logger import MetricLogger
 from titan_hydra.metrics.memory import MemoryMonitor
+from titan_hydra.metrics.summary import run_footer, run_header
 from titan_hydra.metrics.throughput import ThroughputMeter, cpu_bf16_slower_than_fp32, device_peak_tflops
 from titan_hydra.models.registry import args_of, build_model
 from titan_hydra.parallel.apply import parallelize
@@ -88,7 +91,11 @@ def init_weights(cfg: DictConfig, parts: list[torch.nn.Module], n_params: int, d
     for part in parts:
         part.to_empty(device=device)
         torch.manual_seed(seed)
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            # DTensor warns once per rank that its random ops "may not have complete support on
+            # cpu device mesh": on CPU each shard draws its own numbers, which is what the
+            # README documents (init_mode=full then overwrites them with rank 0's full init).
+            warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
             part.init_weights(buffer_device=device)
     mode = cfg.training.init_mode
     if mode == "auto":
@@ -175,6 +182,7 @@ class BuiltModel:
     runner: Any  # forward_backward / eval_loss for this layout
     float8: Any
     flops_per_token: float
+    attention_dtype: Any = None  # the dtype SDPA runs in (None: the compute dtype)
 
 
 def build_data(cfg: DictConfig, dims) -> DataPlan:
@@ -200,7 +208,7 @@ def build_parallel_model(cfg: DictConfig, dims, device: torch.device, grad_accum
         family, model = build_model(cfg.model)
     _, model_args = args_of(cfg.model)
     mp = mixed_precision_of(cfg)
-    apply_attention_precision(model, str(cfg.training.attention_precision), mp, device)
+    attention_dtype = apply_attention_precision(model, str(cfg.training.attention_precision), mp, device)
     float8 = instantiate(cfg.float8, _convert_="all")
     model = float8.convert(model)
     pm = parallelize(
@@ -209,7 +217,7 @@ def build_parallel_model(cfg: DictConfig, dims, device: torch.device, grad_accum
     )
     init_weights(cfg, pm.model_parts, family.shape(model_args).params, device, world_size, rank)
     return BuiltModel(family, model_args, pm.model_parts, pm.runner, float8,
-                      family.flops_per_token(model_args, cfg.training.seq_len))
+                      family.flops_per_token(model_args, cfg.training.seq_len), attention_dtype)
 
 
 def build_optimizer(cfg: DictConfig, built: BuiltModel):
@@ -237,9 +245,24 @@ def build_throughput(cfg: DictConfig, device: torch.device, rank: int, world_siz
     return ThroughputMeter(flops_per_token, peak, world_size=world_size)
 
 
+def header_of(cfg: DictConfig, dims, data: DataPlan, built: BuiltModel, world_size: int, run_dir: str) -> str:
+    t = cfg.training
+    global_bs, _ = dims.batch_plan(t.local_batch_size, t.global_batch_size)
+    return run_header(
+        flavor=str(OmegaConf.select(cfg, "model.flavor", default=None) or "custom"), family=built.family.name,
+        shape=built.family.shape(built.args), dims=dims, world_size=world_size,
+        mixed_precision=mixed_precision_of(cfg), attention_dtype=built.attention_dtype,
+        ac=str(cfg.activation_checkpoint.mode), compile=str(cfg.compile.mode), float8=str(cfg.float8.recipe),
+        data_name=str(OmegaConf.select(cfg, "data.name", default="data")), data_stats=getattr(data.dataset, "stats", {}),
+        seq_len=int(t.seq_len), local_batch=int(t.local_batch_size), global_batch=global_bs,
+        grad_accum=data.grad_accum_steps, steps=int(t.steps), run_dir=run_dir,
+    )
+
+
 def _run(
     cfg: DictConfig, run_dir: str, rank: int, world_size: int, device: torch.device, return_state: bool = False
 ) -> dict[str, Any]:
+    started = time.perf_counter()
     training = cfg.training
     seed_everything(training.seed, training.deterministic)
     dims = instantiate(cfg.parallelism, world_size=world_size, _convert_="all")
@@ -266,6 +289,8 @@ def _run(
         preemption=watch_for_preemption(rank, world_size, device),  # None outside SLURM
         profiler=profiler,
     )
+    if rank == 0:
+        print(header_of(cfg, dims, data, built, world_size, run_dir), flush=True)
     try:
         checkpointer.restore()
         if checkpointer.seed_only:
@@ -273,9 +298,12 @@ def _run(
         summary = trainer.train()
         checkpointer.close()
     finally:
+        outputs = metric_logger.outputs()
         metric_logger.close()
         if profiler is not None:
             profiler.close()
+    if rank == 0:
+        print(run_footer(summary, seconds=time.perf_counter() - started, run_dir=run_dir, outputs=outputs), flush=True)
     summary["run_dir"] = run_dir
     if return_state:
         summary["full_state"] = gather_full_state(built.parts)

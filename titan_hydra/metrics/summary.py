@@ -1,0 +1,69 @@
+"""What a run says about itself before its first step and after its last (rank 0, console).
+
+A newcomer should not have to read the config dump to know what is training: the header names
+the model (family, flavor, parameters total/active), the layout and mesh, the precision and
+performance features, the data and the batch; the footer gives the final losses, the time, and
+where the metrics went, with the command that uploads an offline W&B run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+
+def _fmt_tokens(stats: Mapping[str, Any]) -> str:
+    tokens = (stats or {}).get("tokens") or {}
+    parts = [f"{int(n):,} {split}" for split, n in tokens.items()]
+    return (", ".join(parts) + " tokens") if parts else "streamed (size unknown)"
+
+
+def run_header(*, flavor: str, family: str, shape, dims, world_size: int, mixed_precision: str,
+               attention_dtype: torch.dtype | None, ac: str, compile: str, float8: str, data_name: str,
+               data_stats: Mapping[str, Any], seq_len: int, local_batch: int, global_batch: int,
+               grad_accum: int, steps: int, run_dir: str) -> str:
+    active = "" if shape.active_params == shape.params else f", {shape.active_params:,} active per token"
+    tied = ", tied embeddings" if shape.tied_embeddings else ""
+    degrees = [(n, getattr(dims, n)) for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")]
+    mesh = " x ".join(f"{n} {d}" for n, d in degrees if d > 1) or "one process"
+    params = "bf16 params (FSDP), fp32 reduce" if mixed_precision == "bf16" and dims.fsdp_enabled else (
+        "bf16 autocast, fp32 params" if mixed_precision == "bf16" else "fp32")
+    attention = "compute dtype" if attention_dtype is None else str(attention_dtype).replace("torch.", "")
+    rows = [
+        ("model", f"{flavor} ({family}): {shape.params:,} parameters{active}{tied}"),
+        ("layout", f"{world_size} rank(s): {mesh}"),
+        ("precision", f"{mixed_precision}: {params}; attention in {attention}"),
+        ("features", f"activation checkpointing {ac}, compile {compile}, float8 {float8}"),
+        ("data", f"{data_name}: {_fmt_tokens(data_stats)}; seq_len {seq_len}"),
+        ("batch", f"global {global_batch} sequences = {global_batch * seq_len:,} tokens per step "
+                  f"(local {local_batch} x data parallel {dims.dp_degree} x accumulation {grad_accum}); "
+                  f"{steps} steps"),
+        ("run dir", str(run_dir)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(["titan_hydra run"] + [f"  {k:<{width}}  {v}" for k, v in rows])
+
+
+def run_footer(summary: Mapping[str, Any], *, seconds: float, run_dir: str, outputs: Mapping[str, str]) -> str:
+    """``outputs``: name -> path of what the loggers wrote (see ``MetricLogger.outputs``)."""
+    loss = summary.get("final_loss")
+    val = summary.get("final_val_loss")
+    head = f"done: {summary.get('steps', 0)} steps in {seconds:.1f} s"
+    if loss is not None:
+        head += f" | final loss {loss:.4f}"
+    if val is not None:
+        head += f" | val loss {val:.4f}"
+    rows = []
+    if "jsonl" in outputs:
+        rows.append(("metrics", outputs["jsonl"]))
+    if "tensorboard" in outputs:
+        rows.append(("tensorboard", f"tensorboard --logdir {outputs['tensorboard']}"))
+    if "wandb" in outputs:
+        rows.append(("W&B", f"offline run {outputs['wandb']}; upload: wandb sync {outputs['wandb']}"
+                     if "offline" in Path(outputs["wandb"]).name else f"run {outputs['wandb']}"))
+    if not rows:
+        rows.append(("run dir", str(run_dir)))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join([head] + [f"  {k:<{width}}  {v}" for k, v in rows])
