@@ -9,7 +9,10 @@ never names a family. It gets a ``ModelFamily`` from the ``model.family`` config
   weights fit), ``check`` (family rules against a layout, as one-line ConfigErrors);
 * layout: ``blocks`` (the units activation checkpointing, compile and FSDP wrap, and the
   pipeline cuts), ``fsdp_units``, ``tp_plan`` + ``finish_tp``, ``cut_stage``, ``rope_buffers``
-  (what context parallel shards with the tokens);
+  (what context parallel shards with the tokens), ``expert_modules`` (what expert parallelism
+  shards over its own mesh);
+* training: ``step_hooks`` (work once per optimizer step that belongs to the model, e.g. MoE
+  load balancing, returning metrics to log);
 * conversion: ``hf`` (an ``HFAdapter``; None when the family has no HF counterpart).
 
 ``common/decoder_family.DecoderFamily`` implements all of it for models built from
@@ -43,6 +46,12 @@ class ModelShape:
     head_params: int  # final norm + output projection
     tied_embeddings: bool = False
     qk_norm: bool = False  # per-head norms on q and k (their saved activations count)
+    # Mixture-of-Experts (0 = dense): routed experts per MoE layer, experts each token uses,
+    # how many layers are MoE, and all routed-expert parameters of the model.
+    n_experts: int = 0
+    top_k: int = 0
+    moe_layers: int = 0
+    expert_params: int = 0
 
     @property
     def block_params(self) -> float:
@@ -128,3 +137,15 @@ class ModelFamily:
         raise NotImplementedError
 
     rope_buffers: tuple[str, ...] = ()
+
+    def expert_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """(fqn, module) of every routed-experts module: expert parallelism shards these over the
+        ep mesh and FSDP over the expert data-parallel mesh. A module opts in with a truthy class
+        attribute ``routed_experts``, so a model needs no knowledge of EP."""
+        return [(n, m) for n, m in model.named_modules() if getattr(type(m), "routed_experts", False)]
+
+    # --- training -----------------------------------------------------------------------
+    def step_hooks(self, model_parts: list[nn.Module], dims: Any) -> list:
+        """Callables the trainer runs once per optimizer step (after backward of every microbatch,
+        before ``optimizer.step``); each returns ``{metric: value}`` logged with the step."""
+        return []

@@ -42,7 +42,7 @@ def mp_policy_of(mixed_precision: str, dims: ParallelDims):
 
 
 def offload_policy_of(dims: ParallelDims, device: torch.device):
-    """CPU offload; pinned host memory only exists with an accelerator (FACTS.md)."""
+    """CPU offload. Pinned host memory needs an accelerator: CPUOffloadPolicy(pin_memory=True) fails on a CPU-only torch."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
     if dims.fsdp_cpu_offload:

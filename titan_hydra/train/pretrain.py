@@ -287,7 +287,7 @@ def _run(
         metric_logger=metric_logger, throughput=build_throughput(cfg, device, rank, world_size, built.flops_per_token),
         memory=MemoryMonitor(device), state=state, device=device, checkpointer=checkpointer,
         preemption=watch_for_preemption(rank, world_size, device),  # None outside SLURM
-        profiler=profiler,
+        profiler=profiler, step_hooks=built.family.step_hooks(built.parts, dims),
     )
     if rank == 0:
         print(header_of(cfg, dims, data, built, world_size, run_dir), flush=True)

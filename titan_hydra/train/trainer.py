@@ -66,6 +66,7 @@ class Trainer:
         checkpointer=None,
         preemption=None,
         profiler=None,
+        step_hooks=(),
     ) -> None:
         self.model_parts = model_parts
         self.runner = runner
@@ -87,6 +88,8 @@ class Trainer:
         self.checkpointer = checkpointer
         self.preemption = preemption  # titan_hydra.launch.preemption.Preemption inside a SLURM job
         self.profiler = profiler
+        # The model family's per-optimizer-step work (ModelFamily.step_hooks, e.g. MoE load balancing).
+        self.step_hooks = list(step_hooks)
         self.state = state if state is not None else TrainState()
         self.last_val_loss: float | None = None
 
@@ -112,6 +115,9 @@ class Trainer:
         params = [p for m in self.model_parts for p in m.parameters()]
         grad_norm = clip_grad_norm_(params, self.max_norm, pp_group=self.dims.pp_group())
         lr = self.optimizer.param_groups[0]["lr"]
+        hook_metrics: dict[str, float] = {}
+        for hook in self.step_hooks:
+            hook_metrics.update(hook())
         self.optimizer.step()
         self.lr_scheduler.step()
         local_loss = torch.stack(losses).mean()
@@ -130,6 +136,7 @@ class Trainer:
             "grad_norm": float(grad_norm.item()),
             "lr": lr,
             "data_time": data_time,
+            **hook_metrics,
         }
 
     # --- validation ------------------------------------------------------------------
