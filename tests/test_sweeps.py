@@ -1,11 +1,13 @@
 """Multirun sweeps through Hydra's submitit_local launcher: each job one W&B run grouped by
 the sweep and named from its overrides, returning its final validation loss, and the sweep
-report lists every job with the numbers its metrics.jsonl holds."""
+report lists every job with the numbers its metrics.jsonl holds. A bad sweep point is refused
+before anything runs; a job that fails at run time is one line with its own error."""
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -84,3 +86,72 @@ def test_report_labels_jobs_by_what_varies(tmp_path):
     table = (tmp_path / "report.md").read_text()
     assert "| 1 | `optimizer.lr=3e-4 parallelism=fsdp` |" in table and "cluster=slurm_local" not in table
     assert "cluster=slurm_local" in (tmp_path / "report.csv").read_text()
+
+
+def test_bad_sweep_point_is_refused_before_anything_runs(tmp_path):
+    """Every point is composed and validated up front: one line naming the bad point, exit 2,
+    and not even the sweep dir exists (SweepCheckCallback)."""
+    sweep = tmp_path / "sweep"
+    proc = run_launch(["-m", "hydra/launcher=submitit_local", *TINY, "optimizer.lr=1e-3,-1",
+                       f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: sweep point #1 [optimizer.lr=-1]: optimizer.lr=-1.0 must be > 0; nothing was launched"]
+    assert not sweep.exists() and "#0 :" not in proc.stdout
+
+    proc = run_launch(["-m", *TINY, "optimizer=adamw,adamx", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("error: sweep point #1 [optimizer=adamx]: In 'config': Could not find "
+                               "'optimizer/adamx' (options: adam, adamw"), lines[0]
+    assert not sweep.exists()
+
+
+def test_failed_jobs_are_one_line_each(tmp_path):
+    """Jobs that fail at run time (their data is bad in a way only reading it shows) are one line
+    each, with their own error and log; no submitit traceback; status.json and the report say why."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"txt": "no text field"}) + "\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    sweep = tmp_path / "sweep"
+    proc = run_launch(["-m", "hydra/launcher=submitit_local", *TINY, "data=json", f"data.path={bad},{empty}",
+                       f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "UncompletedJobError" not in proc.stderr, proc.stderr[-3000:]
+    errors = {
+        0: f"bad record in {bad} line 1: missing text field 'text' (set data.text_field=...)",
+        1: f"data file {empty} is empty (no text); remove it or point data.path elsewhere",
+    }
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 3, proc.stderr
+    for num, path in ((0, bad), (1, empty)):
+        prefix = f"sweep job #{num} [data.path={path}] failed: {errors[num]} (log: "
+        assert lines[num].startswith(prefix) and lines[num].endswith(")"), lines[num]
+        log = Path(lines[num][len(prefix):-1])
+        assert f"error: {errors[num]}" in log.read_text()  # the log it points to holds that error
+        assert json.loads((sweep / str(num) / "status.json").read_text())["error"] == errors[num]
+    assert lines[2] == (f"error: 2 of 2 sweep jobs failed (#0, #1, listed above); "
+                        f"python recipes/sweep_report.py {sweep} tabulates the sweep")
+
+    sys.path.insert(0, str(REPO / "recipes"))
+    import sweep_report
+
+    rows = sweep_report.report(sweep)
+    assert [(r.job, r.status, r.error) for r in rows] == [(0, "failed", errors[0]), (1, "failed", errors[1])]
+
+
+def test_crashed_job_reports_its_exception_line(tmp_path):
+    """A job that raised (not launch.py's ``error:`` path) is reported by its exception's last line."""
+    import submitit
+
+    from titan_hydra.launch.submitit_jobs import failure_of
+
+    executor = submitit.AutoExecutor(folder=str(tmp_path / "%j"), cluster="local")
+    executor.update_parameters(timeout_min=2)
+    job = executor.submit(int, "not a number")
+    job.wait()
+    job._results_timeout_s = 1
+    result, line = failure_of(job)
+    assert result is None and line == "ValueError: invalid literal for int() with base 10: 'not a number'", line
+    assert failure_of(executor.submit(int, "42")) == (42, None)

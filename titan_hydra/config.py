@@ -63,7 +63,8 @@ InitMode = choice("InitMode", "auto full sharded")
 
 @dataclass
 class ParallelismConfig:
-    """Degrees of every parallel dimension; world size = dp_replicate*dp_shard*cp*tp*pp.
+    """Degrees of every parallel dimension; world size = dp_replicate*dp_shard*cp*tp*pp
+    (``ep`` adds no ranks: it must divide dp_shard*cp).
 
     ``dp_shard=-1`` takes whatever the other degrees leave of the world size.
     """
@@ -89,6 +90,9 @@ class ParallelismConfig:
     pp_split_points: List[str] = field(default_factory=list)
     # context parallel
     cp_rotate_method: RotateMethod = RotateMethod["allgather"]
+    # expert parallel (MoE models): routed experts split over ep ranks borrowed from dp_shard x cp;
+    # -1 = all of them
+    ep: int = 1
 
 
 @dataclass
@@ -143,6 +147,9 @@ class ClusterConfig:
     threads_per_proc: Optional[int] = None
     max_restarts: int = 0
     master_port: Optional[int] = None
+    # Longest a rank waits for its peers at startup (rendezvous + process group connections);
+    # past it the rank fails with one line naming the address it could not reach (launch/rendezvous.py).
+    init_timeout_s: int = 300
     peak_tflops: Optional[float] = None  # per-device peak for MFU; None = table or measured
     # SLURM (used by slurm clusters through hydra/launcher=titan_slurm; see launch/slurm.py)
     launcher: Launcher = Launcher["local"]

@@ -13,6 +13,24 @@ class ConfigError(UserError):
     """The composed config breaks a cross-field rule."""
 
 
+class DataError(UserError):
+    """A data file, the tokenizer or the token cache cannot serve this run (empty, binary,
+    too short for one sample, unreadable, unwritable cache)."""
+
+
+class RankFailed(UserError):
+    """A rank died without a Python error (a signal: kill -9, the OOM killer). Not bad input, but
+    nothing the user can read in a traceback either: the launcher reports the rank and the signal."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first non-empty line of an exception's message, or its type name when it has none."""
+    for line in str(error).splitlines():
+        if line.strip():
+            return line.strip()
+    return type(error).__name__
+
+
 class TrainingDiverged(RuntimeError):
     """The loss became NaN/inf; raised on every rank so the run stops cleanly."""
 
@@ -39,5 +57,5 @@ def instantiate_checked(node, **kwargs):
         if isinstance(cause, UserError):
             raise cause
         if isinstance(cause, (ValueError, FileNotFoundError)):
-            raise UserError(str(cause).splitlines()[0] if str(cause) else repr(cause)) from cause
+            raise UserError(first_line(cause)) from cause
         raise

@@ -8,8 +8,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from titan_hydra.errors import instantiate_checked as instantiate
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+
+from titan_hydra.errors import instantiate_checked as instantiate
 
 from titan_hydra.errors import ConfigError
 
@@ -26,7 +28,11 @@ def _positive(cfg: DictConfig, key: str, allow_zero: bool = False) -> None:
 def world_size_of(cfg: DictConfig) -> int:
     """World size: under torchrun/SLURM the environment says; otherwise the cluster config."""
     if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
+        value = os.environ["WORLD_SIZE"]
+        if not value.strip().isdigit() or int(value) < 1:
+            raise ConfigError(f"WORLD_SIZE={value!r} in the environment is not a positive integer; unset it "
+                              "or let torchrun / SLURM set it")
+        return int(value)
     return int(cfg.cluster.nnodes) * int(cfg.cluster.nproc_per_node)
 
 
@@ -73,9 +79,11 @@ def validate(cfg: DictConfig) -> None:
         _validate_environment(cfg)
     _validate_parallel_modules(cfg, dims)
     _validate_data(cfg)
+    _validate_ranges(cfg)
+    _validate_checkpoint(cfg, world_size_of(cfg))
 
 
-PARALLEL_MODULES = ("fsdp", "tp", "pp", "cp", "ac", "compile")
+PARALLEL_MODULES = ("fsdp", "tp", "pp", "cp", "ep", "ac", "compile")
 
 
 def _validate_parallel_modules(cfg: DictConfig, dims) -> None:
@@ -132,3 +140,91 @@ def _validate_data(cfg: DictConfig) -> None:
             f"tokenizer vocab {tok.vocab_size} exceeds model.vocab_size={vocab}; "
             "raise model.vocab_size or use a smaller tokenizer"
         )
+
+
+# --------------------------------------------------------------------------- value ranges, checkpoint, run dir
+# Keys a family or option may lack are looked up with OmegaConf.select (absent: not checked).
+POSITIVE = ("training.val_local_batch_size", "cluster.threads_per_proc", "parallelism.pp_microbatches",
+            "model.rope_theta", "model.norm_eps", "data.max_documents")
+NON_NEGATIVE = ("cluster.max_restarts", "optimizer.weight_decay", "optimizer.eps")
+
+
+def _validate_ranges(cfg: DictConfig) -> None:
+    """Values a constructor would refuse with a traceback (AdamW betas) or accept and go wrong with
+    (a negative rope_theta trains on NaNs), refused before anything is built."""
+    for key in POSITIVE:
+        _positive(cfg, key)
+    for key in NON_NEGATIVE:
+        _positive(cfg, key, allow_zero=True)
+    gbs = cfg.training.global_batch_size
+    if gbs != -1 and gbs < 1:
+        raise ConfigError(f"training.global_batch_size={gbs} must be -1 (local batch x data parallel) or > 0")
+    betas = OmegaConf.select(cfg, "optimizer.betas")
+    if betas is not None and not all(0.0 <= float(b) < 1.0 for b in betas):
+        raise ConfigError(f"optimizer.betas={list(betas)} must each be within [0, 1)")
+    if not 0.0 <= cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be within [0, 1)")
+    p = cfg.profiling
+    if p.enable:
+        for key in ("profile_freq", "active"):
+            _positive(cfg, f"profiling.{key}")
+        _positive(cfg, "profiling.warmup", allow_zero=True)
+
+
+def _validate_checkpoint(cfg: DictConfig, world_size: int) -> None:
+    from titan_hydra.checkpoint.manager import CATEGORIES
+
+    c = cfg.checkpoint
+    unknown = sorted(set(c.exclude_from_loading or []) - set(CATEGORIES))
+    if unknown:
+        raise ConfigError(f"checkpoint.exclude_from_loading has unknown entries {unknown}; use {', '.join(CATEGORIES)}")
+    if c.create_seed_checkpoint and world_size != 1:
+        raise ConfigError("checkpoint.create_seed_checkpoint=true runs in one process: set "
+                          "cluster.nproc_per_node=1 and parallelism=single")
+    if OmegaConf.select(cfg, "dry_run"):  # a plan for another machine: its paths need not exist here
+        return
+    if c.initial_load_path and not Path(c.initial_load_path).expanduser().exists():
+        raise ConfigError(f"checkpoint.initial_load_path={c.initial_load_path} does not exist")
+    if c.enable and Path(c.folder).is_absolute():
+        check_writable_dir(c.folder, "checkpoint.folder")
+
+
+def check_writable_dir(path: str | os.PathLike, what: str) -> None:
+    """Create ``path`` if needed and prove a file can be written there; ConfigError if not.
+
+    Root ignores permission bits, so "writable" is tested by writing, not by os.access.
+    """
+    import tempfile
+
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        raise ConfigError(f"{what}={path} is not a writable directory ({reason}); point it elsewhere") from None
+
+
+def check_run_dir(config: DictConfig, key: str = "hydra.run.dir") -> None:
+    """The run (or sweep) dir Hydra is about to create, checked before it tries: Hydra's own
+    mkdir would fail with a traceback. Prints one ``error:`` line and exits 2."""
+    import sys
+
+    path = OmegaConf.select(config, key)
+    if path is None:
+        return
+    try:
+        check_writable_dir(path, key)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+class RunDirCheck(Callback):
+    """Hydra callback (conf/config.yaml, hydra.callbacks): ``check_run_dir`` at run / sweep start."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        check_run_dir(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        check_run_dir(config, "hydra.sweep.dir")

@@ -18,9 +18,14 @@ after DCP gathered every rank's write results and wrote ``.metadata``). Async sa
 dedicated gloo process group so that their background collectives never interleave with the
 training step's collectives on the default group.
 
-Loading validates first (marker, model flavor, keys, shapes, data file lengths) and reads into
-fresh tensors; only when every read succeeded are model, optimizer and the rest replaced, so a
-bad checkpoint fails with one message and leaves the run untouched.
+Loading validates first (marker, model flavor, keys, shapes, data file lengths and checksums,
+the data loader's position) and reads into fresh tensors; only when every read succeeded are
+model, optimizer and the rest replaced, so a bad checkpoint fails with one message and leaves
+the run untouched.
+
+A save that fails (disk full, an unwritable folder) stops the run with one line; its step dir
+never gets a marker (rank 0 removes what was written), and the previous complete checkpoint is
+untouched: older ones are only purged after a newer one is complete.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_hydra.checkpoint.storage import (
     CheckpointError,
@@ -49,9 +55,13 @@ from titan_hydra.checkpoint.storage import (
     step_dir,
     tensor_entries,
     tensor_json,
+    verify_files,
     write_marker,
 )
+from titan_hydra.errors import UserError, first_line
 
+# DCP reports a rank's failed read or write as CheckpointException, a BaseException (not an Exception).
+DCP_ERRORS = (Exception, CheckpointException)
 FORMAT_VERSION = 1
 CATEGORIES = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -65,6 +75,27 @@ def signature_diff(saved: dict[str, Any], ours: dict[str, Any]) -> list[str]:
 
     saved = {"family": LEGACY_FAMILY, **saved}
     return [f"{k}={saved[k]!r} (run has {v!r})" for k, v in ours.items() if k in saved and saved[k] != v]
+
+
+def _root_cause(error: BaseException) -> str:
+    """One line for a failed save: DCP wraps each rank's OSError (ENOSPC...) in CheckpointException."""
+    seen = error
+    for _ in range(8):
+        failures = getattr(seen, "failures", None)  # DCP's CheckpointException: {rank: exception}
+        if isinstance(failures, dict) and failures:
+            rank, inner = sorted(failures.items())[0]
+            inner = inner[0] if isinstance(inner, tuple) else inner
+            if isinstance(inner, BaseException):
+                return f"rank {rank}: {_root_cause(inner)}"
+        if seen.__cause__ is None:
+            break
+        seen = seen.__cause__
+    return first_line(seen)
+
+
+def _degrees(layout: dict | None) -> str:
+    """A layout as its parallel degrees above 1 ("dp_shard=2 tp=2"), "no parallelism" when none."""
+    return " ".join(f"{k}={v}" for k, v in sorted((layout or {}).items()) if v != 1) or "no parallelism"
 
 
 def export_dtype(name: str) -> torch.dtype:
@@ -169,6 +200,10 @@ class CheckpointManager:
         self.enabled = bool(ckpt.enable)
         folder = Path(ckpt.folder)
         self.folder = folder if folder.is_absolute() else Path(run_dir) / folder
+        if self.enabled:
+            from titan_hydra.validate import check_writable_dir
+
+            check_writable_dir(self.folder, "checkpoint.folder")  # fail now, not at the first save
         self.model_parts = model_parts
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -205,7 +240,10 @@ class CheckpointManager:
 
     def layout(self) -> dict[str, int]:
         d = self.dims
-        return {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp}
+        out = {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp}
+        if getattr(d, "ep", 1) > 1:  # only when on, so markers of dense layouts read as before
+            out["ep"] = d.ep
+        return out
 
     def _marker_info(self, step: int, kind: str, dtype: str) -> dict[str, Any]:
         return {
@@ -304,10 +342,22 @@ class CheckpointManager:
             self._pending = (fut, step, path, info, t0)
             self.log(f"step {step}: async save started ({time.perf_counter() - t0:.2f}s blocking)")
             return path
-        dcp.save(state, checkpoint_id=str(path))
+        try:
+            dcp.save(state, checkpoint_id=str(path))
+        except DCP_ERRORS as e:
+            self._failed(step, path, e)
         self._barrier()
         self._complete(step, path, info, t0)
         return path
+
+    def _failed(self, step: int, path: Path, error: BaseException) -> None:
+        """A save that did not finish: remove it (rank 0) and stop the run with one line."""
+        if self.rank == 0:
+            remove_dir(path)
+        best, _ = latest_complete(self.folder)
+        kept = f"the newest complete checkpoint {best.path} is intact" if best else "no earlier checkpoint exists"
+        reason = _root_cause(error)
+        raise CheckpointError(f"saving checkpoint step {step} to {path} failed ({reason}); {kept}") from error
 
     def _get_stager(self):
         """Reusable staging buffers; pinned memory and async copies only where CUDA exists."""
@@ -320,7 +370,10 @@ class CheckpointManager:
 
     def _complete(self, step: int, path: Path, info: dict[str, Any], t0: float) -> None:
         if self.rank == 0:
-            write_marker(path, info)
+            try:
+                write_marker(path, info)
+            except DCP_ERRORS as e:
+                self._failed(step, path, e)
             self.log(f"step {step}: saved {path} ({info['kind']}, {time.perf_counter() - t0:.2f}s)")
             self._purge()
 
@@ -335,7 +388,10 @@ class CheckpointManager:
             return
         fut, step, path, info, t0 = self._pending
         self._pending = None
-        fut.result()
+        try:
+            fut.result()
+        except DCP_ERRORS as e:
+            self._failed(step, path, e)
         self._complete(step, path, info, t0)
 
     def _purge(self) -> None:
@@ -436,7 +492,13 @@ class CheckpointManager:
         if marker is None and require_marker:
             raise CheckpointError(f"checkpoint {path} is incomplete (no COMPLETE.json marker)")
         self._check_signature(path, marker)
-        entries = tensor_entries(read_metadata(path))
+        if not model_only and marker and marker.get("kind") == "model_only":
+            raise CheckpointError(
+                f"checkpoint {path} is a model-only export (no optimizer or training state); load it with "
+                "checkpoint.initial_load_model_only=true"
+            )
+        entries = tensor_entries(read_metadata(path))  # the restricted unpickler: safe on any bytes
+        verify_files(path, marker, set())  # .metadata as saved, before its entries are trusted
         want: dict[str, torch.Tensor] = {}
         model_sd = {} if "model" in exclude else self._model_state()
         self._add_wanted(path, want, entries, model_sd, "model")
@@ -454,17 +516,44 @@ class CheckpointManager:
         load_rank = not model_only and same_layout and rank_key in entries
         if load_rank:
             self._add_json(path, want, entries, rank_key)
-        check_files(path, read_metadata(path), set(want))
+        elif not model_only and "dataloader" not in exclude and self._loader_state()[1] is not None:
+            saved = f"{marker.get('world_size')} rank(s) ({_degrees(marker.get('layout'))})" if marker else "another layout"
+            raise CheckpointError(
+                f"checkpoint {path} was saved by {saved}, this run has {self.world_size} ({_degrees(self.layout())}): "
+                "a streaming data position cannot be resharded; resume with the saved layout or set "
+                "checkpoint.exclude_from_loading=[dataloader]"
+            )
+        self._verify(path, marker, check_files(path, read_metadata(path), set(want)))
         try:
             dcp.load(want, storage_reader=safe_reader(path))
-        except Exception as e:
+        except DCP_ERRORS as e:
             raise CheckpointError(f"checkpoint {path}: reading failed ({str(e).strip().splitlines()[-1][:300]})") from e
-        self._apply(want, model_sd, optim_sd, exclude, model_only, load_rank, rank_key)
+        self._apply(path, want, model_sd, optim_sd, exclude, model_only, load_rank, rank_key)
         self.loaded_from = str(path)
         what = "model only" if model_only else "full state"
         skipped = f", excluded {sorted(exclude)}" if exclude else ""
         rng = "" if model_only or load_rank else ", RNG not restored (different layout)"
         self.log(f"loaded {path} ({what}{skipped}{rng}); resuming at step {self.train_state.step}")
+
+    def _verify(self, path: Path, marker: dict | None, names: set[str]) -> None:
+        """Checksums of the files this load reads, shared out over the ranks so that each file is
+        read once in all (not once per rank); every rank raises the same one-line error."""
+        spread = dist.is_initialized() and self.world_size > 1
+        if spread:
+            wanted: list = [None] * self.world_size
+            dist.all_gather_object(wanted, sorted(names))  # pipeline stages read different files
+            names = set(sorted(set().union(*wanted))[self.rank::self.world_size])
+        problem = None
+        try:
+            verify_files(path, marker, names)
+        except CheckpointError as e:
+            problem = str(e)
+        if spread:
+            found: list = [None] * self.world_size
+            dist.all_gather_object(found, problem)
+            problem = next((p for p in found if p), None)
+        if problem:
+            raise CheckpointError(problem)
 
     def _add_wanted(self, path: Path, want: dict, entries: dict, template: dict, what: str) -> None:
         missing = [k for k in template if k not in entries]
@@ -489,7 +578,7 @@ class CheckpointManager:
                                   "use checkpoint.initial_load_model_only=true)")
         want[key] = torch.empty(tuple(entries[key].size), dtype=torch.uint8)
 
-    def _apply(self, got: dict, model_sd: dict, optim_sd: dict, exclude: set, model_only: bool,
+    def _apply(self, path: Path, got: dict, model_sd: dict, optim_sd: dict, exclude: set, model_only: bool,
                load_rank: bool, rank_key: str) -> None:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -497,11 +586,20 @@ class CheckpointManager:
             set_optimizer_state_dict,
         )
 
+        extra = tensor_json(got["extra"]) if "extra" in got and not model_only else {}
+        own = tensor_json(got[rank_key]) if load_rank else {}
+        if not model_only and "dataloader" not in exclude:
+            # First: the only part that can still refuse (other data, seq_len, seed), before anything changed.
+            loader_sd = extra.get("dataloader") or own.get("dataloader")
+            if loader_sd is not None:
+                try:
+                    self.train_loader.load_state_dict(loader_sd)
+                except UserError as e:
+                    raise CheckpointError(f"checkpoint {path}: {first_line(e)}") from None
         if model_sd:
             set_model_state_dict(self._module, {k[len("model."):]: got[k] for k in model_sd})
         if model_only:
             return
-        extra = tensor_json(got["extra"]) if "extra" in got else {}
         if optim_sd:
             new = {k: (got[f"optim.{k}"] if isinstance(v, torch.Tensor) else v) for k, v in optim_sd.items()}
             options = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -509,11 +607,6 @@ class CheckpointManager:
             self._apply_groups(extra.get("optimizer_groups", []))
         if "lr_scheduler" not in exclude and "lr_scheduler" in extra:
             self._restore_schedule(extra["lr_scheduler"])
-        own = tensor_json(got[rank_key]) if load_rank else {}
-        if "dataloader" not in exclude:
-            loader_sd = extra.get("dataloader") or own.get("dataloader")
-            if loader_sd is not None:
-                self.train_loader.load_state_dict(loader_sd)
         if "train_state" not in exclude and "train_state" in extra:
             self.train_state.load_state_dict(extra["train_state"])
         if "rng" not in exclude and own.get("rng"):

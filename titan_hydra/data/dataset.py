@@ -26,12 +26,14 @@ import hashlib
 import json
 import os
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 
 from titan_hydra.data import corpus
+from titan_hydra.errors import DataError, first_line
 from titan_hydra.data.loader import BatchLoader, StreamingBatchLoader, iter_chunks
 from titan_hydra.data.tokenizer import Tokenizer
 
@@ -43,6 +45,7 @@ EXTENSIONS = {
     "text": (".txt", ".text", ".md"),
 }
 CACHE_VERSION = 1
+TEXT_PROBE_BYTES = 1 << 16  # how much of a streamed file check_text_file reads
 ENCODE_CHUNK = 256  # documents per encode_batch call: parallel in Rust, bounded memory
 
 
@@ -60,7 +63,7 @@ def resolve_files(path: str, source: str, what: str = "data.path") -> list[str]:
     else:
         files = [f for f in _glob.glob(str(p), recursive=True) if os.path.isfile(f)]
     if not files:
-        raise ValueError(
+        raise DataError(
             f"no {source} files found at {what}={path} (give a file, a directory of "
             f"{'/'.join(EXTENSIONS[source])} files, or a glob)"
         )
@@ -71,16 +74,58 @@ def _open_text(path: str):
     return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
 
 
+def check_text_file(path: str, whole: bool = True) -> None:
+    """Refuse an empty, binary or non-UTF-8 json/text data file, naming it and the first bad byte.
+
+    HF ``datasets`` reports such a file as "An error occurred while generating the dataset" (or
+    not at all: an empty file is zero documents and the run fails later, on an empty split).
+    ``whole=False`` (streamed data, possibly huge) reads only the first TEXT_PROBE_BYTES.
+    """
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, empty = 0, True
+    try:
+        opener = gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+        with opener as f:
+            while True:
+                block = f.read(1 << 20 if whole else TEXT_PROBE_BYTES)
+                if not block:
+                    break
+                empty = empty and not block.strip()
+                nul = block.find(b"\0")
+                if nul >= 0:
+                    raise DataError(f"data file {path} is binary (a NUL byte at offset {offset + nul}); "
+                                    "json/text sources need UTF-8 text")
+                try:
+                    decoder.decode(block)
+                except UnicodeDecodeError as e:
+                    raise DataError(f"data file {path} is not UTF-8 text (invalid byte at offset "
+                                    f"{offset + e.start}); convert it to UTF-8") from None
+                offset += len(block)
+                if not whole:
+                    break
+            if whole:
+                try:
+                    decoder.decode(b"", final=True)  # a character cut off at the end of the file
+                except UnicodeDecodeError:
+                    raise DataError(f"data file {path} is not UTF-8 text (it ends inside a character)") from None
+    except (OSError, EOFError, zlib.error) as e:  # unreadable, a .gz that is not gzip or is cut short
+        raise DataError(f"data file {path} cannot be read ({first_line(e)})") from None
+    if empty:
+        raise DataError(f"data file {path} is empty (no text); remove it or point data.path elsewhere")
+
+
 def _check_record(rec, path: str, where: str, text_field: str) -> None:
     if not isinstance(rec, dict):
-        raise ValueError(f"bad record in {path} {where}: expected a JSON object, got {type(rec).__name__}")
+        raise DataError(f"bad record in {path} {where}: expected a JSON object, got {type(rec).__name__}")
     if text_field not in rec:
-        raise ValueError(
+        raise DataError(
             f"bad record in {path} {where}: missing text field {text_field!r} (set data.text_field=...)"
         )
     value = rec[text_field]
     if value is not None and not isinstance(value, str):
-        raise ValueError(
+        raise DataError(
             f"bad record in {path} {where}: text field {text_field!r} is {type(value).__name__}, expected a string"
         )
 
@@ -98,7 +143,7 @@ def validate_json_file(path: str, text_field: str) -> None:
             try:
                 records = json.load(f)
             except json.JSONDecodeError as e:
-                raise ValueError(f"bad record in {path} line {e.lineno}: invalid JSON ({e.msg})") from None
+                raise DataError(f"bad record in {path} line {e.lineno}: invalid JSON ({e.msg})") from None
         for i, rec in enumerate(records):
             _check_record(rec, path, f"record {i + 1}", text_field)
         return
@@ -109,7 +154,7 @@ def validate_json_file(path: str, text_field: str) -> None:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"bad record in {path} line {lineno}: invalid JSON ({e.msg})") from None
+                raise DataError(f"bad record in {path} line {lineno}: invalid JSON ({e.msg})") from None
             _check_record(rec, path, f"line {lineno}", text_field)
 
 
@@ -168,17 +213,17 @@ class TokenDataset:
         cache_dir: str | None = None,
     ):
         if source not in SOURCES:
-            raise ValueError(f"unknown data.source={source!r}; choose one of {', '.join(SOURCES)}")
+            raise DataError(f"unknown data.source={source!r}; choose one of {', '.join(SOURCES)}")
         if source in ("json", "parquet", "text") and not path:
-            raise ValueError(f"data.source={source} needs data.path (a file, a directory or a glob)")
+            raise DataError(f"data.source={source} needs data.path (a file, a directory or a glob)")
         if source == "hf" and not hf_name:
-            raise ValueError("data.source=hf needs data.hf_name (e.g. allenai/c4)")
+            raise DataError("data.source=hf needs data.hf_name (e.g. allenai/c4)")
         if source == "builtin" and streaming:
-            raise ValueError("data.streaming=true is not supported for the builtin corpus (it is small)")
+            raise DataError("data.streaming=true is not supported for the builtin corpus (it is small)")
         if seq_len < 1:
-            raise ValueError(f"data.seq_len must be >= 1, got {seq_len}")
+            raise DataError(f"data.seq_len must be >= 1, got {seq_len}")
         if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+            raise DataError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
         self.source, self.path, self.val_path = source, path, val_path
         self.seq_len, self.text_field = int(seq_len), ("text" if source == "text" else text_field)
         self.val_fraction, self.shuffle, self.seed = val_fraction, shuffle, seed
@@ -201,8 +246,12 @@ class TokenDataset:
     def _load_local(self, files: list[str], streaming: bool = False):
         import datasets
 
-        if self.source == "json" and not streaming:
-            for f in files:
+        for f in files:
+            if self.source in ("json", "text"):
+                check_text_file(f, whole=not streaming)
+            elif os.path.getsize(f) == 0:
+                raise DataError(f"data file {f} is empty (0 bytes); remove it or point data.path elsewhere")
+            if self.source == "json" and not streaming:
                 validate_json_file(f, self.text_field)
         kwargs = {"sample_by": "paragraph", "keep_linebreaks": True} if self.source == "text" else {}
         bars = datasets.is_progress_bar_enabled()
@@ -213,12 +262,12 @@ class TokenDataset:
                 cache_dir=self._hf_cache(), **kwargs,
             )
         except Exception as e:  # datasets wraps parse errors in several exception types
-            raise ValueError(f"could not load {self.source} files {files[:3]}: {str(e).splitlines()[0]}") from None
+            raise DataError(f"could not load {self.source} files {files[:3]}: {first_line(e)}") from None
         finally:
             if bars:
                 datasets.enable_progress_bars()
         if not streaming and self.text_field not in ds.column_names:
-            raise ValueError(
+            raise DataError(
                 f"bad records in {files[0]}: missing text field {self.text_field!r}; columns are "
                 f"{ds.column_names} (set data.text_field=...)"
             )
@@ -232,9 +281,9 @@ class TokenDataset:
                 self.hf_name, self.hf_config, split=split, streaming=streaming, cache_dir=self._hf_cache()
             )
         except Exception as e:
-            raise ValueError(
+            raise DataError(
                 f"could not load hub dataset {self.hf_name} ({self.hf_config}) split {split}: "
-                f"{str(e).splitlines()[0]}"
+                f"{first_line(e)}"
             ) from None
 
     def _doc_sources(self) -> tuple[dict, dict[str, Callable[[], Iterator[list[str]]]]]:
@@ -329,24 +378,35 @@ class TokenDataset:
                 return
             except (ValueError, KeyError, OSError):
                 pass  # unreadable cache: rebuild it
+        self._check_cache_writable()  # before tokenizing: the result must be storable
         for split in SPLITS:
             flat, docs, empty = self._pack(factories[split]())
             self._tokens[split] = flat
             self.stats["documents"][split] = docs
             self.stats["empty_skipped"] += empty
             self.stats["tokens"][split] = int(flat.size)
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
         for split in SPLITS:
             _atomic_save(paths[split], self._tokens[split])
         _atomic_write_text(meta_path, json.dumps({"stats": self.stats, "key": key_material}, indent=1))
+
+    def _check_cache_writable(self) -> None:
+        try:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=self.cache_dir):
+                pass
+        except OSError as e:
+            raise DataError(
+                f"token cache {self.cache_dir} is not writable ({first_line(e)}); set data.cache_dir (or "
+                "TITAN_HYDRA_CACHE) to a writable directory"
+            ) from None
 
     # -- public --------------------------------------------------------------------------
     def tokens(self, split: str) -> np.ndarray:
         """The flat packed token array of ``split`` (packed sources only)."""
         if self.streaming:
-            raise ValueError("a streaming dataset has no token array; use loader()")
+            raise DataError("a streaming dataset has no token array; use loader()")
         if split not in SPLITS:
-            raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+            raise DataError(f"unknown split {split!r}; expected one of {SPLITS}")
         return self._tokens[split]
 
     def num_samples(self, split: str) -> int:
@@ -362,7 +422,7 @@ class TokenDataset:
     ):
         """A stateful loader for this dp rank; "val" is never shuffled."""
         if split not in SPLITS:
-            raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+            raise DataError(f"unknown split {split!r}; expected one of {SPLITS}")
         if self.streaming:
             return self._streaming_loader(split, local_batch_size, dp_rank, dp_degree, infinite)
         return BatchLoader(
@@ -374,7 +434,7 @@ class TokenDataset:
         from datasets.distributed import split_dataset_by_node
 
         if split == "val" and not self.val_path:
-            raise ValueError("a streaming dataset needs data.val_path for validation (hf: a split name)")
+            raise DataError("a streaming dataset needs data.val_path for validation (hf: a split name)")
         if self.source == "hf":
             hf_split = "train" if split == "train" else self.val_path
 

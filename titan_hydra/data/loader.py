@@ -23,14 +23,16 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
+from titan_hydra.errors import DataError
+
 STATE_VERSION = 1
 
 
 def _check_layout(local_batch_size: int, dp_rank: int, dp_degree: int) -> None:
     if local_batch_size < 1:
-        raise ValueError(f"local_batch_size must be >= 1, got {local_batch_size}")
+        raise DataError(f"local_batch_size must be >= 1, got {local_batch_size}")
     if dp_degree < 1 or not 0 <= dp_rank < dp_degree:
-        raise ValueError(f"need 0 <= dp_rank < dp_degree, got dp_rank={dp_rank} dp_degree={dp_degree}")
+        raise DataError(f"need 0 <= dp_rank < dp_degree, got dp_rank={dp_rank} dp_degree={dp_degree}")
 
 
 def _to_batch(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,12 +72,12 @@ class BatchLoader:
         self.global_batch_size = local_batch_size * dp_degree
         self.shuffle, self.seed, self.infinite, self.split = shuffle, seed, infinite, split
         if self.num_samples == 0:
-            raise ValueError(
+            raise DataError(
                 f"split {split!r} has {len(tokens)} tokens, fewer than one sample of seq_len+1={seq_len + 1} "
                 "(add data or lower training.seq_len)"
             )
         if not infinite and self.num_samples < self.global_batch_size:
-            raise ValueError(
+            raise DataError(
                 f"split {split!r} has {self.num_samples} samples, fewer than one global batch of "
                 f"{self.global_batch_size} (lower the batch size or add data)"
             )
@@ -163,19 +165,19 @@ class BatchLoader:
         different global batch size is accepted: the position is in samples, not calls.
         """
         if not isinstance(sd, dict) or sd.get("kind") != "packed" or sd.get("version") != STATE_VERSION:
-            raise ValueError(
+            raise DataError(
                 f"not a packed BatchLoader state (version {STATE_VERSION}): "
                 f"got {type(sd).__name__} with keys {sorted(sd) if isinstance(sd, dict) else '-'}"
             )
-        for key in ("split", "num_samples", "seq_len", "shuffle", "seed"):
+        for key in ("split", "seq_len", "num_samples", "shuffle", "seed"):  # seq_len first: it changes num_samples
             if sd.get(key) != getattr(self, key):
-                raise ValueError(
+                raise DataError(
                     f"data loader state does not match this data: {key} was {sd.get(key)!r}, now "
                     f"{getattr(self, key)!r} (resume with the same data, seq_len, shuffle and seed)"
                 )
         consumed = sd.get("consumed")
         if not isinstance(consumed, int) or consumed < 0:
-            raise ValueError(f"data loader state has invalid 'consumed'={consumed!r}")
+            raise DataError(f"data loader state has invalid 'consumed'={consumed!r}")
         self.consumed = consumed
 
 
@@ -261,7 +263,7 @@ class StreamingBatchLoader:
             if not self.infinite:
                 raise StopIteration
             if not self._epoch_has_tokens:
-                raise ValueError(f"streaming split {self.split!r} on dp rank {self.dp_rank} yields no text")
+                raise DataError(f"streaming split {self.split!r} on dp rank {self.dp_rank} yields no text")
             self.epoch += 1
             self._start(None)
         flat = np.asarray(self._buffer[:need], dtype=np.int64)
@@ -295,10 +297,10 @@ class StreamingBatchLoader:
 
     def load_state_dict(self, sd: dict) -> None:
         if not isinstance(sd, dict) or sd.get("kind") != "streaming" or sd.get("version") != STATE_VERSION:
-            raise ValueError(f"not a streaming loader state (version {STATE_VERSION})")
+            raise DataError(f"not a streaming loader state (version {STATE_VERSION})")
         for key in ("split", "dp_rank", "dp_degree", "seq_len"):
             if sd.get(key) != getattr(self, key):
-                raise ValueError(
+                raise DataError(
                     f"streaming loader state was saved with {key}={sd.get(key)!r}, now {getattr(self, key)!r}; "
                     "streaming data can only resume under the same data-parallel layout and seq_len"
                 )

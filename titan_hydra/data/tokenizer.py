@@ -14,6 +14,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from titan_hydra.errors import DataError
+
 BUILTIN_PATH = Path(__file__).resolve().parent.parent / "assets" / "builtin_tokenizer.json"
 DEFAULT_BOS = "<|begin_of_text|>"
 DEFAULT_EOS = "<|end_of_text|>"
@@ -38,7 +40,7 @@ def resolve_tokenizer_file(path: str) -> Path:
             if path == "builtin"
             else "set data.tokenizer=builtin or to a tokenizer.json file / a directory holding one"
         )
-        raise ValueError(f"tokenizer not found: {p} ({hint})")
+        raise DataError(f"tokenizer not found: {p} ({hint})")
     return p
 
 
@@ -55,7 +57,7 @@ class Tokenizer:
             self._tok = _HFTokenizer.from_file(str(self.path))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ValueError(
+            raise DataError(
                 f"invalid tokenizer file {self.path}: {msg} (point data.tokenizer at a valid HF tokenizer.json)"
             ) from None
         bos_name, eos_name = DEFAULT_BOS, DEFAULT_EOS
@@ -64,7 +66,7 @@ class Tokenizer:
             try:
                 cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
             except json.JSONDecodeError as e:
-                raise ValueError(f"invalid tokenizer config {cfg_file}: {e} (fix or remove the file)") from None
+                raise DataError(f"invalid tokenizer config {cfg_file}: {e} (fix or remove the file)") from None
             bos_name = _token_content(cfg.get("bos_token")) or bos_name
             eos_name = _token_content(cfg.get("eos_token")) or eos_name
         self.bos_token, self.eos_token = bos_name, eos_name
@@ -74,7 +76,7 @@ class Tokenizer:
     def _special_id(self, name: str, role: str) -> int:
         tid = self._tok.token_to_id(name)
         if tid is None:
-            raise ValueError(
+            raise DataError(
                 f"tokenizer {self.path} has no {role} token {name!r} "
                 "(add it to the vocabulary or name it in tokenizer_config.json)"
             )

@@ -33,14 +33,17 @@ def run_dir_of(cfg: DictConfig) -> str:
 def launch(cfg: DictConfig) -> float | None:
     """Validate, then dry-run or train. Returns the final validation loss (for sweepers)."""
     from titan_hydra.launch.slurm import export_dist_env, in_slurm_step, in_submitit_job
+    from titan_hydra.launch.submitit_jobs import JobFailed
     from titan_hydra.launch.sweep import apply_sweep_identity
 
     export_dist_env(cfg)  # a SLURM / submitit task becomes its rank
+    submit_to_slurm = cfg.cluster.launcher == "slurm" and not (in_slurm_step() or in_submitit_job())
     try:
+        from titan_hydra.launch.sweep_check import submit_host_view
         from titan_hydra.parallel.auto import resolve_auto
 
         resolve_auto(cfg)  # parallelism=auto -> concrete degrees, before anything checks them
-        validate(cfg)
+        validate(submit_host_view(cfg) if submit_to_slurm else cfg)
         dims = build_dims(cfg)
     except UserError as e:
         fail(str(e))
@@ -51,7 +54,6 @@ def launch(cfg: DictConfig) -> float | None:
         return None
     run_dir = run_dir_of(cfg)
     apply_sweep_identity(cfg)  # W&B group / name of a multirun job
-    submit_to_slurm = cfg.cluster.launcher == "slurm" and not (in_slurm_step() or in_submitit_job())
     inside_rank = "LOCAL_RANK" in os.environ or world_size_of(cfg) == 1
     from titan_hydra.launch.run_lock import RunDirLock, owns_run
 
@@ -73,6 +75,9 @@ def launch(cfg: DictConfig) -> float | None:
             summary = run_local(cfg, run_dir)
     except UserError as e:
         fail(str(e))
+    except JobFailed as e:  # a submitted job died: its one-line error and log, exit 1
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
     finally:
         lock.release()
     val = summary.get("final_val_loss") if summary else None

@@ -16,7 +16,9 @@ and runs the recipe in-rank (launch/entry.py).
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import socket
 import uuid
 from typing import Any
@@ -24,7 +26,7 @@ from typing import Any
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from titan_hydra.errors import UserError
+from titan_hydra.errors import RankFailed, UserError
 
 
 def free_port() -> int:
@@ -88,6 +90,7 @@ def run_local(
             "or start each node with torchrun"
         )
     build_dataset(cfg)  # fills the token cache; bad data fails here, before any worker starts
+    _quiet_join_tracebacks()
     os.environ["OMP_NUM_THREADS"] = str(threads_per_worker(cfg))
     entry = elastic_launch(launch_config_of(cfg), worker_main)
     try:
@@ -127,6 +130,21 @@ def _message_of(failure) -> str:
     return str(message or "").strip()
 
 
+class _DropTraceback(logging.Filter):
+    """torch elastic logs its own join() traceback when a worker fails: it says nothing about the
+    worker (whose traceback is in its error file), so the log line stays and the traceback goes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _quiet_join_tracebacks() -> None:
+    log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if not any(isinstance(f, _DropTraceback) for f in log.filters):
+        log.addFilter(_DropTraceback())
+
+
 def error_of(e) -> Exception:
     """UserError if any rank failed on bad input (others then die as a consequence), else RuntimeError."""
     marker = f"{WorkerUserError.__name__}: "
@@ -135,6 +153,15 @@ def error_of(e) -> Exception:
         if message.startswith(marker):
             return UserError(message[len(marker):].splitlines()[0])
     rank, failure = e.get_first_failure()
+    if failure.exitcode is not None and failure.exitcode < 0:  # killed by a signal: no Python error to show
+        try:
+            name = signal.Signals(-failure.exitcode).name
+        except ValueError:
+            name = f"signal {-failure.exitcode}"
+        return RankFailed(
+            f"rank {rank} (pid {failure.pid}) was killed by {name}; the other ranks were stopped "
+            "(run again with the same hydra.run.dir to resume from its newest complete checkpoint)"
+        )
     message = _message_of(failure)
     last = message.splitlines()[-1] if message else f"exit code {failure.exitcode}"
     return RuntimeError(f"rank {rank} failed: {last} (see {failure.error_file} for its traceback)")

@@ -10,7 +10,9 @@ Two ways in, one mechanism:
   ``<sweep dir>/<job num>``, fixed before submission, so requeues find their checkpoint.
 
 Inside a job each task derives RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from
-SLURM (``export_dist_env``) and runs the recipe as that rank; multi-node is the same code.
+SLURM (``export_dist_env``) and runs the recipe as that rank; multi-node is the same code. The
+master is the job's first node, under its NodeAddr when its name does not resolve, and joining
+it is bounded by ``cluster.init_timeout_s`` (``rendezvous.py``).
 On SLURM's pre-timeout / preemption signal submitit calls the job's ``checkpoint()``, which
 resubmits the same call (``DelayedSubmission``); the requeued job restores the latest
 checkpoint of its run dir (``checkpoint=default``) and continues.
@@ -21,7 +23,6 @@ validate) fails in the submitting process with one ``error: ...`` line, before a
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -30,9 +31,11 @@ import zlib
 from pathlib import Path
 from typing import Any, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from titan_hydra.errors import UserError
+from titan_hydra.launch.rendezvous import master_address
+from titan_hydra.launch.submitit_jobs import JobFailed, OneLineFailures, failure_of, job_log
 
 try:  # the Hydra plugin is a dependency; keep this module importable without it for unit use
     from hydra_plugins.hydra_submitit_launcher.submitit_launcher import (
@@ -82,7 +85,7 @@ def slurm_dist_env(master_port: int | None = None) -> dict[str, str]:
         "LOCAL_RANK": e.get("SLURM_LOCALID", "0"),
         "WORLD_SIZE": str(ntasks),
         "LOCAL_WORLD_SIZE": str(max(1, ntasks // nnodes)),
-        "MASTER_ADDR": e.get("MASTER_ADDR") or _first_host(nodelist),
+        "MASTER_ADDR": e.get("MASTER_ADDR") or master_address(_first_host(nodelist)),
         "MASTER_PORT": str(master_port or e.get("MASTER_PORT") or port_of(e.get("SLURM_JOB_ID", "0"))),
     }
 
@@ -92,8 +95,10 @@ def submitit_dist_env() -> dict[str, str]:
     from submitit.helpers import TorchDistributedEnvironment
 
     d = TorchDistributedEnvironment()
+    # submitit names the first node; on SLURM that name may not resolve (its NodeAddr does).
+    addr = master_address(d.master_addr) if os.environ.get("SLURM_JOB_ID") else d.master_addr
     return {"RANK": str(d.rank), "LOCAL_RANK": str(d.local_rank), "WORLD_SIZE": str(d.world_size),
-            "LOCAL_WORLD_SIZE": str(d.local_world_size), "MASTER_ADDR": d.master_addr,
+            "LOCAL_WORLD_SIZE": str(d.local_world_size), "MASTER_ADDR": addr,
             "MASTER_PORT": str(d.master_port)}
 
 
@@ -206,7 +211,11 @@ class RankTask:
         from titan_hydra.train.pretrain import run
 
         export_dist_env(self.cfg)
-        summary = run(self.cfg, self.run_dir)
+        try:
+            summary = run(self.cfg, self.run_dir)
+        except UserError as e:  # the line the submitting process reports (submitit_jobs.error_line)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            raise
         return {k: v for k, v in summary.items() if k in ("final_loss", "final_val_loss", "losses", "run_dir")}
 
     def checkpoint(self) -> Any:
@@ -225,104 +234,39 @@ def submit(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     executor.update_parameters(**executor_params(cfg))
     job = executor.submit(RankTask(cfg, run_dir))
     print(f"submitted SLURM job {job.job_id}; run dir {run_dir}", flush=True)
-    try:
-        return job.results()[0]
-    except submitit.core.utils.UncompletedJobError as e:
-        raise RuntimeError(f"SLURM job {job.job_id} did not complete: {str(e).splitlines()[0]}") from None
-    except submitit.core.utils.FailedJobError as e:
-        raise RuntimeError(f"SLURM job {job.job_id} failed; see {job.paths.stderr}\n{str(e)[-2000:]}") from None
+    ret, line = failure_of(job)
+    if line is not None:
+        raise JobFailed(f"SLURM job {job.job_id} failed: {line} (log: {job_log(job)})")
+    return ret
 
 
 # ---------------------------------------------------------------- the Hydra launcher (-m)
 
 
-class SlurmLauncher(_HydraSlurmLauncher):  # type: ignore[misc,valid-type]
+class SlurmLauncher(OneLineFailures, _HydraSlurmLauncher):  # type: ignore[misc,valid-type]
     """hydra-submitit-launcher's SLURM launcher, made rank-aware and careful.
 
     - every task becomes a rank in ``launch.py``'s entry (``export_dist_env``).
-    - ``launch`` composes and validates every sweep job here, before submitting any.
-    - a failed job returns a FAILED JobReturn (the sweep report lists it) instead of raising
-      from the middle of the result loop.
+    - ``launch`` checks that this machine can submit, and composes and validates every sweep
+      point not already checked by ``SweepCheckCallback``, before submitting any.
+    - all jobs go out as one SLURM array; each failed job is one line on the console and a
+      FAILED row in the sweep report, not a traceback (``submitit_jobs.OneLineFailures``).
     - ``cluster.setup`` lines are added to the sbatch script.
     ``checkpoint`` (inherited) resubmits the same call on timeout/preemption.
     """
 
-    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
+    def prepare(self, job_overrides: Sequence[Sequence[str]], first_num: int) -> None:
         assert self.config is not None
         try:
             check_slurm(self.config)
-            for overrides in job_overrides:
-                check_sweep_job(self.hydra_context, self.config, list(overrides))
         except UserError as e:
             fail(str(e))
-        write_manifest(Path(str(self.config.hydra.sweep.dir)), job_overrides, initial_job_idx)
+        super().prepare(job_overrides, first_num)
         if self.config.cluster.setup:
             self.params["setup"] = list(self.config.cluster.setup)
         if not self.params.get("gpus_per_node"):
             self.params.pop("gpus_per_node", None)
-        return self._launch_tolerant(job_overrides, initial_job_idx)
 
-    def _launch_tolerant(self, job_overrides, initial_job_idx):
-        """Submit all jobs as one SLURM array, then collect each job's JobReturn."""
-        import submitit
-        from hydra.core.singleton import Singleton
-        from hydra.core.utils import filter_overrides
-        from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
-
-        p = dict(self.params)
-        executor = submitit.AutoExecutor(folder=p.pop("submitit_folder"), cluster=self._EXECUTOR,
-                                         slurm_max_num_timeout=p.pop("max_num_timeout", 0))
-        common = set(OmegaConf.structured(BaseQueueConf).keys())
-        executor.update_parameters(**{k if k in common else f"slurm_{k}": v for k, v in p.items()})
-        sweep_dir = Path(str(self.config.hydra.sweep.dir))
-        args = []
-        for i, overrides in enumerate(job_overrides):
-            num = initial_job_idx + i
-            print(f"\t#{num} : {' '.join(filter_overrides(overrides))}", flush=True)
-            args.append((list(overrides), "hydra.sweep.dir", num, f"job_id_for_{num}", Singleton.get_state()))
-        jobs = executor.map_array(self, *zip(*args))
-        print(f"submitted SLURM array {jobs[0].job_id.split('_')[0]} ({len(jobs)} jobs), sweep dir {sweep_dir}",
-              flush=True)
-        return [result_of(job) for job in jobs]
-
-
-def result_of(job):
-    """The job's JobReturn (rank 0's); a failed job becomes a FAILED JobReturn, not an exception."""
-    from hydra.core.utils import JobReturn, JobStatus
-
-    try:
-        return job.results()[0]
-    except Exception as e:  # noqa: BLE001  (any failure of a job is that job's row)
-        ret = JobReturn()
-        ret.status = JobStatus.FAILED
-        ret._return_value = RuntimeError(f"SLURM job {job.job_id} failed: {str(e).strip()[-1500:]}")
-        print(f"SLURM job {job.job_id} failed (see {job.paths.stderr})", file=sys.stderr, flush=True)
-        return ret
-
-
-def check_sweep_job(hydra_context, config: DictConfig, overrides: list[str]) -> None:
-    """Compose one sweep job's config and validate it, as the job itself would."""
-    from hydra.errors import ConfigCompositionException, HydraException
-
-    from titan_hydra.validate import validate
-
-    shown = " ".join(overrides)
-    try:
-        job_cfg = hydra_context.config_loader.load_sweep_config(config, overrides)
-    except (ConfigCompositionException, HydraException) as e:
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise UserError(f"sweep job [{shown}] does not compose: {first}") from None
-    try:
-        validate(job_cfg)
-    except UserError as e:
-        raise UserError(f"sweep job [{shown}]: {e}") from None
-
-
-def write_manifest(sweep_dir: Path, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> None:
-    """jobs.json in the sweep dir: every job's number and overrides, so that the sweep report
-    can list a job that never started (its run dir does not exist) as failed."""
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    path = sweep_dir / "jobs.json"
-    jobs = json.loads(path.read_text()) if path.exists() else []
-    jobs += [{"num": initial_job_idx + i, "overrides": list(o)} for i, o in enumerate(job_overrides)]
-    path.write_text(json.dumps(jobs, indent=1))
+    def submitted(self, jobs: Sequence[Any]) -> None:
+        print(f"submitted SLURM array {jobs[0].job_id.split('_')[0]} ({len(jobs)} jobs), "
+              f"sweep dir {self.config.hydra.sweep.dir}", flush=True)

@@ -70,7 +70,9 @@ def init_distributed(cluster: DictConfig, world_size: int) -> None:
         backend = str(cluster.backend)
         if cluster.device == "cpu" and backend != "gloo":
             raise UserError(f"cluster.backend={backend} cannot run on CPU; use cluster.backend=gloo")
-        dist.init_process_group(backend=backend)
+        from titan_hydra.launch.rendezvous import init_process_group  # bounded, one-line failure
+
+        init_process_group(backend, float(cluster.init_timeout_s))
 
 
 
@@ -198,6 +200,8 @@ def build_data(cfg: DictConfig, dims) -> DataPlan:
     def val_loader_factory():
         return dataset.loader("val", val_bs, dp_rank=dp_rank, dp_degree=dp_degree, infinite=False)
 
+    if training.val_freq:
+        val_loader_factory()  # a validation split too small for one batch fails now, not at step val_freq
     return DataPlan(dataset, train_loader, val_loader_factory, grad_accum)
 
 
@@ -215,6 +219,7 @@ def build_parallel_model(cfg: DictConfig, dims, device: torch.device, grad_accum
         model, family, dims, device=device, mixed_precision=mp, loss_fn=cross_entropy_loss,
         grad_accum_steps=grad_accum, ac=instantiate(cfg.activation_checkpoint), compiler=instantiate(cfg.compile),
     )
+    family.set_loss_scale(pm.model_parts, pm.runner.loss_scale)  # model-internal losses weigh like the main one
     init_weights(cfg, pm.model_parts, family.shape(model_args).params, device, world_size, rank)
     return BuiltModel(family, model_args, pm.model_parts, pm.runner, float8,
                       family.flops_per_token(model_args, cfg.training.seq_len), attention_dtype)
