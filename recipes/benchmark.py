@@ -14,6 +14,7 @@ are comparable; absolute numbers on shared 2-core machines are noisy.
                                                         # debug and ~100M models vs a plain fp32 loop
     python recipes/benchmark.py --suite perf --threads 2  # compile, float8, AC modes
     python recipes/benchmark.py --suite families --threads 2  # each model family's debug model
+    python recipes/benchmark.py --suite moe --threads 2       # MoE: grouped mm vs loop, fp32/bf16, ep
     python recipes/benchmark.py --steps 30 --threads 2 --out bench_out/foundation.json
 """
 
@@ -99,6 +100,19 @@ SUITES: dict[str, dict[str, Variant]] = {
         "qwen3_debug: compile + bf16": Variant(("model=qwen3_debug", "compile=model_loss"), group="qwen3"),
         "qwen3_debug: tp 2 ranks, bf16": Variant(("model=qwen3_debug", "parallelism=tp"), 2, group="qwen3", threads=1),
     },
+    # Mixture-of-Experts debug models: grouped GEMM vs the per-expert loop, bf16 vs fp32, one
+    # process vs expert parallel on 2 ranks of 1 thread (same global batch). MFU counts active
+    # parameters; "load max/mean" is the worst layer's busiest expert over the mean.
+    "moe": {
+        **{f"{m}: {label}": Variant((f"model={m}", *ov), nproc, group=m, threads=th)
+           for m in ("qwen3_moe_debug", "deepseek_v3_debug")
+           for label, ov, nproc, th in (
+               ("bf16, grouped mm", (), 1, None),
+               ("bf16, per-expert loop", ("model.moe.use_grouped_mm=false",), 1, None),
+               ("fp32, grouped mm", ("training.mixed_precision=fp32",), 1, None),
+               ("ep 2 ranks, bf16", ("parallelism=ep", "training.local_batch_size=4"), 2, 1),
+           )},
+    },
 }
 
 
@@ -141,6 +155,8 @@ def run_variant(name: str, v: Variant, args, workdir: Path) -> dict:
         "peak_memory_gib": max(r.get("memory", 0.0) for r in rows),
         "params_optimizer_gib": state_gib,
         "final_loss": rows[-1]["loss"],
+        "moe_max_over_mean": (statistics.median(r["moe/max_over_mean"] for r in rows)
+                              if "moe/max_over_mean" in rows[-1] else None),
         "wall_s": wall,
         "overrides": overrides,
     }
@@ -187,6 +203,10 @@ def main() -> None:
         "| variant | ranks x threads | tok/s/rank | tok/s total | TFLOP/s/rank | MFU (bf16 peak) | peak RSS/rank GiB | params+optim/rank GiB | vs baseline |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    moe = any(r.get("moe_max_over_mean") for r in results)
+    if moe:  # MoE suites: one more column, the expert-load imbalance
+        lines[-2] += " load max/mean |"
+        lines[-1] += "---|"
     for r in results:
         if r["status"] != "ok":
             lines.append(f"| {r['variant']} | {r['nproc']} | {r['status']} | | | | | | |")
@@ -197,7 +217,7 @@ def main() -> None:
         lines.append(
             f"| {r['variant']} | {r['nproc']}x{r['threads_per_proc']} | {r['tps_per_rank']:,.0f} | {r['tps_total']:,.0f} | "
             f"{r['tflops_per_rank']:.3f} | {r['mfu_vs_bf16_peak_pct']:.1f}% | {r['peak_memory_gib']:.2f} | "
-            f"{state} | {ratio:.2f}x |"
+            f"{state} | {ratio:.2f}x |" + (f" {r['moe_max_over_mean'] or 0:.2f} |" if moe else "")
         )
     table = "\n".join(lines)
     print(table)

@@ -33,6 +33,10 @@ BASE = [
 FAMILIES = {
     "llama3": [],
     "qwen3": ["model=qwen3_debug", "model.head_dim=16", "model.ffn_hidden_dim=96"],
+    # Qwen3-MoE with the aux-loss-free bias on: expert_bias (a buffer the optimizer never sees)
+    # must come back from the checkpoint for the resumed run to route exactly as the reference.
+    "qwen3_moe": ["model=qwen3_moe_debug", "model.head_dim=16", "model.moe.num_experts=4", "model.moe.expert_dim=32",
+                  "model.moe.load_balance_coeff=0.01"],
 }
 
 

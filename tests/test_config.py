@@ -11,6 +11,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from helpers import CONF, compose_cfg, run_launch
 from titan_hydra.errors import ConfigError, instantiate_checked
+from titan_hydra.models.common.hf_decoder import HFConversionError
 from titan_hydra.validate import validate
 
 GROUPS = [p.name for p in CONF.iterdir() if p.is_dir()]
@@ -140,6 +141,31 @@ _LLAMA2 = {"rope_theta": 10000.0, "max_position_embeddings": 4096, "vocab_size":
            "tie_word_embeddings": False}
 _QWEN3 = {"vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
           "head_dim": 128, "num_key_value_heads": 8, "attention_bias": False, "use_sliding_window": False}
+_QWEN3_MOE = {**_QWEN3, "num_key_value_heads": 4, "tie_word_embeddings": False, "num_experts": 128,
+              "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+# DeepSeek (deepseek-ai/DeepSeek-V3, DeepSeek-V2, DeepSeek-V2-Lite config.json): MLA, legacy YaRN
+# rope_scaling. head_dim is what transformers derives (the rotary width). V2 and V2-Lite are
+# model_type deepseek_v2 (softmax routing): HF's DeepseekV2 class counts them, and our
+# deepseek_v3 family refuses to export them (HF's DeepseekV3 routes with sigmoid only).
+_DEEPSEEK = {"rope_theta": 10000, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+             "tie_word_embeddings": False, "head_dim": 64, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+             "qk_rope_head_dim": 64, "v_head_dim": 128, "rope_scaling": {
+                 "type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                 "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}}
+_DEEPSEEK_V2 = {**_DEEPSEEK, "architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 102400,
+                "scoring_func": "softmax", "first_k_dense_replace": 1, "norm_topk_prob": False}
+_DEEPSEEK_V3 = {**_DEEPSEEK, "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280,
+                "rope_scaling": {**_DEEPSEEK["rope_scaling"], "mscale": 1.0, "mscale_all_dim": 1.0},
+                "scoring_func": "sigmoid", "topk_method": "noaux_tc", "first_k_dense_replace": 3,
+                "norm_topk_prob": True}
+
+# GPT-OSS (openai/gpt-oss-20b, gpt-oss-120b config.json; experts stored MXFP4, counted unquantized)
+_GPT_OSS = {"architectures": ["GptOssForCausalLM"], "vocab_size": 201088, "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-5, "rope_theta": 150000, "rope_scaling": {
+                "rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": False}, "tie_word_embeddings": False, "attention_bias": True,
+            "head_dim": 64, "sliding_window": 128, "num_experts_per_tok": 4, "swiglu_limit": 7.0}
 
 
 def _hf(base, hidden, inter, layers, heads, kv=None, **extra):
@@ -166,14 +192,36 @@ PUBLISHED_HF = {
     "qwen3_8b": ("qwen3", _hf(_QWEN3, 4096, 12288, 36, 32, tie_word_embeddings=False)),  # Qwen/Qwen3-8B
     "qwen3_14b": ("qwen3", _hf(_QWEN3, 5120, 17408, 40, 40, tie_word_embeddings=False)),  # Qwen/Qwen3-14B
     "qwen3_32b": ("qwen3", _hf(_QWEN3, 5120, 25600, 64, 64, tie_word_embeddings=False)),  # Qwen/Qwen3-32B
+    "qwen3_30b_a3b": ("qwen3_moe", _hf(_QWEN3_MOE, 2048, 6144, 48, 32, moe_intermediate_size=768)),  # Qwen/Qwen3-30B-A3B
+    "qwen3_235b_a22b": ("qwen3_moe", _hf(_QWEN3_MOE, 4096, 12288, 94, 64,  # Qwen/Qwen3-235B-A22B
+                                         moe_intermediate_size=1536)),
+    "deepseek_v3_16b": ("deepseek_v2", _hf(_DEEPSEEK_V2, 2048, 10944, 27, 16, 16,  # deepseek-ai/DeepSeek-V2-Lite
+                                           q_lora_rank=None, n_routed_experts=64, n_shared_experts=2,
+                                           num_experts_per_tok=6, moe_intermediate_size=1408, n_group=1,
+                                           topk_group=1, routed_scaling_factor=1.0, topk_method="greedy")),
+    "deepseek_v3_236b": ("deepseek_v2", _hf(_DEEPSEEK_V2, 5120, 12288, 60, 128, 128,  # deepseek-ai/DeepSeek-V2
+                                            q_lora_rank=1536, n_routed_experts=160, n_shared_experts=2,
+                                            num_experts_per_tok=6, moe_intermediate_size=1536, n_group=8,
+                                            topk_group=3, routed_scaling_factor=16.0,
+                                            topk_method="group_limited_greedy")),
+    "deepseek_v3_671b": ("deepseek_v3", _hf(_DEEPSEEK_V3, 7168, 18432, 61, 128, 128,  # deepseek-ai/DeepSeek-V3
+                                            q_lora_rank=1536, n_routed_experts=256, n_shared_experts=1,
+                                            num_experts_per_tok=8, moe_intermediate_size=2048, n_group=8,
+                                            topk_group=4, routed_scaling_factor=2.5)),
+    "gpt_oss_20b": ("gpt_oss", _hf(_GPT_OSS, 2880, 2880, 24, 64, 8, num_local_experts=32)),  # openai/gpt-oss-20b
+    "gpt_oss_120b": ("gpt_oss", _hf(_GPT_OSS, 2880, 2880, 36, 64, 8, num_local_experts=128)),  # openai/gpt-oss-120b
 }
 HF_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings",
                  "max_position_embeddings", "rms_norm_eps")
+HF_MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers",
+               "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
+               "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+               "v_head_dim")
 
 
 def test_published_table_covers_every_model_option():
-    assert set(PUBLISHED_HF) | {"llama3_debug", "qwen3_debug"} == set(options("model"))
+    assert set(PUBLISHED_HF) | {o for o in options("model") if o.endswith("_debug")} == set(options("model"))
 
 
 @pytest.mark.parametrize("flavor", options("model"))
@@ -199,21 +247,31 @@ def test_model_option_builds_and_matches_published_hf_config(flavor):
     assert family.name == node["family"] and args_of(cfg.model) == (family, model.args)
     fields = {f.name for f in dataclasses.fields(model.args)}
     assert fields == set(node) - set(LABELS), flavor  # the schema names every field of the args
+    plain = family.args_fields(model.args)  # nested args (model.moe) as dicts, like the node
     for key in fields:
-        assert getattr(model.args, key) == node[key], (flavor, key)
+        assert plain[key] == node[key], (flavor, key)
     ours = sum(p.numel() for p in model.parameters())
     assert ours == family.shape(model.args).params
 
-    ours_hf = family.hf.hf_config(model.args)
+    if flavor in PUBLISHED_HF and PUBLISHED_HF[flavor][0] != family.hf.model_type:
+        # another HF architecture's shape (DeepSeek-V2 softmax routing): export refused in one line
+        with pytest.raises(HFConversionError) as err:
+            family.hf.hf_config(model.args)
+        assert "\n" not in str(err.value)
+        ours_hf = {**PUBLISHED_HF[flavor][1], "model_type": PUBLISHED_HF[flavor][0]}
+    else:
+        ours_hf = family.hf.hf_config(model.args)
     if flavor in PUBLISHED_HF:
         model_type, published = PUBLISHED_HF[flavor]
         assert ours_hf["model_type"] == model_type
-        for key in HF_SHAPE_KEYS:
+        for key in HF_SHAPE_KEYS + tuple(k for k in HF_MOE_KEYS if k in published):
             assert ours_hf[key] == published[key], (flavor, key)
         (theta, scaling), (our_theta, our_scaling) = rope_theta_of(published), rope_theta_of(ours_hf)
         assert our_theta == theta
-        assert (our_scaling.get("rope_type") or "default") == (scaling.get("rope_type") or "default")
-        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        rope_type = lambda sc: sc.get("rope_type") or sc.get("type") or "default"  # noqa: E731 (legacy: "type")
+        assert rope_type(our_scaling) == rope_type(scaling)
+        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                    "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
             assert our_scaling.get(key) == scaling.get(key), (flavor, key)
         for key in ("attention_bias", "use_sliding_window"):
             if key in published:
@@ -221,7 +279,7 @@ def test_model_option_builds_and_matches_published_hf_config(flavor):
         hf_cfg = {**published}
     else:  # *_debug: nothing published; HF's model of our own export config
         model_type, hf_cfg = ours_hf["model_type"], {k: v for k, v in ours_hf.items() if k != "model_type"}
-    hf_cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[model_type]
+    hf_cls = getattr(transformers, (hf_cfg.get("architectures") or ours_hf["architectures"])[0])  # LlamaForCausalLM, Qwen3MoeForCausalLM, ...
     # Building even 405B on the meta device takes ~1 s (measured), so HF's count is its own
     # model's, not a formula.
     with torch.device("meta"):

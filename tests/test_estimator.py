@@ -75,6 +75,11 @@ CASES = {
                                                                          "activation_checkpoint=selective_op"],
     "qwen3 debug fp32 head_dim 32": ["model=qwen3_debug", "model.head_dim=32"] + DEBUG
     + ["training.mixed_precision=fp32"],
+    # MoE: routed token copies and router scores on top of the active FFN width.
+    "qwen3_moe debug fp32": ["model=qwen3_moe_debug"] + DEBUG + ["training.mixed_precision=fp32"],
+    "qwen3_moe debug bf16 ac=selective_op": ["model=qwen3_moe_debug"] + DEBUG
+    + ["training.mixed_precision=bf16", "activation_checkpoint=selective_op"],
+    "deepseek_v3 debug bf16": ["model=deepseek_v3_debug"] + DEBUG + ["training.mixed_precision=bf16"],
 }
 
 

@@ -1,5 +1,9 @@
 """HF safetensors in and out, per family: names, rotary layout, tied embeddings, config.json,
-round trips, logits (Llama <-> LlamaForCausalLM, Qwen3 <-> Qwen3ForCausalLM)."""
+round trips, logits (Llama <-> LlamaForCausalLM, Qwen3 <-> Qwen3ForCausalLM, Qwen3-MoE <->
+Qwen3MoeForCausalLM: per-expert tensors on disk, stacked experts in our model; DeepSeek-V3 <->
+DeepseekV3ForCausalLM: MLA, YaRN, group-limited sigmoid routing with its expert bias; GPT-OSS <->
+GptOssForCausalLM: sinks, a sliding-window layer, untruncated YaRN, biased experts with the
+clamped SwiGLU, fused interleaved gate/up tensors)."""
 
 from __future__ import annotations
 
@@ -23,18 +27,52 @@ from titan_hydra.models.llama3 import Llama3  # noqa: E402
 from titan_hydra.models.llama3.hf import from_hf_rows, to_hf_rows  # noqa: E402
 from titan_hydra.models.qwen3 import FAMILY as QWEN3  # noqa: E402
 from titan_hydra.models.qwen3 import Qwen3  # noqa: E402
+from titan_hydra.models.qwen3_moe import FAMILY as QWEN3_MOE  # noqa: E402
+from titan_hydra.models.qwen3_moe import Qwen3Moe  # noqa: E402
+from titan_hydra.models.deepseek_v3 import FAMILY as DEEPSEEK_V3  # noqa: E402
+from titan_hydra.models.deepseek_v3 import DeepSeekV3  # noqa: E402
+from titan_hydra.models.gpt_oss import FAMILY as GPT_OSS  # noqa: E402
+from titan_hydra.models.gpt_oss import GptOss  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 128
 TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
-HF_CLASSES = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}
-FAMILIES = {"llama": LLAMA, "qwen3": QWEN3}
+HF_CLASSES = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+              "qwen3_moe": transformers.Qwen3MoeForCausalLM, "deepseek_v3": transformers.DeepseekV3ForCausalLM,
+              "gpt_oss": transformers.GptOssForCausalLM}
+HF_CONFIGS = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
+              "qwen3_moe": transformers.Qwen3MoeConfig, "deepseek_v3": transformers.DeepseekV3Config,
+              "gpt_oss": transformers.GptOssConfig}
+FAMILIES = {"llama": LLAMA, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3, "gpt_oss": GPT_OSS}
 # Bars for our logits vs HF's (fp32): Llama keeps its old 1e-5, Qwen3 has the issue's 1e-4.
 # Measured max |diff| (OMP_NUM_THREADS=1; logits std 0.8-1.3, max |logit| ~3.5):
 #   HF -> ours: llama untied 1.7e-06, tied 1.8e-06; qwen3 untied 1.9e-06, tied 1.4e-06
 #   ours -> HF: llama untied 1.2e-07, tied 9.5e-07; qwen3 untied 6.0e-07, tied 9.5e-07
-LOGIT_BAR = {"llama": 1e-5, "qwen3": 1e-4}
+#   qwen3_moe (untied, layer 0 dense): HF -> ours 1.2e-06, ours -> HF 9.5e-07
+#   deepseek_v3 (YaRN, layer 0 dense; q_lora_rank 0 untied / 24 tied): HF -> ours 2.1e-06 / 2.1e-06,
+#     ours -> HF 2.4e-07 / 1.8e-07
+#   gpt_oss (window 5 on layer 0, sinks, swiglu_limit 1.0): HF -> ours 1.1e-06, ours -> HF 7.2e-07
+LOGIT_BAR = {"llama": 1e-5, "qwen3": 1e-4, "qwen3_moe": 1e-4, "deepseek_v3": 1e-4, "gpt_oss": 1e-4}
+# DeepSeek-V3: MLA (latent 16, rope 8 / nope 16 / v 12 per head), YaRN with mscale != mscale_all_dim
+# (so the cos/sin multiplier and the softmax correction both differ from 1), 8 experts of width 32,
+# top-2 in 1 of 2 groups with a shared expert, layer 0 dense. "tied" rows also use a query LoRA.
+DS_MLA = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12)
+DS_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+               beta_fast=32.0, beta_slow=1.0, mscale=0.8, mscale_all_dim=0.6)
+HF_DS_MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                 n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5)
+# Qwen3-MoE: 4 experts of width 48, top-2 renormalized; layer 0 dense (HF mlp_only_layers=[0]).
+HF_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+              mlp_only_layers=[0])
+# GPT-OSS: layer 0 sliding (window 5 < the 16 tokens), layer 1 full, sinks and biases, 4 experts of width
+# 96 top-2, a SwiGLU clamp of 1.0 that the activations reach, YaRN with truncate false (HF's gpt_oss).
+GPT_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+                beta_fast=32.0, beta_slow=1.0, truncate=False)
+HF_GPT_OSS = dict(head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=5, swiglu_limit=1.0,
+                  rope_parameters=GPT_YARN)
+OUR_MOE = dict(n_dense_layers=1, moe=dict(num_experts=4, top_k=2, expert_dim=48, route_norm=True,
+                                          load_balance_coeff=0.0))
 
 
 def hf_config(kind: str, tied: bool):
@@ -43,11 +81,16 @@ def hf_config(kind: str, tied: bool):
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                   tie_word_embeddings=tied, initializer_range=0.1)
+    if kind == "deepseek_v3":
+        return transformers.DeepseekV3Config(**(common | dict(num_key_value_heads=4)), **DS_MLA, **HF_DS_MOE,
+                                             q_lora_rank=24 if tied else None, rope_parameters=DS_YARN)
+    if kind == "gpt_oss":
+        return transformers.GptOssConfig(**common, **HF_GPT_OSS)
     if kind == "llama":
         return transformers.LlamaConfig(**common, rms_norm_eps=1e-5,
                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    return transformers.Qwen3Config(**common, head_dim=32, rms_norm_eps=1e-6,
-                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return HF_CONFIGS[kind](**common, head_dim=32, rms_norm_eps=1e-6, **(HF_MOE if kind == "qwen3_moe" else {}),
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
 def randomize_norms(model: torch.nn.Module) -> None:
@@ -57,9 +100,19 @@ def randomize_norms(model: torch.nn.Module) -> None:
         for name, p in model.named_parameters():
             if p.dim() == 1 and "norm" in name:
                 p.copy_(1 + 0.3 * torch.randn_like(p))
+        # DeepSeek-V3's routing bias (HF e_score_correction_bias); HF's Qwen3-MoE / GPT-OSS have none, ours stays 0
+        for name, b in model.named_buffers():
+            no_routing_bias = isinstance(model, (Qwen3Moe, GptOss))
+            if name.endswith(("e_score_correction_bias", "expert_bias")) and not no_routing_bias:
+                b.copy_(0.05 * torch.randn_like(b))
+        # GPT-OSS's biases and sinks start at 0 (ours) or near it (HF): make them count
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                p.copy_(0.3 * torch.randn_like(p))
 
 
-CASES = [("llama", False), ("llama", True), ("qwen3", False), ("qwen3", True)]
+CASES = [("llama", False), ("llama", True), ("qwen3", False), ("qwen3", True), ("qwen3_moe", False),
+         ("deepseek_v3", False), ("deepseek_v3", True), ("gpt_oss", False)]
 IDS = [f"{k}-{'tied' if t else 'untied'}" for k, t in CASES]
 
 
@@ -103,8 +156,21 @@ def test_hf_to_ours_to_hf(hf_dir, tmp_path):
     convert.from_hf(path, tmp_path / "ckpt" / "step-0")
     family, args, sd = convert.read_model(tmp_path / "ckpt" / "step-0")
     assert family is FAMILIES[kind] and args.tie_word_embeddings == tied
-    if kind == "qwen3":
+    if kind in ("qwen3", "qwen3_moe"):
         assert (args.head_dim, args.dim // args.n_heads, args.qk_norm) == (32, 16, True)
+    if kind == "deepseek_v3":
+        assert (args.q_lora_rank, args.rope_type, args.mscale_all_dim, args.moe.num_expert_groups) == (
+            24 if tied else 0, "yarn", 0.6, 2)
+        assert sd["layers.1.feed_forward.experts.w2"].shape == (8, 64, 32)
+        assert sd["layers.1.feed_forward.expert_bias"].abs().min() > 0
+    if kind == "gpt_oss":
+        assert (args.sliding_window, args.layer_kinds, args.rope_truncate, args.swiglu_limit, args.head_dim) == (
+            5, ["sliding_attention", "full_attention"], False, 1.0, 32)
+        assert sd["layers.1.feed_forward.experts.w1"].shape == (4, 96, 64)
+        assert sd["layers.0.attention.sinks"].abs().min() > 0
+    if kind == "qwen3_moe":
+        assert args.n_dense_layers == 1 and args.moe.num_experts == 4 and args.moe.route_norm
+        assert sd["layers.1.feed_forward.experts.w1"].shape == (4, 48, 64)
     convert.to_hf(tmp_path / "ckpt" / "step-0", tmp_path / "back")
     a, b = load_file(str(path / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
     assert a.keys() == b.keys()
@@ -123,9 +189,22 @@ def make_ours(kind: str, tied: bool):
     if kind == "llama":
         model = Llama3(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=64,
                        rope_scaling=True, rope_theta=500000.0, tie_word_embeddings=tied)
+    elif kind == "gpt_oss":
+        model = GptOss(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=VOCAB, max_seq_len=64,
+                       sliding_window=5, rope_theta=10000.0, rope_factor=4.0, rope_original_max_seq_len=16,
+                       swiglu_limit=1.0, moe=dict(num_experts=4, top_k=2, expert_dim=96, route_norm=True,
+                                                  load_balance_coeff=0.0))
+    elif kind == "deepseek_v3":
+        model = DeepSeekV3(dim=64, n_layers=2, n_heads=4, vocab_size=VOCAB, max_seq_len=64,
+                           q_lora_rank=24 if tied else 0, **DS_MLA, n_dense_layers=1, ffn_hidden_dim=96,
+                           rope_factor=4.0, rope_original_max_seq_len=16, mscale=0.8, mscale_all_dim=0.6,
+                           tie_word_embeddings=tied,
+                           moe=dict(num_experts=8, top_k=2, expert_dim=32, num_shared_experts=1, score_func="sigmoid",
+                                    route_norm=True, route_scale=2.5, num_expert_groups=2, num_limited_groups=1))
     else:
-        model = Qwen3(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_hidden_dim=96,
-                      vocab_size=VOCAB, max_seq_len=64, tie_word_embeddings=tied)
+        cls, extra = (Qwen3Moe, OUR_MOE) if kind == "qwen3_moe" else (Qwen3, {})
+        model = cls(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_hidden_dim=96,
+                    vocab_size=VOCAB, max_seq_len=64, tie_word_embeddings=tied, **extra)
     model.init_weights()
     randomize_norms(model)
     return FAMILIES[kind], model
@@ -184,7 +263,7 @@ def test_hf_dir_of_another_family_refused(qwen3_dir, tmp_path):
     family, args, _ = load_hf_checkpoint(qwen3_dir)
     assert family is QWEN3 and args.head_dim == 32
     other = edited_copy(qwen3_dir, tmp_path / "mistral", model_type="mistral")
-    with pytest.raises(CheckpointError, match=r"model_type='mistral' is not supported \(known: llama, qwen3\)") as err:
+    with pytest.raises(CheckpointError, match=r"model_type='mistral' is not supported \(known: llama, qwen3, qwen3_moe, deepseek_v3, gpt_oss\)") as err:
         convert.from_hf(other, tmp_path / "out")
     assert "\n" not in str(err.value)
     with pytest.raises(CheckpointError, match="model_type='mistral'"):
@@ -201,6 +280,25 @@ RUN_SHAPES = {
     "qwen3": (["model=qwen3_debug", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
                "model.head_dim=32", "model.ffn_hidden_dim=192"],
               dict(intermediate_size=192, head_dim=32, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    "qwen3_moe": (["model=qwen3_moe_debug", "model.dim=64", "model.n_layers=2", "model.n_heads=4",
+                   "model.n_kv_heads=2", "model.head_dim=32", "model.moe.num_experts=4", "model.moe.expert_dim=48"],
+                  dict(intermediate_size=768, head_dim=32, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)),
+    # deepseek_v3_debug narrowed; its YaRN (factor 4 over 512 positions, mscale 1) and routing as in the yaml
+    "deepseek_v3": (["model=deepseek_v3_debug", "model.dim=64", "model.n_layers=2", "model.n_heads=4",
+                     "model.kv_lora_rank=16", "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8",
+                     "model.v_head_dim=12", "model.ffn_hidden_dim=96", "model.moe.expert_dim=32"],
+                    dict(DS_MLA, **HF_DS_MOE, intermediate_size=96, num_key_value_heads=4, q_lora_rank=None,
+                         rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                         rope_parameters=dict(DS_YARN, original_max_position_embeddings=512, mscale=1.0,
+                                              mscale_all_dim=1.0))),
+    # gpt_oss_debug narrowed, window 8 (< seq 32); its YaRN as released (factor 32 over 4096, untruncated)
+    "gpt_oss": (["model=gpt_oss_debug", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+                 "model.head_dim=16", "model.sliding_window=8", "model.moe.num_experts=4", "model.moe.expert_dim=48"],
+                dict(intermediate_size=48, head_dim=16, rope_theta=150000.0, rms_norm_eps=1e-5,
+                     tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                     rope_parameters=dict(GPT_YARN, rope_theta=150000.0, factor=32.0,
+                                          original_max_position_embeddings=4096))),
 }
 
 
@@ -214,10 +312,9 @@ def test_initial_load_path_reads_an_hf_directory(tmp_path, kind):
 
     overrides, hf_fields = RUN_SHAPES[kind]
     rope = hf_fields.pop("rope_theta")
-    cfg_cls = transformers.LlamaConfig if kind == "llama" else transformers.Qwen3Config
-    hf_cfg = cfg_cls(vocab_size=2048, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=2048,
-                     rope_parameters={"rope_type": "default", "rope_theta": rope}, **hf_fields)
+    hf_cfg = HF_CONFIGS[kind](**{**dict(vocab_size=2048, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, max_position_embeddings=2048,
+                                        rope_parameters={"rope_type": "default", "rope_theta": rope}), **hf_fields})
     torch.manual_seed(0)
     hf_model = HF_CLASSES[kind](hf_cfg).eval()
     randomize_norms(hf_model)

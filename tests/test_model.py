@@ -45,6 +45,16 @@ EXPECTED_PARAMS = {
     "qwen3_8b": 8_190_735_360,
     "qwen3_14b": 14_768_307_200,
     "qwen3_32b": 32_762_123_264,
+    "qwen3_moe_debug": 5_778_176,
+    "qwen3_30b_a3b": 30_532_122_624,  # 3,353,032,704 active (tests/test_moe.py)
+    "qwen3_235b_a22b": 235_093_634_560,  # 22,190,763,520 active
+    "gpt_oss_debug": 8_164_672,  # 3,427,648 active
+    "gpt_oss_20b": 20_914_757_184,  # 4,187,440,704 active (tests/test_gpt_oss.py)
+    "gpt_oss_120b": 116_829_156_672,  # 5,711,982,912 active
+    "deepseek_v3_debug": 7_971_328,  # 4,432,384 active
+    "deepseek_v3_16b": 15_706_484_224,  # 2,661,150,208 active (tests/test_deepseek_v3.py)
+    "deepseek_v3_236b": 235_741_434_880,  # 21,375,800,320 active
+    "deepseek_v3_671b": 671_026_404_352,  # 37,552,282,624 active
 }
 EXPECTED_FFN = {"llama3_1b": 8192, "llama3_3b": 8192, "llama3_8b": 14336, "llama3_70b": 28672,
                 "llama3_405b": 53248, "llama2_7b": 11008, "llama2_13b": 13824, "llama2_70b": 28672,

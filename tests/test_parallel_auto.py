@@ -91,6 +91,22 @@ def test_llama3_405b_sixteen_nodes_uses_pp_across_nodes():
     assert fixed_layout_plan(ov, tp=8).mem_total_gib > 80.0
 
 
+def test_deepseek_v3_671b_thirty_two_nodes_uses_expert_parallel():
+    """671B MoE on 256 H100s: without EP one MoE layer's 256 experts (11 GB of bf16 weights per
+    layer) are all-gathered whole; EP keeps 1/ep of them on a rank and its all-to-all shows up in
+    the plan."""
+    ov = ["model=deepseek_v3_671b", *H100[:2], "cluster.nnodes=32", "training.seq_len=4096",
+          "training.local_batch_size=4", "activation_checkpoint=full"]
+    cfg, p = resolved(ov)
+    par = cfg.parallelism
+    assert par.ep > 1 and 256 % par.ep == 0 and (par.dp_shard * par.cp) % par.ep == 0
+    assert p.mem_total_gib <= 80.0 and p.expert_parallel == par.ep and p.alltoall_gib_per_step > 0
+    assert p.params == 671_026_404_352 and p.active_params < p.params / 15  # ~37.6B active
+    # the same degrees without EP need more memory: the unsharded expert layer is the transient
+    no_ep = fixed_layout_plan(ov, dp_shard=par.dp_shard, pp=par.pp, pp_microbatches=par.pp_microbatches, ep=1)
+    assert no_ep.mem_total_gib > 80.0 > p.mem_total_gib and no_ep.mem_transient_gib > 4 * p.mem_transient_gib
+
+
 def test_resolution_is_deterministic_and_idempotent():
     ov = ["model=llama3_70b", *H100, "cluster.nnodes=4", "training.local_batch_size=1"]
     a, _ = resolved(ov)

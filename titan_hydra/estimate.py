@@ -110,6 +110,35 @@ def fp32_attention_bytes(cfg: DictConfig, args: ModelShape, mp: str, ac: DictCon
     return per_block * ATTN_FP32_EXTRA["none"]  # full: the one block being recomputed
 
 
+# Mixture-of-Experts layers save more than their active FFN width (already in ``ffn_dim``): the
+# token copies routed to each of the top_k experts (gathered input, expert output, gate-weighted
+# output: bytes per element of top_k x dim) and the router's fp32 logits and scores per expert;
+# selective_op recomputes most of the copies. Fitted with MemTracker on qwen3_moe_debug and
+# deepseek_v3_debug (estimate/measured 0.98-1.13, 2026-11-23; tests/test_estimator.py).
+MOE_ROUTED_COEF = {("fp32", "none"): 12, ("bf16", "none"): 10, ("bf16_params", "none"): 8,
+                   ("fp32", "selective_op"): 6, ("bf16", "selective_op"): 2, ("bf16_params", "selective_op"): 2}
+MOE_ROUTER_BYTES = 12  # per token and expert: fp32 logits, scores, selection mask
+
+
+def moe_activation_bytes(args: ModelShape, kind: str, mode: str, tokens: float) -> float:
+    """Extra saved activations of one MoE layer (0 under full AC: only the block input is kept)."""
+    if not args.n_experts or mode == "full":
+        return 0.0
+    coef = MOE_ROUTED_COEF[(kind, "selective_op" if mode == "selective_op" else "none")]
+    per_token = coef * args.top_k * args.dim + MOE_ROUTER_BYTES * args.n_experts
+    return tokens * per_token
+
+
+def alltoall_bytes(args: ModelShape, kind: str, tokens: float, moe_layers: float, ep: int) -> float:
+    """Bytes one rank sends per step through expert parallelism's all-to-all: each MoE layer
+    dispatches and combines top_k copies of every token, forward and backward (4 passes); the
+    share that stays on the rank ((ep-1)/ep leaves it) is free."""
+    if ep <= 1 or not args.n_experts:
+        return 0.0
+    elem = 4 if kind == "fp32" else 2
+    return 4 * moe_layers * args.top_k * tokens * args.dim * elem * (ep - 1) / ep
+
+
 def head_activation_bytes(args: ModelShape, tokens: float, tp: int) -> float:
     """Final norm + logits: the logits, their fp32 log-softmax and both gradients (~16 B/vocab)."""
     return tokens * (12 * args.dim + 16 * args.vocab_size / tp)
@@ -138,6 +167,8 @@ class Plan:
     device_memory_gib: float | None = None
     tflops_per_rank_at_mfu40: float = 0.0
     step_time_s_at_mfu40: float | None = None
+    expert_parallel: int = 1
+    alltoall_gib_per_step: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -152,7 +183,8 @@ class Plan:
             ("non-embedding parameters", f"{self.non_embedding_params:,}"),
             *([("active parameters per token", f"{self.active_params:,}")]
               if self.active_params and self.active_params != self.params else []),
-            ("FLOPs per token", f"{self.flops_per_token:.4g}"),
+            ("FLOPs per token", f"{self.flops_per_token:.4g}"
+             + (" (active parameters + attention)" if self.active_params and self.active_params != self.params else "")),
             ("tokens per step (global)", f"{self.tokens_per_step:,}"),
             ("FLOPs per step (global)", f"{self.flops_per_step:.4g}"),
             ("world size / layout", f"{self.world_size} / {self.layout}"),
@@ -165,6 +197,8 @@ class Plan:
             ("memory per rank: transient", f"{self.mem_transient_gib:.3f} GiB"),
             ("memory per rank: peak", f"{self.mem_total_gib:.3f} GiB{fits}"),
         ]
+        if self.expert_parallel > 1:
+            rows.append(("expert all-to-all per rank", f"{self.alltoall_gib_per_step:.3g} GiB/step"))
         if self.step_time_s_at_mfu40 is not None:
             rows.append(("step time at 40% MFU", f"{self.step_time_s_at_mfu40:.3g} s"))
         width = max(len(k) for k, _ in rows)
@@ -226,14 +260,17 @@ def plan(cfg: DictConfig, dims) -> Plan:
         micro = dims.pp_microbatches or dims.pp
         local_tokens = local_tokens / micro * min(micro, dims.pp)
     layers = math.ceil(args.n_layers / dims.pp)
+    moe_layers = math.ceil(args.moe_layers / dims.pp)
+    ep = int(getattr(dims, "ep", 1))
     act = activation_bytes(args, kind, ac.mode, local_tokens, layers, int(ac.selective_layer_freq), dims.tp)
+    act += moe_layers * moe_activation_bytes(args, kind, ac.mode, local_tokens)
     act += head_activation_bytes(args, local_tokens, dims.tp)
     act += fp32_attention_bytes(cfg, args, mp, ac, local_tokens, layers, dims.tp)
     if kind == "bf16":  # autocast's bf16 copies of the weights live until backward ends
         act += params_local * 2
     transient = end_of_backward = 0.0
     if dims.fsdp_enabled:
-        block = args.block_params / dims.tp
+        block = largest_block_params(args, ep) / dims.tp
         head = args.head_params / dims.tp
         pbytes = 2 if kind == "bf16_params" else 4
         transient = (head + block) * (pbytes + 4)  # unsharded params + their unsharded grads
@@ -243,10 +280,14 @@ def plan(cfg: DictConfig, dims) -> Plan:
         end_of_backward = mem_grads + max(head, block) * (2 * pbytes + 4)
     # AdamW on CUDA is foreach (a temporary as large as all local params); on CPU it loops
     # per tensor (a temporary as large as the largest one: embedding/output or an FFN weight).
-    largest = max(n_emb, args.dim * args.ffn_dim) / dims.tp / fsdp_shard
+    expert_tensor = args.expert_params / max(3 * args.moe_layers, 1)  # one of w1/w2/w3 of a layer
+    largest = max(n_emb, args.dim * args.ffn_dim, expert_tensor) / dims.tp / fsdp_shard
     optimizer_step = mem_grads + 4 * (params_local if cfg.cluster.device == "cuda" else largest)
     peak = mem_params + mem_optim + max(act + transient, optimizer_step, end_of_backward)
     layout = f"dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp} pp={dims.pp} cp={dims.cp}"
+    if ep > 1:
+        layout += f" ep={ep}"
+    a2a = alltoall_bytes(args, kind, local_bs * t.seq_len / dims.cp * accum, moe_layers, ep)
     peak_tflops = OmegaConf.select(cfg, "cluster.peak_tflops")
     flops_rank = fpt * tokens / dims.world_size
     step_time = flops_rank / (0.4 * peak_tflops * 1e12) if peak_tflops else None
@@ -259,4 +300,15 @@ def plan(cfg: DictConfig, dims) -> Plan:
         mixed_precision=mp, ac_mode=str(ac.mode), mem_transient_gib=transient / GIB,
         device_memory_gib=device_memory_of(cfg),
         tflops_per_rank_at_mfu40=0.4 * peak_tflops if peak_tflops else 0.0, step_time_s_at_mfu40=step_time,
+        expert_parallel=ep, alltoall_gib_per_step=a2a / GIB,
     )
+
+
+def largest_block_params(args: ModelShape, ep: int = 1) -> float:
+    """Parameters FSDP unshards at once for one block: the dense part plus a MoE layer's routed
+    experts, of which expert parallelism keeps only 1/ep on a rank (sharded on their own mesh)."""
+    if not args.moe_layers:
+        return args.block_params
+    expert_layer = args.expert_params / args.moe_layers
+    dense_avg = args.block_params - args.expert_params / args.n_layers
+    return dense_avg + expert_layer / max(ep, 1)

@@ -25,6 +25,8 @@ _FMT: dict[str, tuple[str, Callable[[float], str]]] = {
     "mfu": ("mfu", lambda v: f"{v:.1f}%"),
     "memory_peak_gib": ("mem", lambda v: f"{v:.2f}GiB"),
     "data_time": ("data", lambda v: f"{1e3 * v:.1f}ms"),  # seconds in, ms shown
+    "moe/max_over_mean": ("moe_load", lambda v: f"{v:.2f}"),  # worst layer's busiest expert / mean
+    "moe/idle_frac": ("idle_experts", lambda v: f"{100 * v:.0f}%"),
 }
 _DEFAULT = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
 # Logged to the other sinks, too detailed for the one-line console view.
@@ -34,10 +36,15 @@ _CONSOLE_HIDDEN = {"memory", "memory_peak_pct", "memory_current_gib", "memory_re
 log = logging.getLogger("titan_hydra")
 
 
+def _per_layer(key: str) -> bool:
+    """Per-layer breakdowns (``moe/layer<i>/...``): logged to files, TB and W&B, not the console line."""
+    return key.startswith("moe/layer")
+
+
 def _fmt_items(metrics: dict[str, Any], fields: Iterable[str] | None) -> str:
     if fields is None:
         keys = [k for k in _FMT if k in metrics]
-        keys += [k for k in metrics if k not in _FMT and k not in _CONSOLE_HIDDEN]
+        keys += [k for k in metrics if k not in _FMT and k not in _CONSOLE_HIDDEN and not _per_layer(k)]
     else:
         keys = [k for k in fields if k in metrics]
     parts = []

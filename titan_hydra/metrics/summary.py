@@ -28,6 +28,8 @@ def run_header(*, flavor: str, family: str, shape, dims, world_size: int, mixed_
     tied = ", tied embeddings" if shape.tied_embeddings else ""
     degrees = [(n, getattr(dims, n)) for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")]
     mesh = " x ".join(f"{n} {d}" for n, d in degrees if d > 1) or "one process"
+    if getattr(dims, "ep", 1) > 1:  # EP adds no ranks: it splits the experts over dp_shard x cp
+        mesh += f"; routed experts split over ep {dims.ep} of the dp_shard x cp ranks"
     params = "bf16 params (FSDP), fp32 reduce" if mixed_precision == "bf16" and dims.fsdp_enabled else (
         "bf16 autocast, fp32 params" if mixed_precision == "bf16" else "fp32")
     attention = "compute dtype" if attention_dtype is None else str(attention_dtype).replace("torch.", "")

@@ -145,6 +145,11 @@ class ModelFamily:
         return [(n, m) for n, m in model.named_modules() if getattr(type(m), "routed_experts", False)]
 
     # --- training -----------------------------------------------------------------------
+    def set_loss_scale(self, model_parts: list[nn.Module], scale: float) -> None:
+        """The runner backpropagates each microbatch's loss times ``scale`` (1 / (gradient
+        accumulation x pipeline microbatches)); losses a model adds to the gradient itself (MoE
+        auxiliary loss) must use the same weight to equal one big batch."""
+
     def step_hooks(self, model_parts: list[nn.Module], dims: Any) -> list:
         """Callables the trainer runs once per optimizer step (after backward of every microbatch,
         before ``optimizer.step``); each returns ``{metric: value}`` logged with the step."""

@@ -21,6 +21,9 @@ from titan_hydra.models.protocol import ModelFamily
 BUILTIN: dict[str, tuple[str, str, str]] = {
     "llama3": ("titan_hydra.models.llama3", "titan_hydra.models.llama3.config", "Llama3Config"),
     "qwen3": ("titan_hydra.models.qwen3", "titan_hydra.models.qwen3.config", "Qwen3Config"),
+    "qwen3_moe": ("titan_hydra.models.qwen3_moe", "titan_hydra.models.qwen3_moe.config", "Qwen3MoeConfig"),
+    "deepseek_v3": ("titan_hydra.models.deepseek_v3", "titan_hydra.models.deepseek_v3.config", "DeepSeekV3Config"),
+    "gpt_oss": ("titan_hydra.models.gpt_oss", "titan_hydra.models.gpt_oss.config", "GptOssConfig"),
 }
 LABELS = ("_target_", "family", "flavor")
 # Checkpoints written before model families existed hold a Llama and no family name.

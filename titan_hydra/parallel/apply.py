@@ -1,7 +1,7 @@
 """Apply the configured layout to a meta-device model, in the order that composes.
 
-float8 (done by the recipe) -> PP split -> per stage: TP -> AC -> compile -> FSDP/HSDP/DDP,
-as torchtitan does: TP must see plain nn.Linear weights before FSDP wraps them in DTensors,
+float8 (done by the recipe) -> PP split -> per stage: TP -> EP -> AC -> compile -> FSDP/HSDP/DDP,
+as torchtitan does: TP (and EP, for the routed experts) must see plain weights before FSDP wraps them in DTensors,
 AC/compile wrap whole blocks, and FSDP goes last so that it shards whatever the others made.
 Each technique lives in its own module and arrives here as an object built from its own
 config group (``ParallelDims``, ``ActivationCheckpointing``, ``Compiler``); the model family
@@ -33,15 +33,20 @@ class ParallelModel:
 
 def parallelize_part(part: torch.nn.Module, family, dims: ParallelDims, ac, compiler, mixed_precision: str,
                      device: torch.device) -> torch.nn.Module:
-    """TP -> AC -> compile -> data parallel on one model (or one pipeline stage).
+    """TP -> EP -> AC -> compile -> data parallel on one model (or one pipeline stage).
 
     ``family`` (titan_hydra.models.protocol.ModelFamily) says what to shard and wrap: the TP
-    plan, the blocks AC and compile wrap, the FSDP units.
+    plan, the routed experts, the blocks AC and compile wrap, the FSDP units.
     """
     if dims.tp_enabled:
         from titan_hydra.parallel.tp import apply_tp
 
         apply_tp(part, family, dims)
+    experts = []
+    if dims.ep_enabled:
+        from titan_hydra.parallel.ep import apply_ep
+
+        experts = [m for _, m in apply_ep(part, family, dims)]
     if ac is not None and ac.enabled:
         ac.apply(family.blocks(part))
     if compiler is not None and compiler.enabled:
@@ -49,7 +54,7 @@ def parallelize_part(part: torch.nn.Module, family, dims: ParallelDims, ac, comp
     if dims.fsdp_enabled or dims.dp_replicate_enabled:
         from titan_hydra.parallel.fsdp import apply_data_parallel
 
-        apply_data_parallel(part, family.fsdp_units(part), dims, mixed_precision, device)
+        apply_data_parallel(part, family.fsdp_units(part), dims, mixed_precision, device, experts)
     return part
 
 

@@ -54,6 +54,7 @@ class Candidate:
     pp: int
     cp: int
     pp_microbatches: int | None
+    ep: int = 1  # expert parallel (MoE models): borrowed from dp_shard x cp
     mem_gib: float = 0.0
     fits: bool = True
     tokens_per_s: float = 0.0
@@ -61,11 +62,11 @@ class Candidate:
 
     @property
     def model_parallel_dims(self) -> int:
-        return sum(d > 1 for d in (self.tp, self.pp, self.cp))
+        return sum(d > 1 for d in (self.tp, self.pp, self.cp, self.ep))
 
     def degrees(self) -> dict:
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp,
-                "pp": self.pp, "cp": self.cp}
+                "pp": self.pp, "cp": self.cp, "ep": self.ep}
 
     def describe(self, sep: str = " ") -> str:
         return sep.join(f"{k}={v}" for k, v in self.degrees().items() if k == "dp_shard" or v > 1)
@@ -114,10 +115,21 @@ def enumerate_candidates(cfg: DictConfig) -> list[Candidate]:
                 in_node = per_node // (tp * cp)  # data-parallel ranks inside one node
                 groups = nodes // pp  # nodes per pipeline stage
                 mb = pp_microbatches_for(cfg, pp)
-                out.append(Candidate(1, in_node * groups, tp, pp, cp, mb))
+                shapes = [(1, in_node * groups)]
                 if groups > 1:  # HSDP: shard inside the node, replicate across nodes
-                    out.append(Candidate(groups, in_node, tp, pp, cp, mb))
+                    shapes.append((groups, in_node))
+                for rep, shard in shapes:
+                    for ep in expert_degrees(m.n_experts, shard * cp, tp):
+                        out.append(Candidate(rep, shard, tp, pp, cp, mb, ep))
     return out
+
+
+def expert_degrees(n_experts: int, shard_ranks: int, tp: int) -> list[int]:
+    """ep degrees to try: 1, and for MoE models every divisor of the dp_shard x cp ranks that also
+    divides the expert count (EP does not compose with TP here)."""
+    if not n_experts or tp > 1:
+        return [1]
+    return [d for d in divisors(shard_ranks) if n_experts % d == 0]
 
 
 def candidate_cfg(cfg: DictConfig, c: Candidate) -> DictConfig:
@@ -130,7 +142,8 @@ def candidate_cfg(cfg: DictConfig, c: Candidate) -> DictConfig:
 def set_degrees(cfg: DictConfig, c: Candidate) -> None:
     with open_dict(cfg):
         for k, v in c.degrees().items():
-            cfg.parallelism[k] = v
+            if k != "ep" or v > 1 or "ep" in cfg.parallelism:
+                cfg.parallelism[k] = v
         cfg.parallelism.pp_microbatches = c.pp_microbatches
         cfg.parallelism.name = "auto:" + c.describe(",")
 
@@ -178,12 +191,20 @@ def estimated_step_time(cfg: DictConfig, dims, p) -> float:
     if dims.cp > 1:  # all-gather K/V forward, reduce-scatter their grads backward
         kv = tokens * args.kv_dim * 2 * 2 / dims.tp
         exposed += 2 * layers * kv * (dims.cp - 1) / intra
+    ep = int(getattr(dims, "ep", 1))
+    if ep > 1:  # token all-to-all of the MoE layers: on the critical path
+        exposed += p.alltoall_gib_per_step * 2**30 / (intra if ep <= per_node else inter)
     overlapped = 0.0
     weights = stage_params(args, dims.pp) / dims.tp
     shard = dims.dp_shard * dims.cp
     if dims.fsdp_enabled:  # all-gather bf16 params fwd + bwd, reduce-scatter fp32 grads
         link = intra if dims.tp * dims.cp * dims.dp_shard <= per_node else inter
-        overlapped += weights * (2 + 2 + 4) * (shard - 1) / shard / link
+        experts = args.expert_params / dims.pp
+        overlapped += (weights - experts) * (2 + 2 + 4) * (shard - 1) / shard / link
+        # Routed experts: each rank holds 1/ep of them, FSDP-sharded over the other shard/ep ranks.
+        eshard = shard // ep
+        elink = intra if dims.tp * dims.cp * dims.dp_shard // ep <= per_node else inter
+        overlapped += experts / ep * (2 + 2 + 4) * (eshard - 1) / max(eshard, 1) / elink
     if dims.dp_replicate > 1:  # all-reduce of the (sharded) fp32 grads across nodes
         r = dims.dp_replicate
         overlapped += 2 * weights / (shard if dims.fsdp_enabled else 1) * 4 * (r - 1) / r / inter

@@ -3,6 +3,13 @@
 Mesh dimension order (outer to inner): pp, dp_replicate, dp_shard, cp, tp. TP is innermost
 so that it stays inside a node on GPU clusters; flattened views ("dp", "dp_shard_cp",
 "dp_cp") are what FSDP, data loading and loss averaging need.
+
+Expert parallel (``ep``) adds no ranks: it borrows them from dp_shard x cp. Routed experts live
+on a second mesh over the same ranks, [pp, dp_replicate, efsdp, ep] with efsdp = dp_shard*cp/ep:
+the ep ranks of one group split the experts between them, and the efsdp ranks holding the same
+experts shard them FSDP-style. Both meshes come from one root (the expert one is an unflatten
+of the dense dp_shard x cp dims), which is what FSDP needs to combine efsdp with the experts'
+ep placement into one DTensor layout.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ class ParallelDims:
     pp_layers_per_stage: int | None = None
     pp_split_points: list[str] = field(default_factory=list)
     cp_rotate_method: str = "allgather"
+    ep: int = 1
 
     def __post_init__(self) -> None:
         for key in ("dp_replicate", "tp", "pp", "cp"):
@@ -65,6 +73,7 @@ class ParallelDims:
                 f"parallel degrees dp_replicate*dp_shard*tp*pp*cp={product} != world size {self.world_size} "
                 f"(cluster.nnodes*cluster.nproc_per_node); set parallelism.dp_shard=-1 or fix the degrees"
             )
+        self._check_ep()
         if self.fsdp_reshard_after_forward not in ("default", "always", "never"):
             raise ConfigError(
                 f"parallelism.fsdp_reshard_after_forward={self.fsdp_reshard_after_forward!r}; "
@@ -75,6 +84,22 @@ class ParallelDims:
         if self.cp_rotate_method not in ("allgather", "alltoall"):
             raise ConfigError(
                 f"parallelism.cp_rotate_method={self.cp_rotate_method!r}; use allgather or alltoall"
+            )
+
+    def _check_ep(self) -> None:
+        if self.ep == -1:
+            self.ep = self.dp_shard * self.cp
+        if self.ep < 1:
+            raise ConfigError(f"parallelism.ep={self.ep} must be >= 1 or -1 (= all dp_shard*cp ranks)")
+        if (self.dp_shard * self.cp) % self.ep:
+            raise ConfigError(
+                f"parallelism.ep={self.ep} must divide dp_shard*cp={self.dp_shard * self.cp} (expert-parallel "
+                "ranks are borrowed from them); change parallelism.ep or the data-parallel degrees"
+            )
+        if self.ep > 1 and self.tp > 1:
+            raise ConfigError(
+                f"parallelism.ep={self.ep} with parallelism.tp={self.tp} is not supported; "
+                "set parallelism.tp=1 or parallelism.ep=1"
             )
 
     # --- what is on ---------------------------------------------------------------
@@ -120,6 +145,15 @@ class ParallelDims:
         return self.cp > 1
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def efsdp(self) -> int:
+        """Expert-FSDP degree: ranks that hold the same experts and shard them between them."""
+        return self.dp_shard * self.cp // self.ep
+
+    @property
     def loss_parallel_enabled(self) -> bool:
         return self.tp_enabled and self.tp_loss_parallel
 
@@ -152,10 +186,41 @@ class ParallelDims:
             if len(parts) > 1:
                 mesh[tuple(parts)]._flatten(mesh_dim_name=flat_name)
         self._mesh = mesh
+        if self.ep_enabled:
+            self._expert_mesh = self._build_expert_mesh(mesh)
         return mesh
+
+    def _build_expert_mesh(self, mesh):
+        """[pp?, dp_replicate?, efsdp, ep] over the same ranks: dp_shard x cp unflattened into
+        (efsdp, ep), so an ep group is ``ep`` consecutive ranks of the dp_shard x cp order.
+        efsdp is kept even when it is 1 (FSDP of the experts needs a mesh to run on)."""
+        import warnings
+
+        names = mesh.mesh_dim_names
+        outer = [n for n in ("pp", "dp_replicate") if n in names]
+        shard_dims = [n for n in ("dp_shard", "cp") if n in names]
+        shard = "dp_shard_cp" if len(shard_dims) == 2 else shard_dims[0]
+        with warnings.catch_warnings():
+            # torch 2.13 announces that slicing a flattened dim off the root mesh will be deprecated.
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            base = mesh[(*outer, shard)] if outer else mesh[shard]
+        expert = base._unflatten(len(outer), (self.efsdp, self.ep), ("efsdp", "ep"))
+        # Lets DTensor reduce over both dims in one collective (gradient norms of the experts).
+        expert["efsdp", "ep"]._flatten(mesh_dim_name="efsdp_ep")
+        return expert
+
+    def expert_mesh(self, *names: str):
+        """The expert mesh, or its sub-mesh over ``names`` (present ones only); None without EP."""
+        mesh = getattr(self, "_expert_mesh", None)
+        if mesh is None or not names:
+            return mesh
+        present = tuple(n for n in names if n in mesh.mesh_dim_names)
+        return mesh[present] if len(present) > 1 else mesh[present[0]]
 
     def submesh(self, name: str):
         """The named (possibly flattened) sub-mesh, or None when that dimension is trivial."""
+        if name in ("ep", "efsdp"):
+            return self.expert_mesh(name)
         mesh = getattr(self, "_mesh", None)
         if mesh is None:
             return None

@@ -16,6 +16,13 @@ Reductions: gloo has no ``ReduceOp.PREMUL_SUM`` and no ``ReduceOp.AVG`` for thes
 collectives, which FSDP picks by default to average gradients. On gloo we force plain-SUM
 collectives; FSDP then divides by the data-parallel size itself (before/after the sum), so
 gradients stay the mean over dp ranks, matching the trainer's per-rank mean loss.
+
+Expert parallel: routed-experts modules (already DTensors ``Shard(0)`` over ep, see ep.py) are
+sharded first, on the expert mesh's efsdp dim (2-D with dp_replicate: HSDP), so that their
+block's group (on the dense mesh) leaves them out. Their gradient already sums the
+contributions of the whole ep group (the all-to-all's backward brings every token's gradient
+to the expert's owner), and the efsdp (x dp_replicate) reduction sums over the rest, so the
+divide factor is the full dp x cp size, exactly what the dense parameters are divided by.
 """
 
 from __future__ import annotations
@@ -93,12 +100,38 @@ def use_sum_reductions(model: torch.nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
+def expert_dp_mesh_of(dims: ParallelDims):
+    """The mesh expert modules are sharded on: efsdp, or (dp_replicate, efsdp) for HSDP."""
+    return dims.expert_mesh("dp_replicate", "efsdp")
+
+
+def _unit_is_last(units: list, module: torch.nn.Module) -> bool:
+    """Whether ``module`` lies inside the unit that runs last in the forward."""
+    for unit, is_last in units:
+        for m in unit if isinstance(unit, list) else [unit]:
+            if any(sub is module for sub in m.modules()):
+                return is_last
+    return False
+
+
+def shard_experts(experts: list[torch.nn.Module], units: list, dims: ParallelDims, mp, offload) -> None:
+    """FSDP on each routed-experts module (before its block), grads divided by the dp x cp size."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = expert_dp_mesh_of(dims)
+    for module in experts:
+        reshard = block_reshard_after_forward(dims, _unit_is_last(units, module))
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+        module.set_gradient_divide_factor(float(dims.dp_replicate * dims.dp_shard * dims.cp))
+
+
 def apply_data_parallel(model: torch.nn.Module, units: list, dims: ParallelDims, mixed_precision: str,
-                        device: torch.device) -> None:
+                        device: torch.device, experts: list[torch.nn.Module] = ()) -> None:
     """FSDP2 (dp_shard/cp > 1, 2-D HSDP with dp_replicate > 1) or FSDP2-based DDP, in place.
 
     ``units``: (module or [modules], is_last_in_forward) in forward order, from the model
     family (``ModelFamily.fsdp_units``); each becomes one all-gather / reduce-scatter group.
+    ``experts``: routed-experts modules already sharded over ep (EP needs FSDP: ep | dp_shard*cp).
     """
     mesh = dp_mesh_of(dims)
     mp = mp_policy_of(mixed_precision, dims)
@@ -106,6 +139,7 @@ def apply_data_parallel(model: torch.nn.Module, units: list, dims: ParallelDims,
         from torch.distributed.fsdp import fully_shard
 
         offload = offload_policy_of(dims, device)
+        shard_experts(list(experts), units, dims, mp, offload)
         for module, is_last in units:
             fully_shard(
                 module,
@@ -123,6 +157,12 @@ def apply_data_parallel(model: torch.nn.Module, units: list, dims: ParallelDims,
         replicate(model, mesh=mesh, mp_policy=mp)
     if _backend_is_gloo():
         use_sum_reductions(model)
+        if dims.efsdp == 1:
+            # One rank per efsdp group: FSDP runs no reduce-scatter there, and torch 2.13 divides
+            # such a gradient twice (by the factor, then again after the "sum"). The sum op is
+            # only needed for gloo collectives, and the HSDP all-reduce is a SUM either way.
+            for module in experts:
+                module.set_force_sum_reduction_for_comms(False)
 
 
 def _backend_is_gloo() -> bool:

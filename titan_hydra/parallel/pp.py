@@ -26,6 +26,8 @@ Why it is built this way:
 
 from __future__ import annotations
 
+import contextlib
+
 import re
 from typing import Any, Callable
 
@@ -186,6 +188,12 @@ class PipelineRunner:
         self.parts: dict[int, torch.nn.Module] = {}
         self.pp_rank, self.group, self.device = 0, None, torch.device("cpu")
         self.has_first_stage = self.has_last_stage = True
+        self._probed = False  # the first step's shape-inference forward has been undone
+
+    @property
+    def loss_scale(self) -> float:
+        """The weight each microbatch's loss gets in the step's gradient."""
+        return self.scale
 
     def loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = self.base_loss_fn(output, target)
@@ -195,7 +203,9 @@ class PipelineRunner:
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         self._recorded = []
         target = labels if self.has_last_stage else None
-        with self.step_context(inputs, labels):
+        probe = contextlib.nullcontext() if self._probed else _undo_probe_forward(list(self.parts.values()))
+        self._probed = True
+        with probe, self.step_context(inputs, labels):
             if self.has_first_stage:
                 self.schedule.step(inputs, target=target)
             else:
@@ -243,6 +253,40 @@ class PipelineRunner:
             elif prev == self.pp_rank:
                 _send_tensor(h, owner, self.group, self.device)
         return loss
+
+
+@contextlib.contextmanager
+def _undo_probe_forward(parts: list[torch.nn.Module]):
+    """Make the first step's shape-inference forward leave no trace in module buffers.
+
+    Without static stage shapes, torch's PipelineStage infers them on the first step by running
+    each stage once on a probe (the first microbatch on stage 0, uninitialised tensors of the
+    received shapes on the others) before the real microbatches. Stateful buffers (MoE load
+    counts) would count that probe. Each stage's first forward in this step is the probe: its
+    buffers are put back to what they held before it.
+    """
+    handles = []
+    for part in parts:
+        saved = {name: buf.detach().clone() for name, buf in part.named_buffers()}
+        if not saved:
+            continue
+
+        def restore(module, args, output, saved=saved, state={"done": False}):
+            if not state["done"]:
+                state["done"] = True
+                with torch.no_grad():
+                    for name, buf in module.named_buffers():
+                        # only what the probe changed: rewriting an unchanged buffer in place
+                        # (rotary tables) would invalidate tensors autograd saved from it
+                        if name in saved and buf.shape == saved[name].shape and not torch.equal(buf, saved[name]):
+                            buf.copy_(saved[name])
+
+        handles.append(part.register_forward_hook(restore))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

@@ -26,6 +26,11 @@ class SingleStageRunner:
         self.grad_accum_steps = grad_accum_steps
         self.step_context = step_context
 
+    @property
+    def loss_scale(self) -> float:
+        """The weight each microbatch's loss gets in the step's gradient."""
+        return 1.0 / self.grad_accum_steps
+
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with self.step_context(inputs, labels):
             logits = self.model(inputs)

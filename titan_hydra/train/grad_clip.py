@@ -1,7 +1,12 @@
 """Gradient-norm clipping that is correct for every layout.
 
-Gradients may be plain tensors (single, DDP) or DTensors (FSDP, TP); torch's total-norm helper
-handles both and a DTensor result is materialized with ``full_tensor()``. Under pipeline
+Gradients may be plain tensors (single, DDP) or DTensors (FSDP, TP, EP). torch's total-norm
+helper takes a list of them and a DTensor result is materialized with ``full_tensor()``, but
+one call cannot mix DTensors on different meshes: under expert parallel the routed experts
+live on the expert mesh and everything else on the dense one. So the gradients are grouped by
+mesh (plain tensors form a group of their own), each group's norm is taken and materialized,
+and the groups combine as sum of p-th powers (max for the inf-norm). Groups are visited in an
+order every rank agrees on, since materializing a norm is a collective. Under pipeline
 parallelism each rank holds only its stages' gradients, so the p-th powers are summed over the
 pipeline group before taking the root.
 """
@@ -16,6 +21,26 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
+def _by_mesh(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    """Parameters grouped by their gradient's mesh: plain tensors first, then one group per
+    DTensor mesh, ordered by the mesh's dim names and ranks (the same on every rank sharing it)."""
+    plain = [p for p in params if not isinstance(p.grad, DTensor)]
+    groups: dict = {}
+    for p in params:
+        if isinstance(p.grad, DTensor):
+            groups.setdefault(p.grad.device_mesh, []).append(p)
+
+    def key(mesh) -> tuple:
+        return (tuple(mesh.mesh_dim_names or ()), tuple(mesh.mesh.flatten().tolist()))
+
+    return ([plain] if plain else []) + [groups[m] for m in sorted(groups, key=key)]
+
+
+def _norm(params: list[torch.nn.Parameter], norm_type: float) -> torch.Tensor:
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=norm_type, foreach=True)
+    return total.full_tensor() if isinstance(total, DTensor) else total
+
+
 def clip_grad_norm_(
     parameters: Iterable[torch.nn.Parameter],
     max_norm: float,
@@ -24,12 +49,16 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip in place (when max_norm > 0) and return the global gradient norm."""
     params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    if not grads:
+    if not params:
         return torch.tensor(0.0)
-    total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    groups = _by_mesh(params)
+    norms = [_norm(group, norm_type) for group in groups]
+    if len(norms) == 1:
+        total = norms[0]
+    elif math.isinf(norm_type):
+        total = torch.stack(norms).max()
+    else:
+        total = torch.stack([n.float() ** norm_type for n in norms]).sum() ** (1.0 / norm_type)
     if pp_group is not None:
         if math.isinf(norm_type):
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
@@ -38,5 +67,6 @@ def clip_grad_norm_(
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
             total = total ** (1.0 / norm_type)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        for group in groups:  # one foreach call per mesh: DTensor ops do not mix meshes
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total

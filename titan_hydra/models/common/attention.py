@@ -1,11 +1,30 @@
-"""Causal grouped-query attention via SDPA, with the options the dense families need.
+"""Causal grouped-query attention via SDPA, with the options the decoder families need.
 
 * ``head_dim`` is its own field (Qwen3: 16 heads x 128 on a 1024-wide model), not dim/n_heads.
 * ``qk_norm``: RMSNorm over each head's query and key before rotary (Qwen3).
 * ``rope_interleaved``: which rotary pairing the weights were trained with (see rotary.py).
+* ``bias`` / ``out_bias``: biases on the q/k/v and on the output projection (GPT-OSS has both).
+* ``sliding_window=W``: each query sees only the last W positions (itself included), as HF's
+  ``sliding_window`` (key j visible from query i iff i - W < j <= i).
+* ``sinks``: a learned logit per head that joins every softmax row and whose probability mass
+  is then dropped (GPT-OSS "attention sinks"): a row may put weight on "nothing".
+
+The default (no window, no sinks) stays one ``is_causal`` SDPA call. The window and the sinks
+need an explicit mask, which torch 2.13's CPU flex_attention cannot differentiate through, so
+they run as SDPA with a boolean mask. The sink is made exact inside that one SDPA call: every
+head gets one extra key, visible from every query, whose value is 0 and whose score is the sink
+logit (the head dim is padded so that q . k_sink = sink / scale, with q's pad = 1 and the real
+keys' pad = 0). The softmax then normalizes over keys + sink and the sink contributes nothing
+to the output, which is exactly HF's concat-softmax-drop; gradients reach the sink through the
+extra key (in bf16 the sink logit carries bf16 rounding, like every other score). The mask is
+O(S^2) booleans per call (64 MiB at 8k tokens): fine at the lengths trained here, but very
+long contexts on GPU would want a block-sparse mask (flex_attention) instead.
 
 Head counts are read off the projected shapes at runtime, so a column-wise sharded
 ``wq/wk/wv`` (tensor parallel) just yields fewer local heads: the module needs no TP knowledge.
+The per-head ``sinks`` would have to be sharded with the heads: a family with sinks refuses TP.
+Context parallel's attention handlers only know ``is_causal``: a family with a window or sinks
+refuses CP (see the family's ``check``).
 """
 
 from __future__ import annotations
@@ -20,9 +39,13 @@ from titan_hydra.models.common.rotary import apply_rope
 
 class Attention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *, qk_norm: bool = False,
-                 norm_eps: float = 1e-6, rope_interleaved: bool = True, bias: bool = False):
+                 norm_eps: float = 1e-6, rope_interleaved: bool = True, bias: bool = False,
+                 out_bias: bool = False, sliding_window: int | None = None, sinks: bool = False):
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window={sliding_window} must be >= 1 (or None for full causal attention)")
         self.head_dim = head_dim
+        self.sliding_window = sliding_window
         self.rope_interleaved = rope_interleaved
         # dtype SDPA runs in; None = whatever q/k/v arrive in (the compute dtype). A training
         # precision policy may set float32 (titan_hydra.train.precision).
@@ -30,7 +53,8 @@ class Attention(nn.Module):
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=out_bias)
+        self.sinks = nn.Parameter(torch.empty(n_heads)) if sinks else None
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
 
@@ -57,12 +81,19 @@ class Attention(nn.Module):
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dtype = self.sdpa_dtype
+        plain = self.sliding_window is None and self.sinks is None
         if dtype is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            if plain:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return masked_attention(q, k, v, self.sliding_window, self.sinks)
         # Even when q/k/v already arrive in ``dtype``, an active autocast would cast them down
         # again inside SDPA (it is on autocast's lower-precision list): always run it disabled.
         with torch.autocast(q.device.type, enabled=False):
-            out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True)
+            q, k, v32 = q.to(dtype), k.to(dtype), v.to(dtype)
+            if plain:
+                out = F.scaled_dot_product_attention(q, k, v32, is_causal=True)
+            else:
+                out = masked_attention(q, k, v32, self.sliding_window, self.sinks)
         return out.to(v.dtype)
 
     def init_weights(self, out_std: float, in_std: float = 0.02) -> None:
@@ -71,6 +102,42 @@ class Attention(nn.Module):
             if w.bias is not None:
                 nn.init.zeros_(w.bias)
         trunc_normal_(self.wo.weight, out_std)
+        if self.wo.bias is not None:
+            nn.init.zeros_(self.wo.bias)
+        if self.sinks is not None:  # logit 0: the sink starts as one more key scoring 0
+            nn.init.zeros_(self.sinks)
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.reset_parameters()
+
+
+# Extra head-dim columns that carry the sink logit (a multiple of 8 keeps fused kernels usable).
+SINK_PAD = 8
+
+
+def visible_keys(seq_len: int, window: int | None, device) -> torch.Tensor:
+    """[S, S] bool: query i sees key j iff j <= i and (no window or j > i - window)."""
+    pos = torch.arange(seq_len, device=device)
+    offset = pos[:, None] - pos[None, :]
+    keep = offset >= 0
+    return keep & (offset < window) if window is not None else keep
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
+                     sinks: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention over q/k/v [B, H, S, D] (same head count), optionally within a sliding
+    window and with a per-head sink logit ``sinks`` [H]; one SDPA call with a boolean mask."""
+    b, h, s, d = q.shape
+    scale = d**-0.5
+    mask = visible_keys(s, window, q.device)
+    if sinks is not None:
+        # q . k_sink = 1 * sink / scale on the first pad column, so the scaled score is the sink.
+        q_pad = torch.zeros(b, h, s, SINK_PAD, dtype=q.dtype, device=q.device)
+        q_pad[..., 0] = 1
+        q = torch.cat([q, q_pad], dim=-1)
+        k = F.pad(k, (0, SINK_PAD))
+        sink_key = F.pad((sinks.to(q.dtype) / scale).view(1, h, 1, 1).expand(b, h, 1, 1), (d, SINK_PAD - 1))
+        k = torch.cat([k, sink_key], dim=2)
+        v = F.pad(v, (0, 0, 0, 1))  # the sink's value is 0: its probability mass is dropped
+        mask = F.pad(mask, (0, 1), value=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

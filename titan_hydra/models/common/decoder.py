@@ -83,10 +83,18 @@ class Decoder(nn.Module):
         raise NotImplementedError
 
     # --- shared behaviour ----------------------------------------------------------------
+    def rope_magnitude(self) -> float:
+        """Multiplier of the cos/sin tables (YaRN's attention temperature); 1.0 = none."""
+        return 1.0
+
     def rope_tables(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         from titan_hydra.models.common.rotary import tables_from_frequencies
 
-        return tables_from_frequencies(self.rope_frequencies(device), self.args.max_seq_len, device)
+        cos, sin = tables_from_frequencies(self.rope_frequencies(device), self.args.max_seq_len, device)
+        magnitude = self.rope_magnitude()
+        if magnitude != 1.0:
+            cos, sin = cos * magnitude, sin * magnitude
+        return cos, sin
 
     def tie_weights(self) -> None:
         """Point the embedding at the output projection's weight (tied models; both present)."""

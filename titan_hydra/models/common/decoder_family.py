@@ -8,6 +8,10 @@ What it decides, and why:
 * FLOPs per token = 6 x (active parameters that are matmul weights) + attention's
   12 x layers x heads x head_dim x seq_len (causal mask ignored, the common MFU convention).
   The input embedding is a lookup, not a matmul, unless it is tied to the output.
+* Mixture-of-Experts (args with a ``moe`` field, ``common/moe.py``): the routed-expert weights
+  are counted on the same meta build (``expert_modules``); a token uses top_k of num_experts
+  of them, so active = total - expert_params x (1 - top_k / num_experts), and that is what the
+  FLOPs count. Tensor parallel is refused for MoE models (the experts have no TP plan).
 * Tensor parallel (Megatron-style): wq/wk/wv/w1/w3 column-wise, wo/w2 row-wise, so one
   all-reduce (or all-gather + reduce-scatter with sequence parallel) per sub-layer; embedding
   row-wise over the vocabulary; output column-wise with the logits left vocab-sharded for loss
@@ -24,7 +28,9 @@ What it decides, and why:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import json
 from functools import lru_cache
 from typing import Any
 
@@ -47,11 +53,24 @@ class DecoderFamily(ModelFamily):
     def build(self, args: Any) -> nn.Module:
         return self.model_cls(**self.args_fields(args))
 
+    def args_fields(self, args: Any) -> dict[str, Any]:
+        """Plain values: a nested args dataclass (``moe``) becomes a dict (markers are JSON)."""
+        return {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+                for k, v in super().args_fields(args).items()}
+
     def ffn_dim(self, args: Any) -> int:
-        return int(args.ffn_hidden_dim)
+        """FFN width a token passes through; MoE: its top_k experts + the shared experts (the wider
+        of that and the dense width when some layers are dense)."""
+        moe = getattr(args, "moe", None)
+        if moe is None:
+            return int(args.ffn_hidden_dim)
+        active = int(moe.top_k * moe.expert_dim + moe.num_shared_experts * moe.expert_dim)
+        if getattr(args, "n_dense_layers", 0):
+            return max(active, int(args.ffn_hidden_dim))
+        return active
 
     def shape(self, args: Any) -> ModelShape:
-        return _shape(self, tuple(sorted(self.args_fields(args).items())))
+        return _shape(self, json.dumps(self.args_fields(args), sort_keys=True))
 
     def flops_per_token(self, args: Any, seq_len: int) -> float:
         s = self.shape(args)
@@ -66,6 +85,13 @@ class DecoderFamily(ModelFamily):
                "kv_heads": s.n_kv_heads, "head_dim": s.head_dim, "vocab_size": s.vocab_size,
                "ffn_hidden_dim": s.ffn_dim, "tie_word_embeddings": s.tied_embeddings}
         sig.update({k: getattr(args, k) for k in SEMANTIC_FIELDS if hasattr(args, k)})
+        moe = getattr(args, "moe", None)
+        if moe is not None:  # expert count/width, routing function, which layers are dense
+            n_dense = int(getattr(args, "n_dense_layers", 0))
+            sig.update({"num_experts": moe.num_experts, "top_k": moe.top_k, "expert_dim": moe.expert_dim,
+                        "num_shared_experts": moe.num_shared_experts, "score_func": moe.score_func,
+                        "n_dense_layers": n_dense,
+                        "dense_ffn_hidden_dim": int(getattr(args, "ffn_hidden_dim", 0)) if n_dense else 0})
         return sig
 
     def check(self, args: Any, dims: Any, seq_len: int) -> None:
@@ -74,6 +100,11 @@ class DecoderFamily(ModelFamily):
                 f"training.seq_len={seq_len} exceeds model.max_seq_len={args.max_seq_len}; shorten the sequence"
             )
         tp = dims.tp
+        if tp > 1 and getattr(args, "moe", None) is not None:
+            raise ConfigError(
+                f"parallelism.tp={tp} is not supported for Mixture-of-Experts models (model.moe); use "
+                "parallelism.tp=1 and shard with fsdp / ep / pp / cp instead"
+            )
         if args.n_heads % tp or args.kv_heads % tp:
             raise ConfigError(
                 f"parallelism.tp={tp} must divide model.n_heads={args.n_heads} and n_kv_heads={args.kv_heads}"
@@ -157,6 +188,12 @@ class DecoderFamily(ModelFamily):
         model.tie_weights()
 
     # --- training -----------------------------------------------------------------------
+    def set_loss_scale(self, model_parts: list[nn.Module], scale: float) -> None:
+        if any(self.expert_modules(part) for part in model_parts):
+            from titan_hydra.models.common import moe
+
+            moe.set_aux_grad_scale(model_parts, scale)
+
     def step_hooks(self, model_parts: list[nn.Module], dims: Any) -> list:
         """MoE models: one load-balancing step per optimizer step (expert bias update + load
         metrics), with token counts summed over the data x context parallel ranks."""
@@ -182,18 +219,26 @@ class DecoderFamily(ModelFamily):
 
 
 @lru_cache(maxsize=256)
-def _shape(family: DecoderFamily, key: tuple) -> ModelShape:
-    args = family.make_args(dict(key))
+def _shape(family: DecoderFamily, key: str) -> ModelShape:
+    """``key``: the args fields as sorted JSON (hashable, nested ``moe`` included)."""
+    args = family.make_args(json.loads(key))
     with torch.device("meta"):
         model = family.build(args)
     tied = bool(args.tie_word_embeddings)
     total = sum(p.numel() for p in model.parameters())  # parameters() yields a shared one once
     emb = model.tok_embeddings.weight.numel()
     head = model.norm.weight.numel() + model.output.weight.numel()
+    experts = family.expert_modules(model)
+    expert_params = sum(p.numel() for _, m in experts for p in m.parameters())
+    moe = getattr(args, "moe", None)
+    n_experts, top_k = (int(moe.num_experts), int(moe.top_k)) if experts and moe is not None else (0, 0)
+    # each token uses top_k / n_experts of every routed expert tensor (exact: E divides their sizes)
+    idle = expert_params * (n_experts - top_k) // n_experts if n_experts else 0
     return ModelShape(
         n_layers=int(args.n_layers), dim=int(args.dim), vocab_size=int(args.vocab_size),
         n_heads=int(args.n_heads), n_kv_heads=int(args.kv_heads), head_dim=int(args.head_dim),
-        ffn_dim=family.ffn_dim(args), params=total, active_params=total, embedding_params=emb,
+        ffn_dim=family.ffn_dim(args), params=total, active_params=total - idle, embedding_params=emb,
         head_params=head, tied_embeddings=tied, qk_norm=bool(getattr(args, "qk_norm", False)),
+        n_experts=n_experts, top_k=top_k, moe_layers=len(experts), expert_params=expert_params,
     )
 

@@ -7,8 +7,8 @@ never has to permute weights it does not have to:
 * interleaved (Meta's Llama reference): dims (2i, 2i+1) form a rotating pair;
 * half (Hugging Face ``rotate_half``, Qwen): dims (i, i + head_dim/2) form a pair.
 
-Frequency scaling variants (Llama 3.1's low-frequency scaling today; YaRN for later families)
-transform the inverse frequencies and nothing else.
+Frequency scaling variants (Llama 3.1's low-frequency scaling; YaRN for DeepSeek-V2/V3)
+transform the inverse frequencies; YaRN also names a magnitude multiplier for the tables.
 """
 
 from __future__ import annotations
@@ -62,3 +62,49 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     r0, r1 = x0 * c - x1 * s, x0 * s + x1 * c
     out = torch.stack((r0, r1), dim=-1).flatten(-2) if interleaved else torch.cat((r0, r1), dim=-1)
     return out.type_as(x)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 when not extending)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_frequencies(rotary_dim: int, theta: float, factor: float, original_max_seq_len: int,
+                     beta_fast: float = 32.0, beta_slow: float = 1.0, mscale: float = 1.0,
+                     mscale_all_dim: float = 0.0, device=None, truncate: bool = True) -> tuple[torch.Tensor, float]:
+    """YaRN (DeepSeek-V2/V3): (inverse frequencies [rotary_dim/2] fp32, cos/sin multiplier).
+
+    Pairs that turn more than ``beta_fast`` times over the original context keep their frequency
+    (extrapolate), pairs that turn fewer than ``beta_slow`` times are divided by ``factor``
+    (interpolate), with a linear ramp over the pair index between the two (bounds floored/ceiled;
+    ``truncate=False`` keeps them fractional, as GPT-OSS's config asks).
+    The multiplier is mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set,
+    else mscale(factor); DeepSeek's configs set mscale == mscale_all_dim, so it is 1 there and the
+    magnitude correction lives in the softmax scale instead (``DeepSeekV3Args.softmax_scale``).
+
+    Computed in fp32 in the order transformers uses (``_compute_yarn_parameters``), so the tables
+    equal its ``DeepseekV3RotaryEmbedding`` bit for bit rather than to within rounding.
+    """
+    half = rotary_dim // 2
+
+    def pair_index_of(turns: float) -> float:
+        # the (fractional) pair index whose wavelength fits `turns` times into the original context
+        return rotary_dim * math.log(original_max_seq_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_index_of(beta_fast), pair_index_of(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    ramp = ((torch.arange(half, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # weight of the original (extrapolated) frequency per pair
+    wavelength_base = theta ** (torch.arange(0, rotary_dim, 2, device=device).float() / rotary_dim)
+    original = 1.0 / wavelength_base
+    stretched = 1.0 / (factor * wavelength_base)
+    freqs = stretched * (1 - keep) + original * keep
+    if mscale and mscale_all_dim:
+        multiplier = float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
+    else:
+        multiplier = yarn_mscale(factor)
+    return freqs, multiplier

@@ -1,0 +1,67 @@
+"""Qwen3-MoE decoder (Qwen3-30B-A3B, Qwen3-235B-A22B), parallelism-agnostic.
+
+Qwen3's attention unchanged (QK-norm, ``head_dim`` set on its own, HF's half-split rotary), and
+in place of the dense FFN a ``common.moe.MoE``: softmax routing over all experts, top-k, gates
+renormalized to sum 1 (HF ``norm_topk_prob``), no shared experts. The first ``n_dense_layers``
+layers may keep a dense SwiGLU of width ``ffn_hidden_dim`` (HF ``mlp_only_layers``); the
+released models have none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from titan_hydra.models.common.attention import Attention
+from titan_hydra.models.common.decoder import Decoder, TransformerBlock, residual_out_std
+from titan_hydra.models.common.layers import FeedForward
+from titan_hydra.models.common.moe import MoE, MoEArgs
+from titan_hydra.models.common.rotary import inverse_frequencies
+from titan_hydra.models.qwen3.model import Qwen3Args
+
+
+def _a3b_moe() -> MoEArgs:
+    return MoEArgs(num_experts=128, top_k=8, expert_dim=768, route_norm=True, load_balance_coeff=0.0,
+                   aux_loss_coeff=1e-3)
+
+
+@dataclass
+class Qwen3MoeArgs(Qwen3Args):
+    """Qwen3's fields (defaults: Qwen3-30B-A3B) plus the experts and the dense-layer count."""
+
+    dim: int = 2048
+    n_layers: int = 48
+    n_heads: int = 32
+    n_kv_heads: int | None = 4
+    ffn_hidden_dim: int = 6144  # dense layers only (HF intermediate_size)
+    n_dense_layers: int = 0  # the first k layers are dense (HF mlp_only_layers = [0..k-1])
+    moe: MoEArgs = field(default_factory=_a3b_moe)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.moe = MoEArgs.of(self.moe)
+        if not 0 <= self.n_dense_layers <= self.n_layers:
+            raise ValueError(f"model.n_dense_layers={self.n_dense_layers} must be between 0 and "
+                             f"model.n_layers={self.n_layers}")
+        if self.n_dense_layers and self.ffn_hidden_dim < 1:
+            raise ValueError(f"model.n_dense_layers={self.n_dense_layers} needs model.ffn_hidden_dim >= 1")
+
+
+class Qwen3Moe(Decoder):
+    """``Qwen3Moe(dim=2048, n_layers=48, moe={...}, ...)``: fields of ``Qwen3MoeArgs``
+    (conf/model/qwen3_moe_debug.yaml, qwen3_30b_a3b.yaml, qwen3_235b_a22b.yaml)."""
+
+    def __init__(self, **fields):
+        super().__init__(Qwen3MoeArgs(**fields))
+
+    def make_block(self, layer_id: int) -> TransformerBlock:
+        a = self.args
+        attention = Attention(a.dim, a.n_heads, a.kv_heads, a.head_dim, qk_norm=a.qk_norm, norm_eps=a.norm_eps,
+                              rope_interleaved=False)
+        ffn = FeedForward(a.dim, a.ffn_hidden_dim) if layer_id < a.n_dense_layers else MoE(a.dim, a.moe)
+        return TransformerBlock(layer_id, attention, ffn, a.dim, a.norm_eps,
+                                residual_out_std(layer_id, a.n_layers, a.depth_init))
+
+    def rope_frequencies(self, device=None) -> torch.Tensor:
+        return inverse_frequencies(self.args.head_dim, self.args.rope_theta, device).float()
