@@ -162,10 +162,18 @@ def run(cfg: DictConfig, run_dir: str, return_state: bool = False) -> dict[str, 
     device = setup_device(cfg.cluster, local_rank)
     init_distributed(cfg.cluster, world_size)
     try:
-        return _run(cfg, run_dir, rank, world_size, device, return_state)
-    finally:
+        summary = _run(cfg, run_dir, rank, world_size, device, return_state)
+    except BaseException:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            dist.destroy_process_group()  # no barrier: a failed rank's peers may never get there
+        raise
+    if dist.is_initialized():
+        # Every rank is past its last collective before any closes its gloo connections: a peer
+        # torn down mid-exchange made a rank abort at exit ("terminate called without an active
+        # exception") about one torchrun run in five.
+        dist.barrier()
+        dist.destroy_process_group()
+    return summary
 
 
 @dataclass
