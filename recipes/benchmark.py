@@ -105,7 +105,7 @@ SUITES: dict[str, dict[str, Variant]] = {
     # parameters; "load max/mean" is the worst layer's busiest expert over the mean.
     "moe": {
         **{f"{m}: {label}": Variant((f"model={m}", *ov), nproc, group=m, threads=th)
-           for m in ("qwen3_moe_debug", "deepseek_v3_debug", "gpt_oss_debug")
+           for m in ("qwen3_moe_debug", "deepseek_v3_debug", "gpt_oss_debug", "llama4_debug")
            for label, ov, nproc, th in (
                ("bf16, grouped mm", (), 1, None),
                ("bf16, per-expert loop", ("model.moe.use_grouped_mm=false",), 1, None),

@@ -167,6 +167,14 @@ _GPT_OSS = {"architectures": ["GptOssForCausalLM"], "vocab_size": 201088, "max_p
                 "beta_slow": 1.0, "truncate": False}, "tie_word_embeddings": False, "attention_bias": True,
             "head_dim": 64, "sliding_window": 128, "num_experts_per_tok": 4, "swiglu_limit": 7.0}
 
+# Llama 4 (meta-llama/Llama-4-Scout-17B-16E, Llama-4-Maverick-17B-128E: the text_config of each,
+# which transformers loads as Llama4ForCausalLM). Published contexts are 10M / 1M tokens; our
+# flavors size their rotary tables for 131072 (CONTEXT_CAPPED).
+_LLAMA4 = {"architectures": ["Llama4ForCausalLM"], "vocab_size": 202048, "rms_norm_eps": 1e-5, "head_dim": 128,
+           "num_key_value_heads": 8, "intermediate_size_mlp": 16384, "num_experts_per_tok": 1,
+           "attention_chunk_size": 8192, "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+           "attention_bias": False, "tie_word_embeddings": False, "rope_theta": 500000.0}
+
 
 def _hf(base, hidden, inter, layers, heads, kv=None, **extra):
     cfg = {**base, "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
@@ -210,11 +218,23 @@ PUBLISHED_HF = {
                                             topk_group=4, routed_scaling_factor=2.5)),
     "gpt_oss_20b": ("gpt_oss", _hf(_GPT_OSS, 2880, 2880, 24, 64, 8, num_local_experts=32)),  # openai/gpt-oss-20b
     "gpt_oss_120b": ("gpt_oss", _hf(_GPT_OSS, 2880, 2880, 36, 64, 8, num_local_experts=128)),  # openai/gpt-oss-120b
+    "llama4_scout": ("llama4_text", _hf(_LLAMA4, 5120, 8192, 48, 40, num_local_experts=16,  # Llama-4-Scout-17B-16E
+                                        interleave_moe_layer_step=1, use_qk_norm=True,
+                                        max_position_embeddings=10485760, rope_scaling={
+                                            "rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 1.0, "original_max_position_embeddings": 8192})),
+    "llama4_maverick": ("llama4_text", _hf(_LLAMA4, 5120, 8192, 48, 40, num_local_experts=128,  # -Maverick-17B-128E
+                                           interleave_moe_layer_step=2, use_qk_norm=False,
+                                           max_position_embeddings=1048576, rope_scaling=None)),
 }
+# Flavors whose max_seq_len (rotary table size, one fp32 [max_seq_len, head_dim/2] pair per rank)
+# is deliberately below the published context: raise model.max_seq_len to train longer.
+CONTEXT_CAPPED = {"llama4_scout": 131072, "llama4_maverick": 131072}
 HF_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings",
                  "max_position_embeddings", "rms_norm_eps")
-HF_MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers",
+HF_MOE_KEYS = ("num_experts", "num_experts_per_tok", "num_local_experts", "intermediate_size_mlp",
+               "attention_chunk_size", "use_qk_norm", "floor_scale", "attn_scale", "attn_temperature_tuning", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers",
                "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
                "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                "v_head_dim")
@@ -265,6 +285,9 @@ def test_model_option_builds_and_matches_published_hf_config(flavor):
         model_type, published = PUBLISHED_HF[flavor]
         assert ours_hf["model_type"] == model_type
         for key in HF_SHAPE_KEYS + tuple(k for k in HF_MOE_KEYS if k in published):
+            if key == "max_position_embeddings" and flavor in CONTEXT_CAPPED:
+                assert ours_hf[key] == CONTEXT_CAPPED[flavor] < published[key]
+                continue
             assert ours_hf[key] == published[key], (flavor, key)
         (theta, scaling), (our_theta, our_scaling) = rope_theta_of(published), rope_theta_of(ours_hf)
         assert our_theta == theta

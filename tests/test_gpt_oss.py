@@ -1,18 +1,17 @@
 """GPT-OSS: counts against transformers, sink / sliding-window attention against a naive reference
 (fp32, and bf16 autocast), the window's exact cut-off, YaRN (untruncated) tables, the clamped-SwiGLU
-experts and the router, family rules, HF refusals, a dry-run plan, a debug training run, fsdp(2) /
-pp(2) loss parity with one process, exact resume.
-(Logit parity with GptOssForCausalLM in both directions lives in test_hf_convert.py.)"""
+experts and the router, family rules, HF refusals, a dry-run plan.
+(Logit parity with GptOssForCausalLM in both directions lives in test_hf_convert.py; training, layout
+parity and resume in test_family_training.py.)"""
 
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
 import torch
 
-from helpers import BASE, GLOBAL_BATCH, assert_parity, compose_cfg, read_metrics, run_layout, run_single
+from helpers import compose_cfg
 from titan_hydra.errors import ConfigError
 from titan_hydra.models.common.attention import Attention
 from titan_hydra.models.gpt_oss import FAMILY
@@ -285,57 +284,3 @@ def test_dry_run_plans_gpt_oss_120b():
     validate(cfg)
     text = plan(cfg, build_dims(cfg)).format()
     assert "116,829,156,672" in text and "5,711,982,912" in text and "ep=2" in text
-
-
-# ----------------------------------------------------------------------------- training
-
-def test_debug_flavor_trains_with_falling_loss(tmp_path):
-    from titan_hydra.train.pretrain import run
-
-    steps = 12
-    cfg = compose_cfg(["model=gpt_oss_debug", "logger=minimal", "training.val_freq=0", "cluster.threads_per_proc=1",
-                       f"training.steps={steps}", "training.seq_len=128", "training.local_batch_size=4",
-                       "data.max_documents=200", "optimizer.lr=2e-3"])
-    losses = run(cfg, str(tmp_path / "run"))["losses"]
-    # measured: 8.01 8.02 7.88 7.82 7.67 6.91 ... 6.76 6.95 6.94 6.65 (first 3 mean 7.97, last 3 6.84)
-    assert len(losses) == steps and all(math.isfinite(x) for x in losses), losses
-    assert math.log(2048) - 0.2 < losses[0] < math.log(2048) + 1.0, losses[0]
-    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
-    assert last < first - 0.7, (first, last)
-    rows = read_metrics(tmp_path / "run")
-    assert {k for k in rows[-1] if k.startswith("moe/layer")} == {f"moe/layer{i}/max_over_mean" for i in range(4)}
-
-
-# The parity layouts (helpers.BASE: dim 64, 4 layers, 4/2 heads, seq 64, 10 steps, fp32): head_dim 16,
-# window 16 (so sliding layers really cut), 4 experts of width 32, checkpoints at steps 5 and 10.
-GPT_OSS = ["model=gpt_oss_debug", "model.head_dim=16", "model.sliding_window=16", "model.moe.num_experts=4",
-           "model.moe.expert_dim=32", "checkpoint=default", "checkpoint.interval=5", "checkpoint.keep_latest_k=0"]
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gpt_oss_single")
-    return path, run_single(path, GPT_OSS)
-
-
-@pytest.mark.parametrize("layout", ["fsdp", "pp"])
-def test_layout_loss_parity(tmp_path, single, layout, record_property):
-    _, reference = single
-    dp = 2 if layout == "fsdp" else 1
-    losses = run_layout(tmp_path, [*GPT_OSS, f"parallelism={layout}"], nproc=2, dp=dp)
-    assert_parity(losses, reference, 1e-5, layout, record_property)
-
-
-def test_exact_resume(single, tmp_path, capsys):
-    """Steps 1-5, checkpoint, resume, 6-10 == the uninterrupted 10 steps, bit for bit."""
-    from titan_hydra.train.pretrain import run
-
-    path, reference = single
-    shutil.copytree(path / "run" / "checkpoint", tmp_path / "checkpoint")
-    shutil.rmtree(tmp_path / "checkpoint" / "step-10")
-    cfg = compose_cfg(BASE + GPT_OSS + ["cluster.nproc_per_node=1", "parallelism=single",
-                                        f"training.local_batch_size={GLOBAL_BATCH}"])
-    capsys.readouterr()
-    losses = run(cfg, str(tmp_path))["losses"]
-    assert f"loaded {tmp_path / 'checkpoint' / 'step-5'}" in capsys.readouterr().out
-    assert losses == reference

@@ -33,6 +33,8 @@ from titan_hydra.models.deepseek_v3 import FAMILY as DEEPSEEK_V3  # noqa: E402
 from titan_hydra.models.deepseek_v3 import DeepSeekV3  # noqa: E402
 from titan_hydra.models.gpt_oss import FAMILY as GPT_OSS  # noqa: E402
 from titan_hydra.models.gpt_oss import GptOss  # noqa: E402
+from titan_hydra.models.llama4 import FAMILY as LLAMA4  # noqa: E402
+from titan_hydra.models.llama4 import Llama4  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,11 +42,12 @@ VOCAB = 128
 TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
 HF_CLASSES = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
               "qwen3_moe": transformers.Qwen3MoeForCausalLM, "deepseek_v3": transformers.DeepseekV3ForCausalLM,
-              "gpt_oss": transformers.GptOssForCausalLM}
+              "gpt_oss": transformers.GptOssForCausalLM, "llama4_text": transformers.Llama4ForCausalLM}
 HF_CONFIGS = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
               "qwen3_moe": transformers.Qwen3MoeConfig, "deepseek_v3": transformers.DeepseekV3Config,
-              "gpt_oss": transformers.GptOssConfig}
-FAMILIES = {"llama": LLAMA, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3, "gpt_oss": GPT_OSS}
+              "gpt_oss": transformers.GptOssConfig, "llama4_text": transformers.Llama4TextConfig}
+FAMILIES = {"llama": LLAMA, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3, "gpt_oss": GPT_OSS,
+            "llama4_text": LLAMA4}
 # Bars for our logits vs HF's (fp32): Llama keeps its old 1e-5, Qwen3 has the issue's 1e-4.
 # Measured max |diff| (OMP_NUM_THREADS=1; logits std 0.8-1.3, max |logit| ~3.5):
 #   HF -> ours: llama untied 1.7e-06, tied 1.8e-06; qwen3 untied 1.9e-06, tied 1.4e-06
@@ -53,7 +56,9 @@ FAMILIES = {"llama": LLAMA, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "deepseek_v3
 #   deepseek_v3 (YaRN, layer 0 dense; q_lora_rank 0 untied / 24 tied): HF -> ours 2.1e-06 / 2.1e-06,
 #     ours -> HF 2.4e-07 / 1.8e-07
 #   gpt_oss (window 5 on layer 0, sinks, swiglu_limit 1.0): HF -> ours 1.1e-06, ours -> HF 7.2e-07
-LOGIT_BAR = {"llama": 1e-5, "qwen3": 1e-4, "qwen3_moe": 1e-4, "deepseek_v3": 1e-4, "gpt_oss": 1e-4}
+#   llama4_text (chunk 5, NoPE layer 1 with temperature tuning, QK-norm, llama3 x4 rotary): HF -> ours 1.4e-06
+LOGIT_BAR = {"llama": 1e-5, "qwen3": 1e-4, "qwen3_moe": 1e-4, "deepseek_v3": 1e-4, "gpt_oss": 1e-4,
+             "llama4_text": 1e-4}
 # DeepSeek-V3: MLA (latent 16, rope 8 / nope 16 / v 12 per head), YaRN with mscale != mscale_all_dim
 # (so the cos/sin multiplier and the softmax correction both differ from 1), 8 experts of width 32,
 # top-2 in 1 of 2 groups with a shared expert, layer 0 dense. "tied" rows also use a query LoRA.
@@ -71,6 +76,14 @@ GPT_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_p
                 beta_fast=32.0, beta_slow=1.0, truncate=False)
 HF_GPT_OSS = dict(head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=5, swiglu_limit=1.0,
                   rope_parameters=GPT_YARN)
+# Llama 4: 3 layers, layer 1 NoPE (interval 2) with temperature tuning from position 3 on (floor 4,
+# scale 0.5), layers 0 and 2 rotary in 5-token chunks with QK-norm; layer 0 dense (width 96), layers 1-2
+# MoE (4 experts of width 48, sigmoid top-1 on the input, a shared expert); Scout's llama3 rotary rule.
+L4_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=4.0, low_freq_factor=1.0, high_freq_factor=1.0,
+               original_max_position_embeddings=16)
+HF_LLAMA4 = dict(num_hidden_layers=3, intermediate_size=48, intermediate_size_mlp=96, head_dim=32, num_local_experts=4,
+                 num_experts_per_tok=1, moe_layers=[1, 2], no_rope_layer_interval=2, attention_chunk_size=5,
+                 floor_scale=4, attn_scale=0.5, use_qk_norm=True, rope_parameters=L4_ROPE)
 OUR_MOE = dict(n_dense_layers=1, moe=dict(num_experts=4, top_k=2, expert_dim=48, route_norm=True,
                                           load_balance_coeff=0.0))
 
@@ -86,6 +99,8 @@ def hf_config(kind: str, tied: bool):
                                              q_lora_rank=24 if tied else None, rope_parameters=DS_YARN)
     if kind == "gpt_oss":
         return transformers.GptOssConfig(**common, **HF_GPT_OSS)
+    if kind == "llama4_text":
+        return transformers.Llama4TextConfig(**(common | HF_LLAMA4))
     if kind == "llama":
         return transformers.LlamaConfig(**common, rms_norm_eps=1e-5,
                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
@@ -100,9 +115,9 @@ def randomize_norms(model: torch.nn.Module) -> None:
         for name, p in model.named_parameters():
             if p.dim() == 1 and "norm" in name:
                 p.copy_(1 + 0.3 * torch.randn_like(p))
-        # DeepSeek-V3's routing bias (HF e_score_correction_bias); HF's Qwen3-MoE / GPT-OSS have none, ours stays 0
+        # DeepSeek-V3's routing bias (HF e_score_correction_bias); HF's Qwen3-MoE / GPT-OSS / Llama 4 have none, ours stays 0
         for name, b in model.named_buffers():
-            no_routing_bias = isinstance(model, (Qwen3Moe, GptOss))
+            no_routing_bias = isinstance(model, (Qwen3Moe, GptOss, Llama4))
             if name.endswith(("e_score_correction_bias", "expert_bias")) and not no_routing_bias:
                 b.copy_(0.05 * torch.randn_like(b))
         # GPT-OSS's biases and sinks start at 0 (ours) or near it (HF): make them count
@@ -112,7 +127,7 @@ def randomize_norms(model: torch.nn.Module) -> None:
 
 
 CASES = [("llama", False), ("llama", True), ("qwen3", False), ("qwen3", True), ("qwen3_moe", False),
-         ("deepseek_v3", False), ("deepseek_v3", True), ("gpt_oss", False)]
+         ("deepseek_v3", False), ("deepseek_v3", True), ("gpt_oss", False), ("llama4_text", False)]
 IDS = [f"{k}-{'tied' if t else 'untied'}" for k, t in CASES]
 
 
@@ -168,6 +183,11 @@ def test_hf_to_ours_to_hf(hf_dir, tmp_path):
             5, ["sliding_attention", "full_attention"], False, 1.0, 32)
         assert sd["layers.1.feed_forward.experts.w1"].shape == (4, 96, 64)
         assert sd["layers.0.attention.sinks"].abs().min() > 0
+    if kind == "llama4_text":
+        assert (args.nope_layer_ids, args.moe_layer_ids, args.attention_chunk_size, args.rope_scaling) == (
+            [1], [1, 2], 5, "llama3")
+        assert sd["layers.1.feed_forward.experts.w1"].shape == (4, 48, 64)
+        assert sd["layers.0.feed_forward.w1.weight"].shape == (96, 64)
     if kind == "qwen3_moe":
         assert args.n_dense_layers == 1 and args.moe.num_experts == 4 and args.moe.route_norm
         assert sd["layers.1.feed_forward.experts.w1"].shape == (4, 48, 64)
@@ -194,6 +214,12 @@ def make_ours(kind: str, tied: bool):
                        sliding_window=5, rope_theta=10000.0, rope_factor=4.0, rope_original_max_seq_len=16,
                        swiglu_limit=1.0, moe=dict(num_experts=4, top_k=2, expert_dim=96, route_norm=True,
                                                   load_balance_coeff=0.0))
+    elif kind == "llama4_text":
+        model = Llama4(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=VOCAB, max_seq_len=64,
+                       ffn_hidden_dim=96, rope_theta=10000.0, rope_factor=4.0, rope_original_max_seq_len=16,
+                       nope_interval=2, attention_chunk_size=5, floor_scale=4, attn_scale=0.5, moe_layers=[1, 2],
+                       moe=dict(num_experts=4, top_k=1, expert_dim=48, num_shared_experts=1, score_func="sigmoid",
+                                score_before_experts=True, load_balance_coeff=0.0))
     elif kind == "deepseek_v3":
         model = DeepSeekV3(dim=64, n_layers=2, n_heads=4, vocab_size=VOCAB, max_seq_len=64,
                            q_lora_rank=24 if tied else 0, **DS_MLA, n_dense_layers=1, ffn_hidden_dim=96,
@@ -263,7 +289,7 @@ def test_hf_dir_of_another_family_refused(qwen3_dir, tmp_path):
     family, args, _ = load_hf_checkpoint(qwen3_dir)
     assert family is QWEN3 and args.head_dim == 32
     other = edited_copy(qwen3_dir, tmp_path / "mistral", model_type="mistral")
-    with pytest.raises(CheckpointError, match=r"model_type='mistral' is not supported \(known: llama, qwen3, qwen3_moe, deepseek_v3, gpt_oss\)") as err:
+    with pytest.raises(CheckpointError, match=r"model_type='mistral' is not supported \(known: llama, qwen3, qwen3_moe, deepseek_v3, gpt_oss, llama4_text\)") as err:
         convert.from_hf(other, tmp_path / "out")
     assert "\n" not in str(err.value)
     with pytest.raises(CheckpointError, match="model_type='mistral'"):

@@ -55,6 +55,9 @@ EXPECTED_PARAMS = {
     "deepseek_v3_16b": 15_706_484_224,  # 2,661,150,208 active (tests/test_deepseek_v3.py)
     "deepseek_v3_236b": 235_741_434_880,  # 21,375,800,320 active
     "deepseek_v3_671b": 671_026_404_352,  # 37,552,282,624 active
+    "llama4_debug": 6_166_784,  # 3,414,272 active
+    "llama4_scout": 107_769_861_120,  # 17,172,894,720 active (tests/test_llama4.py)
+    "llama4_maverick": 400_711_848_960,  # 17,184,691,200 active
 }
 EXPECTED_FFN = {"llama3_1b": 8192, "llama3_3b": 8192, "llama3_8b": 14336, "llama3_70b": 28672,
                 "llama3_405b": 53248, "llama2_7b": 11008, "llama2_13b": 13824, "llama2_70b": 28672,

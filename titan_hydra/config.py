@@ -187,6 +187,7 @@ class DataConfig:
     streaming: bool = False
     max_documents: Optional[int] = None
     cache_dir: Optional[str] = None
+    document_mask: bool = False  # attention stays inside each packed document; positions restart per document
 
 
 @dataclass

@@ -73,6 +73,8 @@ def validate(cfg: DictConfig) -> None:
             f"training.seq_len={t.seq_len} must be divisible by 2*parallelism.cp={2 * dims.cp} "
             "(causal load balancing splits each sequence into 2*cp chunks)"
         )
+    if OmegaConf.select(cfg, "data.document_mask", default=False):
+        _validate_document_mask(family, dims)
     dims.batch_plan(t.local_batch_size, t.global_batch_size)
 
     if not OmegaConf.select(cfg, "dry_run"):  # a dry run sizes a GPU cluster from any machine
@@ -81,6 +83,16 @@ def validate(cfg: DictConfig) -> None:
     _validate_data(cfg)
     _validate_ranges(cfg)
     _validate_checkpoint(cfg, world_size_of(cfg))
+
+
+def _validate_document_mask(family, dims) -> None:
+    if not family.supports_document_mask:
+        raise ConfigError(f"data.document_mask=true: model family {family.name!r} does not take document ids "
+                          "(its ModelFamily.supports_document_mask is false); set data.document_mask=false")
+    if dims.cp > 1:
+        raise ConfigError(f"data.document_mask=true is not supported with parallelism.cp={dims.cp} (context "
+                          "parallel's ring attention has only the plain causal mask); use parallelism.cp=1 "
+                          "or data.document_mask=false")
 
 
 PARALLEL_MODULES = ("fsdp", "tp", "pp", "cp", "ep", "ac", "compile")

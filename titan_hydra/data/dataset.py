@@ -211,6 +211,7 @@ class TokenDataset:
         streaming: bool = False,
         max_documents: int | None = None,
         cache_dir: str | None = None,
+        document_mask: bool = False,
     ):
         if source not in SOURCES:
             raise DataError(f"unknown data.source={source!r}; choose one of {', '.join(SOURCES)}")
@@ -229,6 +230,7 @@ class TokenDataset:
         self.val_fraction, self.shuffle, self.seed = val_fraction, shuffle, seed
         self.hf_name, self.hf_config, self.streaming = hf_name, hf_config, streaming
         self.max_documents = max_documents
+        self.document_mask = bool(document_mask)
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
         self.tokenizer = Tokenizer(tokenizer)
         self.vocab_size = self.tokenizer.vocab_size
@@ -238,6 +240,12 @@ class TokenDataset:
         self._tokens: dict[str, np.ndarray] = {}
         if not streaming:
             self._build()
+
+    @property
+    def document_eos_id(self) -> int | None:
+        """The token that ends a packed document when ``document_mask`` is on (None: off): the
+        model's attention then stays inside documents (``models/common/masking.py``)."""
+        return self.tokenizer.eos_id if self.document_mask else None
 
     # -- documents -----------------------------------------------------------------------
     def _hf_cache(self) -> str:

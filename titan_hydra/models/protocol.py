@@ -92,6 +92,9 @@ class ModelFamily:
     name: str = ""
     args_cls: type | None = None
     hf: HFAdapter | None = None
+    # The model's forward takes ``doc_ids`` [B, S] (``data.document_mask=true``): attention within
+    # each packed document, positions restarting per document (``models/common/masking.py``).
+    supports_document_mask: bool = False
 
     # --- shape --------------------------------------------------------------------------
     def make_args(self, fields: Mapping[str, Any]) -> Any:

@@ -24,6 +24,7 @@ BUILTIN: dict[str, tuple[str, str, str]] = {
     "qwen3_moe": ("titan_hydra.models.qwen3_moe", "titan_hydra.models.qwen3_moe.config", "Qwen3MoeConfig"),
     "deepseek_v3": ("titan_hydra.models.deepseek_v3", "titan_hydra.models.deepseek_v3.config", "DeepSeekV3Config"),
     "gpt_oss": ("titan_hydra.models.gpt_oss", "titan_hydra.models.gpt_oss.config", "GptOssConfig"),
+    "llama4": ("titan_hydra.models.llama4", "titan_hydra.models.llama4.config", "Llama4Config"),
 }
 LABELS = ("_target_", "family", "flavor")
 # Checkpoints written before model families existed hold a Llama and no family name.

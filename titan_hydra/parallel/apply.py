@@ -19,7 +19,7 @@ from typing import Any, Callable, ContextManager
 import torch
 
 from titan_hydra.parallel.dims import ParallelDims
-from titan_hydra.parallel.runner import SingleStageRunner
+from titan_hydra.parallel.runner import SingleStageRunner, batch_kwargs_for
 
 
 @dataclass
@@ -87,13 +87,15 @@ def make_step_context(parts: list[torch.nn.Module], family, dims: ParallelDims, 
 
 def parallelize(model: torch.nn.Module, family, dims: ParallelDims, *, device: torch.device,
                 mixed_precision: str, loss_fn: Callable, grad_accum_steps: int, ac=None,
-                compiler=None) -> ParallelModel:
+                compiler=None, document_eos_id: int | None = None) -> ParallelModel:
     """This rank's model parts with every configured technique applied (still on meta), and
     the runner the trainer drives them with.
 
     ``loss_fn(logits, labels)`` is the training loss (compiled by ``compiler`` under
-    ``compile=model_loss``); ``grad_accum_steps`` sets the runners' gradient scaling.
+    ``compile=model_loss``); ``grad_accum_steps`` sets the runners' gradient scaling;
+    ``document_eos_id`` (``data.document_mask``) makes the runners pass document ids.
     """
+    batch_kwargs = batch_kwargs_for(document_eos_id)
     if compiler is not None:
         loss_fn = compiler.compile_loss(loss_fn)
     part_fn = functools.partial(parallelize_part, family=family, dims=dims, ac=ac, compiler=compiler,
@@ -104,7 +106,8 @@ def parallelize(model: torch.nn.Module, family, dims: ParallelDims, *, device: t
         from titan_hydra.parallel.pp import build_pipeline
 
         return build_pipeline(model, family, dims, device, part_fn, context_fn,
-                              grad_accum=grad_accum_steps, loss_fn=loss_fn)
+                              grad_accum=grad_accum_steps, loss_fn=loss_fn, batch_kwargs=batch_kwargs)
     part = part_fn(model)
     return ParallelModel(model_parts=[part],
-                         runner=SingleStageRunner(part, loss_fn, grad_accum_steps, context_fn([part])))
+                         runner=SingleStageRunner(part, loss_fn, grad_accum_steps, context_fn([part]),
+                                                  batch_kwargs))

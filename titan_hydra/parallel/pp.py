@@ -189,6 +189,8 @@ class PipelineRunner:
         self.pp_rank, self.group, self.device = 0, None, torch.device("cpu")
         self.has_first_stage = self.has_last_stage = True
         self._probed = False  # the first step's shape-inference forward has been undone
+        # extra model inputs of a batch (document ids), given to every stage: see runner.py
+        self.batch_kwargs: Callable[[torch.Tensor], dict] = lambda inputs: {}
 
     @property
     def loss_scale(self) -> float:
@@ -205,11 +207,12 @@ class PipelineRunner:
         target = labels if self.has_last_stage else None
         probe = contextlib.nullcontext() if self._probed else _undo_probe_forward(list(self.parts.values()))
         self._probed = True
+        extra = self.batch_kwargs(inputs)  # split into microbatches along dim 0, like the tokens
         with probe, self.step_context(inputs, labels):
             if self.has_first_stage:
-                self.schedule.step(inputs, target=target)
+                self.schedule.step(inputs, target=target, **extra)
             else:
-                self.schedule.step(target=target)
+                self.schedule.step(target=target, **extra)
         # The first step's shape inference also calls the loss on a probe batch: keep only the
         # last n_microbatches calls, which are the real ones.
         losses = self._recorded[-self.n_microbatches:]
@@ -239,6 +242,7 @@ class PipelineRunner:
         unsplit batch gives exactly the single-process mean loss.
         """
         h, loss = None, None
+        extra = self.batch_kwargs(inputs)
         n = len(self.stage_owner)
         for sid in range(n):
             owner, prev = self.stage_owner[sid], self.stage_owner[sid - 1] if sid else None
@@ -247,7 +251,7 @@ class PipelineRunner:
                     x = inputs
                 else:
                     x = h if prev == self.pp_rank else _recv_tensor(prev, self.group, self.device)
-                h = self.parts[sid](x)
+                h = self.parts[sid](x, **extra)
                 if sid == n - 1:
                     loss = self.base_loss_fn(h, labels).detach().float()
             elif prev == self.pp_rank:
@@ -312,7 +316,7 @@ def _recv_tensor(src: int, group, device: torch.device) -> torch.Tensor:
 
 
 def build_pipeline(model, family, dims, device: torch.device, parallelize_part, make_step_context, *,
-                   grad_accum: int, loss_fn: Callable):
+                   grad_accum: int, loss_fn: Callable, batch_kwargs=None):
     """Split ``model`` into this rank's stages (``family.cut_stage``), parallelize each, build the schedule.
 
     ``parallelize_part(part)`` applies the per-stage techniques (TP, AC, compile, FSDP);
@@ -338,6 +342,8 @@ def build_pipeline(model, family, dims, device: torch.device, parallelize_part, 
 
     n_mb = num_microbatches(dims, n_stages)
     runner = PipelineRunner(None, stages, n_mb, grad_accum, loss_fn, dims, make_step_context(parts))
+    if batch_kwargs is not None:
+        runner.batch_kwargs = batch_kwargs
     cls = get_schedule_class(dims.pp_schedule)
     if issubclass(cls, PipelineScheduleSingle):
         schedule = cls(stages[0], n_microbatches=n_mb, loss_fn=runner.loss_fn, scale_grads=False)

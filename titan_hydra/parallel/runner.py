@@ -9,22 +9,44 @@ context-parallel sharding) is entered here, around exactly the code it concerns.
 
 Gradient scaling: every runner backpropagates ``loss / grad_accum_steps`` (the pipeline also
 divides by its microbatch count), so the accumulated gradients equal those of one big batch.
+
+Model inputs beyond the tokens come from ``batch_kwargs(inputs)``: with document masking it
+returns ``{"doc_ids": ...}`` (derived from the EOS tokens of the batch), passed as keyword
+arguments to the model, or to every pipeline stage, split into microbatches like the tokens.
 """
 
 from __future__ import annotations
 
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
+
+from titan_hydra.models.common.masking import document_ids
+
+BatchKwargs = Callable[[torch.Tensor], dict[str, Any]]
+
+
+def no_batch_kwargs(inputs: torch.Tensor) -> dict[str, Any]:
+    return {}
+
+
+def batch_kwargs_for(document_eos_id: int | None) -> BatchKwargs:
+    """The model's extra inputs for a batch: document ids when documents are masked."""
+    if document_eos_id is None:
+        return no_batch_kwargs
+    eos = int(document_eos_id)
+    return lambda inputs: {"doc_ids": document_ids(inputs, eos)}
 
 
 class SingleStageRunner:
     def __init__(self, model: torch.nn.Module, loss_fn: Callable, grad_accum_steps: int,
-                 step_context: Callable[[torch.Tensor, torch.Tensor], ContextManager]) -> None:
+                 step_context: Callable[[torch.Tensor, torch.Tensor], ContextManager],
+                 batch_kwargs: BatchKwargs = no_batch_kwargs) -> None:
         self.model = model
         self.loss_fn = loss_fn
         self.grad_accum_steps = grad_accum_steps
         self.step_context = step_context
+        self.batch_kwargs = batch_kwargs
 
     @property
     def loss_scale(self) -> float:
@@ -33,7 +55,7 @@ class SingleStageRunner:
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with self.step_context(inputs, labels):
-            logits = self.model(inputs)
+            logits = self.model(inputs, **self.batch_kwargs(inputs))
             loss = self.loss_fn(logits, labels)
             (loss / self.grad_accum_steps).backward()
             del logits
@@ -42,4 +64,4 @@ class SingleStageRunner:
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with self.step_context(inputs, labels):
-            return self.loss_fn(self.model(inputs), labels).detach().float()
+            return self.loss_fn(self.model(inputs, **self.batch_kwargs(inputs)), labels).detach().float()

@@ -214,7 +214,7 @@ def build_data(cfg: DictConfig, dims) -> DataPlan:
 
 
 def build_parallel_model(cfg: DictConfig, dims, device: torch.device, grad_accum: int, rank: int,
-                         world_size: int) -> BuiltModel:
+                         world_size: int, document_eos_id: int | None = None) -> BuiltModel:
     """Model on meta -> attention precision -> float8 -> layout -> materialized and initialized."""
     with torch.device("meta"):
         family, model = build_model(cfg.model)
@@ -226,6 +226,7 @@ def build_parallel_model(cfg: DictConfig, dims, device: torch.device, grad_accum
     pm = parallelize(
         model, family, dims, device=device, mixed_precision=mp, loss_fn=cross_entropy_loss,
         grad_accum_steps=grad_accum, ac=instantiate(cfg.activation_checkpoint), compiler=instantiate(cfg.compile),
+        document_eos_id=document_eos_id,
     )
     family.set_loss_scale(pm.model_parts, pm.runner.loss_scale)  # model-internal losses weigh like the main one
     init_weights(cfg, pm.model_parts, family.shape(model_args).params, device, world_size, rank)
@@ -266,7 +267,9 @@ def header_of(cfg: DictConfig, dims, data: DataPlan, built: BuiltModel, world_si
         shape=built.family.shape(built.args), dims=dims, world_size=world_size,
         mixed_precision=mixed_precision_of(cfg), attention_dtype=built.attention_dtype,
         ac=str(cfg.activation_checkpoint.mode), compile=str(cfg.compile.mode), float8=str(cfg.float8.recipe),
-        data_name=str(OmegaConf.select(cfg, "data.name", default="data")), data_stats=getattr(data.dataset, "stats", {}),
+        data_name=str(OmegaConf.select(cfg, "data.name", default="data"))
+        + (" (document mask)" if getattr(data.dataset, "document_eos_id", None) is not None else ""),
+        data_stats=getattr(data.dataset, "stats", {}),
         seq_len=int(t.seq_len), local_batch=int(t.local_batch_size), global_batch=global_bs,
         grad_accum=data.grad_accum_steps, steps=int(t.steps), run_dir=run_dir,
     )
@@ -281,7 +284,8 @@ def _run(
     dims = instantiate(cfg.parallelism, world_size=world_size, _convert_="all")
     dims.build_mesh(device.type)
     data = build_data(cfg, dims)
-    built = build_parallel_model(cfg, dims, device, data.grad_accum_steps, rank, world_size)
+    built = build_parallel_model(cfg, dims, device, data.grad_accum_steps, rank, world_size,
+                                 document_eos_id=getattr(data.dataset, "document_eos_id", None))
     optimizer, lr_scheduler = build_optimizer(cfg, built)
     metric_logger = MetricLogger(run_dir, rank, backends=logger_backends(cfg, run_dir), config=to_container(cfg))
     profiler = instantiate(cfg.profiling)(run_dir=run_dir, rank=rank, model_parts=built.parts,

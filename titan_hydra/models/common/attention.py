@@ -8,9 +8,13 @@
   ``sliding_window`` (key j visible from query i iff i - W < j <= i).
 * ``sinks``: a learned logit per head that joins every softmax row and whose probability mass
   is then dropped (GPT-OSS "attention sinks"): a row may put weight on "nothing".
+* ``chunk_size=C``: each query sees only keys of its own C-token chunk (Llama 4's local layers).
+* ``doc_ids`` (forward argument, ``data.document_mask=true``): queries see only their own
+  document's keys; the cos/sin tables then arrive per token [B, S, D/2] (positions restart per
+  document, see ``masking.py``).
 
-The default (no window, no sinks) stays one ``is_causal`` SDPA call. The window and the sinks
-need an explicit mask, which torch 2.13's CPU flex_attention cannot differentiate through, so
+The default (no window, chunk, sinks or documents) stays one ``is_causal`` SDPA call. The others
+need an explicit mask (``masking.visible_keys``), which torch 2.13's CPU flex_attention cannot differentiate through, so
 they run as SDPA with a boolean mask. The sink is made exact inside that one SDPA call: every
 head gets one extra key, visible from every query, whose value is 0 and whose score is the sink
 logit (the head dim is padded so that q . k_sink = sink / scale, with q's pad = 1 and the real
@@ -34,18 +38,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_hydra.models.common.layers import RMSNorm, trunc_normal_
-from titan_hydra.models.common.rotary import apply_rope
+from titan_hydra.models.common.masking import visible_keys
+from titan_hydra.models.common.rotary import apply_rope, fit_tables
 
 
 class Attention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *, qk_norm: bool = False,
                  norm_eps: float = 1e-6, rope_interleaved: bool = True, bias: bool = False,
-                 out_bias: bool = False, sliding_window: int | None = None, sinks: bool = False):
+                 out_bias: bool = False, sliding_window: int | None = None, sinks: bool = False,
+                 chunk_size: int | None = None):
         super().__init__()
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window={sliding_window} must be >= 1 (or None for full causal attention)")
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size={chunk_size} must be >= 1 (or None for full causal attention)")
         self.head_dim = head_dim
         self.sliding_window = sliding_window
+        self.chunk_size = chunk_size
         self.rope_interleaved = rope_interleaved
         # dtype SDPA runs in; None = whatever q/k/v arrive in (the compute dtype). A training
         # precision policy may set float32 (titan_hydra.train.precision).
@@ -58,43 +67,52 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
-        if self.q_norm is not None:
-            # The norms' fp32 weights would promote autocast's bf16 q/k to fp32; keep the
-            # projections' dtype (HF's Qwen3RMSNorm returns its input dtype too).
-            q, k = self.q_norm(q).type_as(q), self.k_norm(k).type_as(k)
         # The tables arrive whole: only here is the true sequence length known (a pipeline
         # stage's input may be sequence-sharded by TP and gathered just before attention).
-        cos, sin = cos[:seqlen], sin[:seqlen]
-        q = apply_rope(q, cos, sin, self.rope_interleaved)
-        k = apply_rope(k, cos, sin, self.rope_interleaved)
+        q, k = self.position(q, k, *fit_tables(cos, sin, seqlen), doc_ids)
         n_rep = q.shape[2] // k.shape[2]
         if n_rep > 1:  # kv head j serves query heads j*n_rep .. (j+1)*n_rep-1, as in Meta's repeat_kv
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
-        out = self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), doc_ids)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def position(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 doc_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, S, H, D], k [B, S, Hkv, D] before attention: QK-norm, then rotary (a family with
+        another order or NoPE layers overrides this)."""
+        if self.q_norm is not None:
+            # The norms' fp32 weights would promote autocast's bf16 q/k to fp32; keep the
+            # projections' dtype (HF's Qwen3RMSNorm returns its input dtype too).
+            q, k = self.q_norm(q).type_as(q), self.k_norm(k).type_as(k)
+        return apply_rope(q, cos, sin, self.rope_interleaved), apply_rope(k, cos, sin, self.rope_interleaved)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         dtype = self.sdpa_dtype
-        plain = self.sliding_window is None and self.sinks is None
         if dtype is None:
-            if plain:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return masked_attention(q, k, v, self.sliding_window, self.sinks)
+            return self._attend(q, k, v, doc_ids)
         # Even when q/k/v already arrive in ``dtype``, an active autocast would cast them down
         # again inside SDPA (it is on autocast's lower-precision list): always run it disabled.
         with torch.autocast(q.device.type, enabled=False):
-            q, k, v32 = q.to(dtype), k.to(dtype), v.to(dtype)
-            if plain:
-                out = F.scaled_dot_product_attention(q, k, v32, is_causal=True)
-            else:
-                out = masked_attention(q, k, v32, self.sliding_window, self.sinks)
+            out = self._attend(q.to(dtype), k.to(dtype), v.to(dtype), doc_ids)
         return out.to(v.dtype)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        s = q.shape[2]
+        # a window or chunk at least as long as the sequence cuts nothing: keep the fused causal path
+        window = self.sliding_window if self.sliding_window is not None and self.sliding_window < s else None
+        chunk = self.chunk_size if self.chunk_size is not None and self.chunk_size < s else None
+        if window is None and chunk is None and self.sinks is None and doc_ids is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        mask = visible_keys(s, window, q.device, chunk=chunk, doc_ids=doc_ids)
+        return masked_attention(q, k, v, mask, self.sinks)
 
     def init_weights(self, out_std: float, in_std: float = 0.02) -> None:
         for w in (self.wq, self.wk, self.wv):
@@ -115,21 +133,12 @@ class Attention(nn.Module):
 SINK_PAD = 8
 
 
-def visible_keys(seq_len: int, window: int | None, device) -> torch.Tensor:
-    """[S, S] bool: query i sees key j iff j <= i and (no window or j > i - window)."""
-    pos = torch.arange(seq_len, device=device)
-    offset = pos[:, None] - pos[None, :]
-    keep = offset >= 0
-    return keep & (offset < window) if window is not None else keep
-
-
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
-                     sinks: torch.Tensor | None) -> torch.Tensor:
-    """Causal attention over q/k/v [B, H, S, D] (same head count), optionally within a sliding
-    window and with a per-head sink logit ``sinks`` [H]; one SDPA call with a boolean mask."""
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention over q/k/v [B, H, S, D] (same head count) with a boolean ``mask`` ([S, S] or
+    [B, 1, S, S], True = visible) and optionally a per-head sink logit ``sinks`` [H]; one SDPA call."""
     b, h, s, d = q.shape
     scale = d**-0.5
-    mask = visible_keys(s, window, q.device)
     if sinks is not None:
         # q . k_sink = 1 * sink / scale on the first pad column, so the scaled score is the sink.
         q_pad = torch.zeros(b, h, s, SINK_PAD, dtype=q.dtype, device=q.device)

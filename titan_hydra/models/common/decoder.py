@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from titan_hydra.models.common.layers import RMSNorm, trunc_normal_
+from titan_hydra.models.common.masking import positions_in_documents
 
 
 class TransformerBlock(nn.Module):
@@ -39,8 +40,13 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(dim, norm_eps)
         self.out_std = out_std
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # doc_ids travels as a keyword: TP's PrepareModuleInput lays out the positional inputs only
+        if doc_ids is None:
+            h = x + self.attention(self.attention_norm(x), cos, sin)
+        else:
+            h = x + self.attention(self.attention_norm(x), cos, sin, doc_ids=doc_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -101,16 +107,24 @@ class Decoder(nn.Module):
         if self.args.tie_word_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.tok_embeddings.weight = self.output.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, S] -> logits [B, S, vocab].
 
         On a pipeline stage without ``tok_embeddings`` the input is hidden states [B, S, dim];
-        without ``output`` the return value is hidden states.
+        without ``output`` the return value is hidden states. ``doc_ids`` [B, S] (document
+        masking, ``common/masking.py``): attention stays within each document and rotary
+        positions restart at every document.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = self.rope_cos, self.rope_sin
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
+        if doc_ids is None:
+            for layer in self.layers.values():
+                h = layer(h, cos, sin)
+        else:
+            positions = positions_in_documents(doc_ids)
+            cos, sin = cos[positions], sin[positions]
+            for layer in self.layers.values():
+                h = layer(h, cos, sin, doc_ids=doc_ids)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

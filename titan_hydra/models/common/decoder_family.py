@@ -48,6 +48,7 @@ SEMANTIC_FIELDS = ("norm_eps", "rope_theta", "rope_scaling", "rope_scaling_facto
 class DecoderFamily(ModelFamily):
     model_cls: type | None = None  # the Decoder subclass, built from args fields
     rope_buffers = ("rope_cos", "rope_sin")
+    supports_document_mask = True  # Decoder.forward(tokens, doc_ids)
 
     # --- shape --------------------------------------------------------------------------
     def build(self, args: Any) -> nn.Module:
@@ -92,6 +93,8 @@ class DecoderFamily(ModelFamily):
                         "num_shared_experts": moe.num_shared_experts, "score_func": moe.score_func,
                         "n_dense_layers": n_dense,
                         "dense_ffn_hidden_dim": int(getattr(args, "ffn_hidden_dim", 0)) if n_dense else 0})
+            if moe.score_before_experts:  # only when set: markers written before the field stay valid
+                sig["score_before_experts"] = True
         return sig
 
     def check(self, args: Any, dims: Any, seq_len: int) -> None:

@@ -56,6 +56,14 @@ def from_hf_name(name: str) -> str:
     return f"layers.{m.group(1)}.{_BLOCK_INV[m.group(2)]}"
 
 
+def refuse_moved_expert_bias(fqn: str, bias: torch.Tensor, hf_model: str) -> None:
+    """An MoE export to an HF class without a selection-only routing bias needs ours at 0."""
+    if bool((bias != 0).any()):
+        raise HFConversionError(
+            f"{fqn} is non-zero (trained with model.moe.load_balance_coeff>0); {hf_model} has no selection-only "
+            "routing bias, so its expert choices would differ: export needs load_balance_coeff=0")
+
+
 def decoder_hf_config(args, *, architecture: str, model_type: str, ffn_dim: int, head_dim: int,
                       rope: dict, dtype: torch.dtype) -> dict:
     """config.json fields every Llama-style HF decoder has; a family adds its own keys."""

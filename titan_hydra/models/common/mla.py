@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_hydra.models.common.layers import RMSNorm, trunc_normal_
-from titan_hydra.models.common.rotary import apply_rope
+from titan_hydra.models.common.masking import visible_keys
+from titan_hydra.models.common.rotary import apply_rope, fit_tables
 
 LATENT_NORM_EPS = 1e-6
 
@@ -66,9 +67,10 @@ class MultiHeadLatentAttention(nn.Module):
             return self.wq_b(self.q_norm(self.wq_a(x)))
         return self.wq(x)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
-        cos, sin = cos[:seqlen], sin[:seqlen]
+        cos, sin = fit_tables(cos, sin, seqlen)
         q = self.queries(x).view(bsz, seqlen, -1, self.head_dim)
         q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
@@ -83,17 +85,23 @@ class MultiHeadLatentAttention(nn.Module):
         # kernel. Zero columns add nothing to q.k and come out of p.v as zeros, cut off below.
         width = max(self.head_dim, self.v_head_dim)
         q, k, v = (_pad_heads(t.transpose(1, 2), width) for t in (q, k, v))
-        out = self._sdpa(q, k, v)[..., : self.v_head_dim]
+        out = self._sdpa(q, k, v, doc_ids)[..., : self.v_head_dim]
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         dtype = self.sdpa_dtype
         if dtype is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+            return self._attend(q, k, v, doc_ids)
         with torch.autocast(q.device.type, enabled=False):  # autocast would cast fp32 q/k/v down again
-            out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True,
-                                                 scale=self.softmax_scale)
+            out = self._attend(q.to(dtype), k.to(dtype), v.to(dtype), doc_ids)
         return out.to(v.dtype)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        if doc_ids is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        mask = visible_keys(q.shape[2], device=q.device, doc_ids=doc_ids)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
 
     def init_weights(self, out_std: float, in_std: float = 0.02) -> None:
         queries = (self.wq_a, self.wq_b) if self.q_lora_rank else (self.wq,)

@@ -54,6 +54,9 @@ class MoEArgs:
     load_balance_coeff: float = 1e-3  # aux-loss-free bias update rate; 0 = off (bias stays put)
     aux_loss_coeff: float = 0.0  # sequence-wise auxiliary loss weight; 0 = off
     use_grouped_mm: bool = True  # False = per-expert loop (benchmark baseline, fallback)
+    # Weight each token's expert *input* by its gate instead of the expert's output (Llama 4; the
+    # same only for linear experts): expert(g * x) rather than g * expert(x).
+    score_before_experts: bool = False
 
     def __post_init__(self) -> None:
         e, k, g = self.num_experts, self.top_k, self.num_expert_groups
@@ -330,9 +333,12 @@ class MoE(nn.Module):
         # local dispatch: (token, choice) pairs sorted by expert
         order = torch.argsort(selected.reshape(-1), stable=True)
         token_of_row = order // self.args.top_k
-        routed = self.experts(tokens[token_of_row], counts)
-        weighted = routed.float() * gates.reshape(-1)[order].unsqueeze(-1)
-        out = torch.zeros(b * s, d, dtype=torch.float32, device=x.device).index_add(0, token_of_row, weighted)
+        rows, row_gates = tokens[token_of_row], gates.reshape(-1)[order].unsqueeze(-1)
+        if self.args.score_before_experts:
+            routed = self.experts((rows.float() * row_gates).to(rows.dtype), counts).float()
+        else:
+            routed = self.experts(rows, counts).float() * row_gates
+        out = torch.zeros(b * s, d, dtype=torch.float32, device=x.device).index_add(0, token_of_row, routed)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens).float()
         out = out.to(x.dtype).view(b, s, d)

@@ -26,3 +26,4 @@ class MoEConfig:
     load_balance_coeff: float = 1e-3  # aux-loss-free bias update rate per step; 0 = off
     aux_loss_coeff: float = 0.0  # sequence-wise auxiliary balance loss weight; 0 = off
     use_grouped_mm: bool = True  # False: one matmul per expert (baseline / fallback)
+    score_before_experts: bool = False  # gate the expert input, not its output (Llama 4)

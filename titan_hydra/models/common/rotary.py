@@ -28,19 +28,23 @@ def inverse_frequencies(head_dim: int, theta: float, device=None) -> torch.Tenso
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
 
 
-def llama3_scaled(freqs: torch.Tensor, factor: float) -> torch.Tensor:
+def llama3_scaled(freqs: torch.Tensor, factor: float, low_freq_factor: float = LLAMA3_LOW_FREQ_FACTOR,
+                  high_freq_factor: float = LLAMA3_HIGH_FREQ_FACTOR,
+                  original_context: int = LLAMA3_ORIGINAL_CONTEXT) -> torch.Tensor:
     """Llama 3.1 scaling: divide long wavelengths by ``factor``, keep short ones, blend between.
 
-    Local positional resolution is untouched while the usable context grows.
+    Local positional resolution is untouched while the usable context grows. Llama 4 Scout uses
+    the same rule with low = high frequency factor 1 (a hard cut at the original context).
     """
     wavelen = 2 * math.pi / freqs
-    low_wavelen = LLAMA3_ORIGINAL_CONTEXT / LLAMA3_LOW_FREQ_FACTOR
-    high_wavelen = LLAMA3_ORIGINAL_CONTEXT / LLAMA3_HIGH_FREQ_FACTOR
-    smooth = (LLAMA3_ORIGINAL_CONTEXT / wavelen - LLAMA3_LOW_FREQ_FACTOR) / (
-        LLAMA3_HIGH_FREQ_FACTOR - LLAMA3_LOW_FREQ_FACTOR
-    )
+    low_wavelen = original_context / low_freq_factor
+    high_wavelen = original_context / high_freq_factor
     scaled = freqs / factor
-    mid = (1 - smooth) * scaled + smooth * freqs
+    if high_freq_factor == low_freq_factor:
+        mid = scaled  # no blend band: [high_wavelen, low_wavelen] is a single point
+    else:
+        smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        mid = (1 - smooth) * scaled + smooth * freqs
     return torch.where(wavelen > low_wavelen, scaled, torch.where(wavelen < high_wavelen, freqs, mid))
 
 
@@ -50,15 +54,24 @@ def tables_from_frequencies(freqs: torch.Tensor, max_seq_len: int, device=None) 
     return angles.cos(), angles.sin()
 
 
+def fit_tables(cos: torch.Tensor, sin: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole tables [max_seq_len, D/2] cut to the first ``seq_len`` positions; per-token tables
+    [B, S, D/2] (document masking: positions restart per document) are already fitted."""
+    return (cos[:seq_len], sin[:seq_len]) if cos.dim() == 2 else (cos, sin)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
-    """Rotate x [B, S, H, D] by position. Computed in fp32 and cast back (reference numerics under bf16)."""
+    """Rotate x [B, S, H, D] by position: tables [S, D/2] (shared by the batch) or [B, S, D/2]
+    (per token). Computed in fp32 and cast back (reference numerics under bf16)."""
     xf = x.float()
     if interleaved:
         xf = xf.unflatten(-1, (-1, 2))
         x0, x1 = xf[..., 0], xf[..., 1]
     else:
         x0, x1 = xf.chunk(2, dim=-1)
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
     r0, r1 = x0 * c - x1 * s, x0 * s + x1 * c
     out = torch.stack((r0, r1), dim=-1).flatten(-2) if interleaved else torch.cat((r0, r1), dim=-1)
     return out.type_as(x)

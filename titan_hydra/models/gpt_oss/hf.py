@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from titan_hydra.models.common.hf_decoder import (
-    HFConversionError, check_model_type, decoder_hf_config, from_hf_name, rope_theta_of, to_hf_name,
+    HFConversionError, check_model_type, decoder_hf_config, from_hf_name, refuse_moved_expert_bias, rope_theta_of,
+    to_hf_name,
 )
 from titan_hydra.models.common.moe import MoEArgs
 from titan_hydra.models.gpt_oss.model import GptOssArgs, alternating_layer_types
@@ -78,11 +79,7 @@ class GptOssHFAdapter(HFAdapter):
             layer, suffix = m.groups()
             prefix = f"model.layers.{layer}"
             if suffix == "feed_forward.expert_bias":
-                if bool((t != 0).any()):
-                    raise HFConversionError(
-                        f"{fqn} is non-zero (trained with model.moe.load_balance_coeff>0); HF GPT-OSS has no "
-                        "selection-only routing bias, so its expert choices would differ: export needs "
-                        "load_balance_coeff=0")
+                refuse_moved_expert_bias(fqn, t, "HF GPT-OSS")
             elif suffix in _FUSED:
                 if _FUSED[suffix][1] == 0:  # emit the fused tensor once, at the gate's entry
                     up = sd[f"layers.{layer}.{suffix.replace('w1', 'w3')}"]

@@ -1,0 +1,194 @@
+"""Our Llama 4 <-> Hugging Face ``Llama4ForCausalLM`` (``model_type: llama4_text``) checkpoints on disk.
+
+Attention and norms use the Llama-style names; HF's Llama 4 already rotates interleaved pairs
+(complex-number rotary), so q/k rows are copied as they are. The feed-forward is named
+``feed_forward`` in HF too (not ``mlp``):
+
+* dense layers: ``feed_forward.gate_proj`` / ``up_proj`` / ``down_proj`` <-> our ``w1`` / ``w3`` / ``w2``;
+* MoE layers: the router ``feed_forward.router.weight`` [E, dim]; the experts fused and transposed,
+  ``feed_forward.experts.gate_up_proj`` [E, dim, 2 x hidden] (gate = first half, up = second) and
+  ``down_proj`` [E, hidden, dim], against our ``experts.w1`` / ``w3`` [E, hidden, dim] and ``w2``
+  [E, dim, hidden]; the shared expert ``feed_forward.shared_expert.*_proj``.
+
+HF routes by top-k over the logits with sigmoid gates on the expert input and no selection-only
+bias: a model whose routing differs, or whose ``expert_bias`` moved (``load_balance_coeff > 0``),
+has no HF counterpart and is refused with one line. Meta's multimodal checkpoints
+(``Llama4ForConditionalGeneration``, ``model_type: llama4``) keep this text decoder under
+``language_model.``: extract it (or save ``Llama4ForCausalLM``) first.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from titan_hydra.models.common.hf_decoder import (
+    HFConversionError, check_model_type, decoder_hf_config, from_hf_name, refuse_moved_expert_bias, rope_theta_of,
+    to_hf_name,
+)
+from titan_hydra.models.common.moe import MoEArgs
+from titan_hydra.models.llama4.model import Llama4Args
+from titan_hydra.models.protocol import HFAdapter
+
+# our suffix within a block -> HF suffix, where it differs from hf_decoder's table
+FFN_NAMES = {
+    "feed_forward.w1.weight": "feed_forward.gate_proj.weight",
+    "feed_forward.w3.weight": "feed_forward.up_proj.weight",
+    "feed_forward.w2.weight": "feed_forward.down_proj.weight",
+    "feed_forward.shared_experts.w1.weight": "feed_forward.shared_expert.gate_proj.weight",
+    "feed_forward.shared_experts.w3.weight": "feed_forward.shared_expert.up_proj.weight",
+    "feed_forward.shared_experts.w2.weight": "feed_forward.shared_expert.down_proj.weight",
+    "feed_forward.router.gate.weight": "feed_forward.router.weight",
+    "feed_forward.experts.w2": "feed_forward.experts.down_proj",
+}
+_FFN_INV = {v: k for k, v in FFN_NAMES.items()}
+_BLOCK = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def _check_representable(moe: MoEArgs) -> None:
+    if (moe.score_func != "sigmoid" or moe.route_norm or moe.route_scale != 1.0 or moe.num_shared_experts != 1
+            or moe.num_expert_groups > 1 or not moe.score_before_experts):
+        raise HFConversionError(
+            "HF Llama 4 routes by sigmoid gates on the expert input with one shared expert (score_func=sigmoid, "
+            "route_norm=false, score_before_experts=true, num_shared_experts=1) only; this model has "
+            f"score_func={moe.score_func}, route_norm={moe.route_norm}, route_scale={moe.route_scale}, "
+            f"num_shared_experts={moe.num_shared_experts}, num_expert_groups={moe.num_expert_groups}, "
+            f"score_before_experts={moe.score_before_experts}")
+
+
+def _flags(ids: list[int], n_layers: int, value: int) -> list[int]:
+    """Layer ids -> HF's per-layer 0/1 list (``value`` where the id is listed)."""
+    chosen = set(ids)
+    return [value if i in chosen else 1 - value for i in range(n_layers)]
+
+
+class Llama4HFAdapter(HFAdapter):
+    model_type = "llama4_text"
+
+    def to_hf_state(self, sd: dict[str, torch.Tensor], args: Llama4Args) -> dict[str, torch.Tensor]:
+        _check_representable(args.moe)
+        out: dict[str, torch.Tensor] = {}
+        for fqn, t in sd.items():
+            if fqn == "output.weight" and args.tie_word_embeddings:
+                continue
+            m = _BLOCK.match(fqn)
+            if m is None:
+                out[to_hf_name(fqn)] = t.contiguous()
+                continue
+            layer, suffix = m.groups()
+            prefix = f"model.layers.{layer}"
+            if suffix == "feed_forward.expert_bias":
+                refuse_moved_expert_bias(fqn, t, "HF Llama 4")
+            elif suffix == "feed_forward.experts.w1":  # [E, h, dim] x 2 -> [E, dim, 2h], gate first
+                up = sd[f"layers.{layer}.feed_forward.experts.w3"]
+                out[f"{prefix}.feed_forward.experts.gate_up_proj"] = torch.cat(
+                    (t.transpose(1, 2), up.transpose(1, 2)), dim=-1).contiguous()
+            elif suffix == "feed_forward.experts.w3":
+                continue  # written with w1
+            elif suffix == "feed_forward.experts.w2":
+                out[f"{prefix}.feed_forward.experts.down_proj"] = t.transpose(1, 2).contiguous()
+            elif suffix in FFN_NAMES:
+                out[f"{prefix}.{FFN_NAMES[suffix]}"] = t.contiguous()
+            else:
+                out[to_hf_name(fqn)] = t.contiguous()
+        return out
+
+    def from_hf_state(self, sd: dict[str, torch.Tensor], args: Llama4Args) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, t in sd.items():
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and args.tie_word_embeddings):
+                continue
+            m = _HF_BLOCK.match(name)
+            suffix = m.group(2) if m else None
+            if suffix == "feed_forward.experts.gate_up_proj":
+                ours = f"layers.{m.group(1)}.feed_forward.experts"
+                gate, up = t.chunk(2, dim=-1)
+                out[f"{ours}.w1"] = gate.transpose(1, 2).contiguous()
+                out[f"{ours}.w3"] = up.transpose(1, 2).contiguous()
+            elif suffix == "feed_forward.experts.down_proj":
+                out[f"layers.{m.group(1)}.feed_forward.experts.w2"] = t.transpose(1, 2).contiguous()
+            elif suffix in _FFN_INV:
+                out[f"layers.{m.group(1)}.{_FFN_INV[suffix]}"] = t
+            else:
+                out[from_hf_name(name)] = t
+        for i in args.moe_layer_ids:  # HF has no selection-only bias: ours starts at 0
+            out[f"layers.{i}.feed_forward.expert_bias"] = torch.zeros(args.moe.num_experts, dtype=torch.float32)
+        if args.tie_word_embeddings and "tok_embeddings.weight" in out:
+            out["output.weight"] = out["tok_embeddings.weight"]
+        return out
+
+    def hf_config(self, args: Llama4Args, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+        moe = args.moe
+        _check_representable(moe)
+        if args.rope_scaling == "llama3":
+            rope = {"rope_type": "llama3", "rope_theta": float(args.rope_theta), "factor": float(args.rope_factor),
+                    "low_freq_factor": float(args.rope_low_freq_factor),
+                    "high_freq_factor": float(args.rope_high_freq_factor),
+                    "original_max_position_embeddings": int(args.rope_original_max_seq_len)}
+        else:
+            rope = {"rope_type": "default", "rope_theta": float(args.rope_theta)}
+        return {**decoder_hf_config(args, architecture="Llama4ForCausalLM", model_type="llama4_text",
+                                    ffn_dim=moe.expert_dim, head_dim=args.head_dim, rope=rope, dtype=dtype),
+                "intermediate_size_mlp": int(args.ffn_hidden_dim),
+                "num_local_experts": moe.num_experts,
+                "num_experts_per_tok": moe.top_k,
+                "moe_layers": args.moe_layer_ids,
+                "no_rope_layers": _flags(args.nope_layer_ids, args.n_layers, 0),  # HF: 1 = this layer uses rope
+                "attention_chunk_size": args.attention_chunk_size,
+                "use_qk_norm": bool(args.use_qk_norm),
+                "attn_temperature_tuning": bool(args.attn_temperature_tuning),
+                "floor_scale": int(args.floor_scale) if float(args.floor_scale).is_integer() else args.floor_scale,
+                "attn_scale": float(args.attn_scale),
+                "router_aux_loss_coef": float(moe.aux_loss_coeff),
+                "output_router_logits": False}
+
+    def args_from_hf_config(self, cfg: dict[str, Any]) -> Llama4Args:
+        if cfg.get("model_type") == "llama4" or "text_config" in cfg:
+            raise HFConversionError("config.json is a multimodal Llama 4 (Llama4ForConditionalGeneration); convert "
+                                    "its text decoder: load it with transformers and save Llama4ForCausalLM")
+        check_model_type(cfg, "llama4_text")
+        if cfg.get("attention_bias"):
+            raise HFConversionError("config.json has attention_bias=true; Llama 4 here has no attention biases")
+        theta, scaling = rope_theta_of(cfg)
+        rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type not in ("default", "llama3"):
+            raise HFConversionError(f"rope type {rope_type!r} is not supported for Llama 4 (default or llama3)")
+        n_layers = int(cfg["num_hidden_layers"])
+        uses_rope = cfg.get("no_rope_layers") or [int((i + 1) % int(cfg.get("no_rope_layer_interval", 4)) != 0)
+                                                  for i in range(n_layers)]
+        step = int(cfg.get("interleave_moe_layer_step", 1) or 1)
+        moe_layers = cfg.get("moe_layers")
+        moe_layers = list(range(step - 1, n_layers, step)) if moe_layers is None else [int(i) for i in moe_layers]
+        heads = int(cfg["num_attention_heads"])
+        llama3 = rope_type == "llama3"
+        return Llama4Args(
+            dim=int(cfg["hidden_size"]),
+            n_layers=n_layers,
+            n_heads=heads,
+            n_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+            vocab_size=int(cfg["vocab_size"]),
+            ffn_hidden_dim=int(cfg.get("intermediate_size_mlp") or cfg["intermediate_size"]),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            max_seq_len=int(cfg.get("max_position_embeddings", 131072)),
+            rope_theta=theta,
+            rope_scaling="llama3" if llama3 else "none",
+            rope_factor=float(scaling.get("factor") or 16.0),
+            rope_low_freq_factor=float(scaling.get("low_freq_factor") or 1.0),
+            rope_high_freq_factor=float(scaling.get("high_freq_factor") or 1.0),
+            rope_original_max_seq_len=int(scaling.get("original_max_position_embeddings") or 8192),
+            nope_layers=[i for i, flag in enumerate(uses_rope) if not flag],
+            attention_chunk_size=cfg.get("attention_chunk_size"),
+            use_qk_norm=bool(cfg.get("use_qk_norm", True)),
+            attn_temperature_tuning=bool(cfg.get("attn_temperature_tuning", True)),
+            floor_scale=float(cfg.get("floor_scale", 8192)),
+            attn_scale=float(cfg.get("attn_scale", 0.1)),
+            moe_layers=moe_layers,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            moe=MoEArgs(num_experts=int(cfg["num_local_experts"]), top_k=int(cfg.get("num_experts_per_tok", 1)),
+                        expert_dim=int(cfg["intermediate_size"]), num_shared_experts=1, score_func="sigmoid",
+                        score_before_experts=True, load_balance_coeff=0.0, aux_loss_coeff=0.0),
+        )
