@@ -34,10 +34,10 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
     from hydra import compose, initialize_config_dir
-    from hydra.utils import instantiate
 
     import titan_hydra.config  # noqa: F401  (registers schemas)
     from titan_hydra.models.registry import args_of, build_model
+    from titan_hydra.train.optimizers import build_optimizer
     from titan_hydra.train.pretrain import build_dataset
 
     torch.set_num_threads(args.threads)
@@ -46,7 +46,7 @@ def main() -> None:
     family, model = build_model(cfg.model)
     torch.manual_seed(cfg.training.seed)  # after construction, as the trainer's init does
     model.init_weights()
-    optimizer = instantiate(cfg.optimizer)(model.parameters())
+    optimizer = build_optimizer(cfg.optimizer, list(model.named_parameters()))  # the trainer's groups
     loader = build_dataset(cfg).loader("train", cfg.training.local_batch_size)
     fpt = family.flops_per_token(args_of(cfg.model)[1], cfg.training.seq_len)
 

@@ -150,7 +150,9 @@ def test_optimizer_and_schedule_come_from_config(tmp_path):
     cfg = compose_cfg(FAST + ["optimizer=adam", "lr_scheduler=wsd", "training.steps=10"])
     from hydra.utils import instantiate
 
-    opt = instantiate(cfg.optimizer)([torch.nn.Parameter(torch.zeros(2))])
+    from titan_hydra.train.optimizers import build_optimizer
+
+    opt = build_optimizer(cfg.optimizer, [("w", torch.nn.Parameter(torch.zeros(2)))])
     assert type(opt) is torch.optim.Adam
     sched = instantiate(cfg.lr_scheduler)(opt, 10)
     lrs = []

@@ -97,7 +97,8 @@ class ParallelismConfig:
 
 @dataclass
 class OptimizerConfig:
-    """A torch optimizer built as a partial and called with the model's parameters."""
+    """A torch optimizer for the model's parameters, with optional per-group settings or other
+    optimizers (``param_groups``); built by ``titan_hydra.train.optimizers.build_optimizer``."""
 
     _target_: str = "torch.optim.AdamW"
     _partial_: bool = True
@@ -106,6 +107,9 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     foreach: Optional[bool] = None
+    # per-group settings / other optimizers by parameter name and shape (train/optimizers.py):
+    # [{name, match: [fnmatch FQN patterns], ndim, _target_?, <settings>}]
+    param_groups: List[Any] = field(default_factory=list)
 
 
 @dataclass

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from titan_hydra.train.optimizers import members
 from titan_hydra.checkpoint.storage import (
     CheckpointError,
     check_files,
@@ -270,7 +271,7 @@ class CheckpointManager:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         options = StateDictOptions(flatten_optimizer_state_dict=True)
-        return get_optimizer_state_dict(self._module, self.optimizer, options=options)
+        return get_optimizer_state_dict(self._module, members(self.optimizer), options=options)
 
     def _loader_state(self) -> tuple[dict | None, dict | None]:
         """(rank-independent loader state, per-rank loader state)."""
@@ -603,7 +604,7 @@ class CheckpointManager:
         if optim_sd:
             new = {k: (got[f"optim.{k}"] if isinstance(v, torch.Tensor) else v) for k, v in optim_sd.items()}
             options = StateDictOptions(flatten_optimizer_state_dict=True)
-            set_optimizer_state_dict(self._module, self.optimizer, new, options=options)
+            set_optimizer_state_dict(self._module, members(self.optimizer), new, options=options)
             self._apply_groups(extra.get("optimizer_groups", []))
         if "lr_scheduler" not in exclude and "lr_scheduler" in extra:
             self._restore_schedule(extra["lr_scheduler"])

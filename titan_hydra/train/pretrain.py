@@ -236,8 +236,10 @@ def build_parallel_model(cfg: DictConfig, dims, device: torch.device, grad_accum
 
 def build_optimizer(cfg: DictConfig, built: BuiltModel):
     """Optimizer over this rank's parameters (``_partial_``) and its LR schedule."""
-    params = [p for part in built.parts for p in part.parameters()]
-    optimizer = instantiate(cfg.optimizer)(params)
+    from titan_hydra.train.optimizers import build_optimizer as optimizer_of
+
+    named = [(name, p) for part in built.parts for name, p in part.named_parameters()]
+    optimizer = optimizer_of(cfg.optimizer, named)
     built.float8.register(optimizer, built.parts)  # float8 scale precompute after each optimizer step
     return optimizer, instantiate(cfg.lr_scheduler)(optimizer, cfg.training.steps)
 

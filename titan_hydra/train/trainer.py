@@ -115,7 +115,11 @@ class Trainer:
         params = [p for m in self.model_parts for p in m.parameters()]
         grad_norm = clip_grad_norm_(params, self.max_norm, pp_group=self.dims.pp_group())
         lr = self.optimizer.param_groups[0]["lr"]
-        hook_metrics: dict[str, float] = {}
+        # named groups (optimizer.param_groups) with their own LR (Muon's peak differs): lr/<name>
+        first_peak = self.optimizer.param_groups[0].get("initial_lr")
+        hook_metrics: dict[str, float] = {
+            f"lr/{g['group_name']}": float(g["lr"]) for g in self.optimizer.param_groups
+            if "group_name" in g and g.get("initial_lr") != first_peak}
         for hook in self.step_hooks:
             hook_metrics.update(hook())
         self.optimizer.step()

@@ -1,0 +1,222 @@
+"""The ``optimizer`` config node -> one torch optimizer, or several behind one interface.
+
+The node is a torch optimizer class (``_target_``) with its hyper-parameters, plus an optional
+list ``param_groups``: each group selects parameters by name and shape and overrides settings
+for them::
+
+    _target_: torch.optim.AdamW          # the parameters no group selects
+    lr: 8e-4
+    weight_decay: 0.1
+    param_groups:
+      - name: no_weight_decay
+        ndim: 1                          # norms, biases, sinks
+        weight_decay: 0.0
+      - name: matrices
+        match: ["layers.*"]              # fnmatch over the parameter's FQN
+        ndim: 2
+        _target_: titan_hydra.train.muon.Muon   # another optimizer: only its own settings apply
+        lr: 0.02
+
+A group without ``_target_`` becomes a param group of the top-level optimizer (its keys override
+the top-level ones); a group with its own ``_target_`` gets its own optimizer instance built
+from the group's keys alone (another class may not take the top-level ones). Every parameter
+belongs to at most one group: a parameter two groups select, or a group that selects nothing,
+is a one-line ``ConfigError`` (a typo in a pattern must not silently train with the defaults).
+
+With one optimizer class the result is that optimizer itself. With several, ``OptimizerList``
+runs them as one: its ``param_groups`` are the members' own group dicts (so one LR schedule
+drives every group, and checkpoints restore them), ``step``/``zero_grad`` call every member,
+and ``optimizers`` lists them for distributed checkpointing (DCP keys optimizer state by
+parameter FQN, so the members' states never collide).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from hydra.utils import get_class
+from omegaconf import DictConfig, OmegaConf
+
+from titan_hydra.errors import ConfigError
+
+SELECTORS = ("name", "match", "ndim")
+# wrapper segments that activation checkpointing / torch.compile may add to an FQN
+_WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.")
+
+
+def clean_name(fqn: str) -> str:
+    for w in _WRAPPERS:
+        fqn = fqn.replace(w, "")
+    return fqn
+
+
+def _selects(group: Mapping[str, Any], name: str, p: torch.Tensor) -> bool:
+    patterns = group.get("match") or ["*"]
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    if not any(fnmatch.fnmatchcase(name, pat) for pat in patterns):
+        return False
+    ndim = group.get("ndim")
+    if ndim is None:
+        return True
+    allowed = [int(n) for n in (ndim if isinstance(ndim, (list, tuple)) else [ndim])]
+    return p.ndim in allowed
+
+
+def _plain(node: Any) -> dict[str, Any]:
+    if isinstance(node, DictConfig):
+        return OmegaConf.to_container(node, resolve=True, enum_to_str=True)  # type: ignore[return-value]
+    return dict(node)
+
+
+def _kwargs(node: Mapping[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in node.items() if not k.startswith("_") and k not in SELECTORS and k != "param_groups"}
+    if isinstance(out.get("betas"), list):
+        out["betas"] = tuple(out["betas"])
+    return out
+
+
+def _optimizer_class(target: str, where: str) -> type:
+    try:
+        cls = get_class(target)
+    except Exception:  # noqa: BLE001  (hydra raises several kinds for a bad path)
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError(f"{where}._target_={target!r} is not a torch.optim.Optimizer class")
+    return cls
+
+
+def assign_groups(node: Mapping[str, Any], named_params: list[tuple[str, torch.Tensor]]
+                  ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[dict, list[torch.Tensor]]]]:
+    """(parameters no group selects, [(group spec, its parameters)]) with the one-line checks."""
+    specs = [_plain(g) for g in (node.get("param_groups") or [])]
+    for i, spec in enumerate(specs):
+        if not spec.get("name"):
+            raise ConfigError(f"optimizer.param_groups[{i}] needs a name (and match / ndim to select parameters)")
+    chosen: list[list[torch.Tensor]] = [[] for _ in specs]
+    owner: dict[int, str] = {}
+    rest: list[tuple[str, torch.Tensor]] = []
+    for fqn, p in named_params:
+        name = clean_name(fqn)
+        hits = [i for i, spec in enumerate(specs) if _selects(spec, name, p)]
+        if len(hits) > 1:
+            a, b = (specs[i]["name"] for i in hits[:2])
+            raise ConfigError(f"optimizer.param_groups {a!r} and {b!r} both select parameter {name!r}; "
+                              "narrow their match / ndim so that each parameter has one group")
+        if hits:
+            chosen[hits[0]].append(p)
+            owner[id(p)] = specs[hits[0]]["name"]
+        else:
+            rest.append((name, p))
+    for spec, params in zip(specs, chosen):
+        if not params:
+            raise ConfigError(f"optimizer.param_groups {spec['name']!r} selects no parameter (match="
+                              f"{spec.get('match') or ['*']}, ndim={spec.get('ndim')}); fix the pattern or drop the group")
+    return rest, list(zip(specs, chosen))
+
+
+def build_optimizer(node: Any, named_params: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
+    """The optimizer(s) the ``optimizer`` node describes, over ``named_params`` (FQN, parameter)."""
+    node = _plain(node)
+    default_cls = _optimizer_class(str(node.get("_target_")), "optimizer")
+    default_kwargs = _kwargs(node)
+    rest, groups = assign_groups(node, named_params)
+    own: list[dict[str, Any]] = [{"params": [p for _, p in rest]}] if rest else []
+    others: list[torch.optim.Optimizer] = []
+    for spec, params in groups:
+        target = spec.get("_target_")
+        if target is None or get_class(str(target)) is default_cls:
+            own.append({"params": params, **_kwargs(spec), "group_name": spec["name"]})
+        else:
+            cls = _optimizer_class(str(target), f"optimizer.param_groups {spec['name']!r}")
+            try:
+                others.append(cls([{"params": params, "group_name": spec["name"]}], **_kwargs(spec)))
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"optimizer.param_groups {spec['name']!r}: {e}") from None
+    optimizers = []
+    if own:
+        if rest and any("group_name" in g for g in own):
+            own[0]["group_name"] = "default"
+        try:
+            optimizers.append(default_cls(own, **default_kwargs))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"optimizer ({node.get('_target_')}): {e}") from None
+    optimizers.extend(others)
+    return optimizers[0] if len(optimizers) == 1 else OptimizerList(optimizers)
+
+
+class _MergedState(Mapping):
+    """Read-only view of the members' ``state`` (their parameters are disjoint)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self._optimizers = optimizers
+
+    def __getitem__(self, key):
+        for o in self._optimizers:
+            if key in o.state:
+                return o.state[key]
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator:
+        for o in self._optimizers:
+            yield from o.state
+
+    def __len__(self) -> int:
+        return sum(len(o.state) for o in self._optimizers)
+
+
+class OptimizerList(torch.optim.Optimizer):
+    """Several optimizers (e.g. Muon for matrices, AdamW for the rest) stepped as one."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = list(optimizers)
+        params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
+        self._ready = False
+        super().__init__(params, {})  # hooks and bookkeeping of the base class (on a scratch group list)
+        self._ready = True
+
+    # Views, recomputed on every access: a member's ``load_state_dict`` (checkpoint resume)
+    # replaces its group dicts, and a stored list would leave the LR schedule driving the old ones.
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        if not self.__dict__.get("_ready"):
+            return self.__dict__.setdefault("_scratch_groups", [])
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, value) -> None:  # only the base class's __init__ assigns: the members own the groups
+        self.__dict__["_scratch_groups"] = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Mapping:
+        return _MergedState(self.optimizers)
+
+    @state.setter
+    def state(self, value) -> None:
+        pass
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for o in self.optimizers:
+            o.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for o, sd in zip(self.optimizers, state_dict["optimizers"]):
+            o.load_state_dict(sd)
+
+
+def members(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers behind ``optimizer`` (for DCP's state-dict functions)."""
+    return list(getattr(optimizer, "optimizers", [optimizer]))
