@@ -1,0 +1,100 @@
+"""A titan_hydra model as an lm-eval harness ``LM`` (lm-eval 0.4.13), for ``recipes/eval.py``.
+
+The harness asks three things of a model; each maps onto ``forward(tokens) -> logits``:
+
+* ``loglikelihood(context, continuation)``: sum of log p(continuation tokens | context) and
+  whether greedy decoding would produce them. Context is BOS + the context's tokens (documents
+  were trained as BOS + text), truncated from the left to fit ``max_seq_len``; requests are
+  batched right-padded (causal attention: padding after a row's end changes nothing before it).
+* ``loglikelihood_rolling(text)``: the whole text's log-likelihood, scored in disjoint windows
+  of ``max_seq_len`` tokens (the harness's own window helpers), BOS conditioning the first token.
+* ``generate_until(context, until, max_gen_toks)``: greedy (or sampled, from ``gen_kwargs``)
+  continuation through ``titan_hydra.generate``, cut at the first stop string.
+
+Every request is scored in fp32 on one process (the harness shards requests itself when run
+under ``accelerate``; not wired here).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import LM
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from titan_hydra.generate import SamplingConfig, generate
+
+
+class TitanLM(LM):
+    def __init__(self, model: torch.nn.Module, tokenizer, max_seq_len: int, batch_size: int = 8,
+                 device: str = "cpu"):
+        super().__init__()
+        self.model, self.tok = model.eval(), tokenizer
+        self.max_seq_len, self.batch_size, self._device = int(max_seq_len), int(batch_size), device
+
+    # ------------------------------------------------------------------ scoring
+    @torch.no_grad()
+    def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """(context ids, continuation ids) -> (sum log p(continuation), continuation is greedy)."""
+        out: list[tuple[float, bool]] = []
+        for start in range(0, len(pairs), self.batch_size):
+            chunk = pairs[start:start + self.batch_size]
+            rows = []
+            for ctx, cont in chunk:
+                full = (ctx + cont)[-(self.max_seq_len + 1):]  # keep the continuation, cut the context's left
+                rows.append(full)
+            width = max(len(r) - 1 for r in rows)
+            inputs = torch.zeros(len(rows), width, dtype=torch.long)
+            for i, r in enumerate(rows):
+                inputs[i, : len(r) - 1] = torch.tensor(r[:-1])
+            logprobs = F.log_softmax(self.model(inputs.to(self._device)).float(), dim=-1).cpu()
+            for i, ((_, cont), r) in enumerate(zip(chunk, rows)):
+                n = len(cont)
+                pos = torch.arange(len(r) - 1 - n, len(r) - 1)
+                target = torch.tensor(cont)
+                lp = logprobs[i, pos]
+                out.append((float(lp.gather(1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all())))
+        return out
+
+    def loglikelihood(self, requests) -> list[tuple[float, bool]]:
+        pairs = []
+        for req in requests:
+            context, continuation = req.args
+            pairs.append(([self.tok.bos_id] + self.tok.encode(context), self.tok.encode(continuation)))
+        return self._score(pairs)
+
+    def loglikelihood_rolling(self, requests) -> list[float]:
+        results = []
+        for req in requests:
+            (text,) = req.args
+            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                self.tok.encode(text), prefix_token=self.tok.bos_id, max_seq_len=self.max_seq_len, context_len=1)]
+            results.append(sum(lp for lp, _ in self._score(windows)))
+        return results
+
+    # ------------------------------------------------------------------ generation
+    def generate_until(self, requests) -> list[str]:
+        results = []
+        for req in requests:
+            context, gen_kwargs = req.args
+            kwargs: dict[str, Any] = dict(gen_kwargs or {})
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            cfg = SamplingConfig(max_new_tokens=int(kwargs.get("max_gen_toks", 256)),
+                                 temperature=float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0)
+            ids = [self.tok.bos_id] + self.tok.encode(context)
+            budget = self.max_seq_len - cfg.max_new_tokens
+            ids = ids[-max(budget, 1):]
+            out = generate(self.model, torch.tensor([ids], device=self._device), cfg, self.max_seq_len,
+                           eos_id=self.tok.eos_id)
+            new = out[0, len(ids):].tolist()
+            if self.tok.eos_id in new:
+                new = new[: new.index(self.tok.eos_id)]
+            text = self.tok.decode(new)
+            for stop in until:
+                if stop and stop in text:
+                    text = text[: text.index(stop)]
+            results.append(text)
+        return results
