@@ -21,81 +21,32 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from titan_hydra.errors import ConfigError, UserError, first_line  # noqa: E402
 
-PPL_METRICS = [{"metric": m, "higher_is_better": False}
-               for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")]
-MC_METRICS = [{"metric": m, "aggregation": "mean", "higher_is_better": True} for m in ("acc", "acc_norm")]
-
-
-def builtin_heldout_jsonl(out_dir: Path) -> Path:
-    """The built-in corpus's validation documents (those TokenDataset holds out) as JSON lines."""
-    from titan_hydra.data import corpus
-
-    path = out_dir / "builtin_val.jsonl"
-    with open(path, "w") as f:
-        for text in corpus.builtin_documents("val"):
-            f.write(json.dumps({"text": text}) + "\n")
-    return path
-
-
-def task_configs(names: list[str], work: Path) -> list[Any]:
-    """Harness task names pass through; local task names become task config dicts."""
-    tasks: list[Any] = []
-    for name in names:
-        if name == "builtin_ppl":
-            tasks.append({"task": "builtin_ppl", "dataset_path": "json",
-                          "dataset_kwargs": {"data_files": {"test": str(builtin_heldout_jsonl(work))}},
-                          "test_split": "test", "output_type": "loglikelihood_rolling", "doc_to_text": "",
-                          "doc_to_target": "{{text}}", "metric_list": PPL_METRICS})
-        elif name.startswith("jsonl_mc:"):
-            path = Path(name.split(":", 1)[1]).expanduser().resolve()
-            if not path.is_file():
-                raise ConfigError(f"task {name}: {path} does not exist (a JSON-lines file of query/choices/gold)")
-            tasks.append({"task": f"jsonl_mc_{path.stem}", "dataset_path": "json",
-                          "dataset_kwargs": {"data_files": {"test": str(path)}}, "test_split": "test",
-                          "output_type": "multiple_choice", "doc_to_text": "{{query}}", "doc_to_choice": "{{choices}}",
-                          "doc_to_target": "{{gold}}", "metric_list": MC_METRICS})
-        else:
-            tasks.append(name)
-    return tasks
-
-
 def evaluate(checkpoint: str | Path, tasks: list[str], limit: int | None = None, batch_size: int = 8,
              tokenizer: str | None = None, device: str = "cpu", max_seq_len: int | None = None
              ) -> dict[str, dict[str, float]]:
     """{task: {metric: value}} of the harness on a checkpoint; ``max_seq_len`` (default: the
     model's) is the scoring window, e.g. the training sequence length."""
-    from lm_eval import evaluator
     from lm_eval.tasks import TaskManager
 
     from generate import load_model
     from titan_hydra.data.tokenizer import Tokenizer
-    from titan_hydra.evaluation import TitanLM
+    from titan_hydra.evaluation import TitanLM, check_tasks, run_harness
     from titan_hydra.models.hf_io import is_hf_dir
 
     _, args, model = load_model(checkpoint, device)
     own = Path(checkpoint) / "tokenizer.json"
     tok = Tokenizer(tokenizer or (str(checkpoint) if is_hf_dir(checkpoint) and own.is_file() else "builtin"))
     manager = TaskManager()
-    unknown = [t for t in tasks if not (t == "builtin_ppl" or t.startswith("jsonl_mc:")) and t not in manager.all_tasks]
-    if unknown:
-        raise ConfigError(f"unknown task(s) {unknown}: use builtin_ppl, jsonl_mc:<file>, or a name from "
-                          "`lm-eval ls tasks`")
-    with tempfile.TemporaryDirectory() as work:
-        lm = TitanLM(model, tok, min(max_seq_len or args.max_seq_len, args.max_seq_len), batch_size, device)
-        results = evaluator.simple_evaluate(model=lm,
-                                            tasks=task_configs(tasks, Path(work)), limit=limit, task_manager=manager,
-                                            bootstrap_iters=0, log_samples=False, verbosity="ERROR")
-    return {task: {k.split(",")[0]: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "alias"}
-            for task, metrics in results["results"].items()}
+    check_tasks(tasks, manager)
+    lm = TitanLM(model, tok, min(max_seq_len or args.max_seq_len, args.max_seq_len), batch_size, device)
+    return run_harness(lm, tasks, limit, manager)
 
 
 def main(argv: list[str] | None = None) -> int:

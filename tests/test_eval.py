@@ -100,3 +100,40 @@ def test_local_multiple_choice_and_bad_tasks(checkpoint, capsys):
         assert eval_recipe.main([str(checkpoint), "--tasks", tasks]) == 1
         err = capsys.readouterr().err.strip()
         assert err.startswith("error:") and message in err and "\n" not in err, err
+
+
+# ------------------------------------------------------------------- during training
+
+EVAL = ["eval=builtin_ppl", "eval.freq=5", "eval.limit=3", "eval.batch_size=16"]
+
+
+def test_eval_during_training_is_the_same_under_fsdp_and_pp(tmp_path, record_property):
+    """eval.freq=5: every layout gathers its shards into one model on rank 0; the harness's scores
+    at steps 5 and 10 equal the single-process run's (weights equal within fp32 parity)."""
+    from helpers import read_metrics, run_layout, run_single
+
+    def scores(run_dir: Path) -> dict[int, float]:
+        return {r["step"]: r["eval/builtin_ppl/bits_per_byte"] for r in read_metrics(run_dir)
+                if "eval/builtin_ppl/bits_per_byte" in r}
+
+    run_single(tmp_path / "single", EVAL)
+    ref = scores(tmp_path / "single" / "run")
+    assert sorted(ref) == [5, 10] and ref[10] < ref[5]  # scored twice, and training improved it
+    for layout, dp in (("fsdp", 2), ("pp", 1)):
+        (tmp_path / layout).mkdir()
+        run_layout(tmp_path / layout, [*EVAL, f"parallelism={layout}"], nproc=2, dp=dp)
+        got = scores(tmp_path / layout / "run")
+        diff = max(abs(got[s] - ref[s]) for s in ref)
+        record_property(f"{layout} max |bits_per_byte - single|", diff)
+        assert sorted(got) == [5, 10] and diff < 1e-4, (layout, got, ref)
+
+
+def test_eval_config_is_checked_before_training():
+    from titan_hydra.errors import ConfigError
+    from titan_hydra.validate import validate
+
+    with pytest.raises(ConfigError, match=r"unknown task\(s\) \['nope_task'\]") as err:
+        validate(compose_cfg(["eval=builtin_ppl", "eval.tasks=[nope_task]"]))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"eval.freq=-1 must be >= 0"):
+        validate(compose_cfg(["eval.freq=-1"]))

@@ -268,6 +268,18 @@ class LoggerConfig:
 
 
 @dataclass
+class EvalConfig:
+    """lm-eval harness tasks run on a full copy of the model every ``freq`` steps (0 = never)."""
+
+    _target_: str = "titan_hydra.train.periodic_eval.PeriodicEval"
+    freq: int = 0
+    tasks: List[str] = field(default_factory=list)  # builtin_ppl, jsonl_mc:<file>, harness names
+    limit: Optional[int] = None  # documents per task
+    batch_size: int = 8
+    max_seq_len: Optional[int] = "${training.seq_len}"  # type: ignore[assignment]  # scoring window
+
+
+@dataclass
 class ProfilingConfig:
     """torch.profiler traces / memory snapshots; a partial completed by the recipe."""
 
@@ -323,6 +335,7 @@ class TitanConfig:
     compile: CompileConfig = MISSING
     logger: LoggerConfig = MISSING
     profiling: ProfilingConfig = MISSING
+    eval: EvalConfig = MISSING
     training: TrainingConfig = field(default_factory=TrainingConfig)
     dry_run: bool = False
     run_name: Optional[str] = None
@@ -341,6 +354,7 @@ GROUP_SCHEMAS = {
     "compile": CompileConfig,
     "logger": LoggerConfig,
     "profiling": ProfilingConfig,
+    "eval": EvalConfig,
 }
 
 _RUN_STAMP: Optional[str] = None

@@ -17,6 +17,9 @@ under ``accelerate``; not wired here).
 
 from __future__ import annotations
 
+import json
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +27,10 @@ import torch.nn.functional as F
 from lm_eval.api.model import LM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from titan_hydra.errors import ConfigError
 from titan_hydra.generate import SamplingConfig, generate
+
+LOCAL_TASKS = ("builtin_ppl", "jsonl_mc:<file.jsonl>")
 
 
 class TitanLM(LM):
@@ -98,3 +104,72 @@ class TitanLM(LM):
                     text = text[: text.index(stop)]
             results.append(text)
         return results
+
+
+# ------------------------------------------------------------------------------ tasks
+
+PPL_METRICS = [{"metric": m, "higher_is_better": False}
+               for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")]
+MC_METRICS = [{"metric": m, "aggregation": "mean", "higher_is_better": True} for m in ("acc", "acc_norm")]
+
+
+def builtin_heldout_jsonl(out_dir: Path) -> Path:
+    """The built-in corpus's validation documents (those TokenDataset holds out) as JSON lines."""
+    from titan_hydra.data import corpus
+
+    path = out_dir / "builtin_val.jsonl"
+    with open(path, "w") as f:
+        for text in corpus.builtin_documents("val"):
+            f.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+def task_configs(names: list[str], work: Path) -> list[Any]:
+    """Harness task names pass through; local task names become task config dicts."""
+    tasks: list[Any] = []
+    for name in names:
+        if name == "builtin_ppl":
+            tasks.append({"task": "builtin_ppl", "dataset_path": "json",
+                          "dataset_kwargs": {"data_files": {"test": str(builtin_heldout_jsonl(work))}},
+                          "test_split": "test", "output_type": "loglikelihood_rolling", "doc_to_text": "",
+                          "doc_to_target": "{{text}}", "metric_list": PPL_METRICS})
+        elif name.startswith("jsonl_mc:"):
+            path = Path(name.split(":", 1)[1]).expanduser().resolve()
+            if not path.is_file():
+                raise ConfigError(f"task {name}: {path} does not exist (a JSON-lines file of query/choices/gold)")
+            tasks.append({"task": f"jsonl_mc_{path.stem}", "dataset_path": "json",
+                          "dataset_kwargs": {"data_files": {"test": str(path)}}, "test_split": "test",
+                          "output_type": "multiple_choice", "doc_to_text": "{{query}}", "doc_to_choice": "{{choices}}",
+                          "doc_to_target": "{{gold}}", "metric_list": MC_METRICS})
+        else:
+            tasks.append(name)
+    return tasks
+
+
+def check_tasks(tasks: list[str], manager=None) -> None:
+    """One-line ConfigError for a task that is neither local nor in the harness's registry."""
+    if not tasks:
+        raise ConfigError("no evaluation task given: use builtin_ppl, jsonl_mc:<file>, or a name from `lm-eval ls tasks`")
+    local = [t for t in tasks if t == "builtin_ppl" or t.startswith("jsonl_mc:")]
+    if len(local) == len(tasks):
+        return
+    if manager is None:
+        from lm_eval.tasks import TaskManager
+
+        manager = TaskManager()
+    unknown = [t for t in tasks if t not in local and t not in manager.all_tasks]
+    if unknown:
+        raise ConfigError(f"unknown task(s) {unknown}: use builtin_ppl, jsonl_mc:<file>, or a name from "
+                          "`lm-eval ls tasks`")
+
+
+def run_harness(lm: LM, tasks: list[str], limit: int | None = None, manager=None) -> dict[str, dict[str, float]]:
+    """{task: {metric: value}} of lm-eval's ``simple_evaluate`` on ``lm``."""
+    from lm_eval import evaluator
+
+    with tempfile.TemporaryDirectory() as work:
+        results = evaluator.simple_evaluate(model=lm, tasks=task_configs(tasks, Path(work)), limit=limit,
+                                            task_manager=manager, bootstrap_iters=0, log_samples=False,
+                                            verbosity="ERROR")
+    return {task: {k.split(",")[0]: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "alias"}
+            for task, metrics in results["results"].items()}

@@ -81,6 +81,8 @@ def validate(cfg: DictConfig) -> None:
         _validate_environment(cfg)
     _validate_parallel_modules(cfg, dims)
     _validate_data(cfg)
+    if OmegaConf.select(cfg, "eval.freq", default=0):
+        instantiate(cfg.eval).check()  # lm-eval installed, tasks known: before any model is built
     _validate_ranges(cfg)
     _validate_checkpoint(cfg, world_size_of(cfg))
 

@@ -244,6 +244,15 @@ def build_optimizer(cfg: DictConfig, built: BuiltModel):
     return optimizer, instantiate(cfg.lr_scheduler)(optimizer, cfg.training.steps)
 
 
+def periodic_eval_of(cfg: DictConfig, built: BuiltModel, data: DataPlan):
+    """(due, run) of the ``eval`` group for the trainer, or None when ``eval.freq`` is 0."""
+    evaluator = instantiate(cfg.eval) if OmegaConf.select(cfg, "eval") is not None else None
+    if evaluator is None or not evaluator.enabled:
+        return None
+    tokenizer = data.dataset.tokenizer
+    return evaluator.due, lambda: evaluator.run(built.parts, built.family, built.args, tokenizer)
+
+
 def build_throughput(cfg: DictConfig, device: torch.device, rank: int, world_size: int,
                      flops_per_token: float) -> ThroughputMeter:
     bf16 = mixed_precision_of(cfg) == "bf16"
@@ -307,6 +316,7 @@ def _run(
         memory=MemoryMonitor(device), state=state, device=device, checkpointer=checkpointer,
         preemption=watch_for_preemption(rank, world_size, device),  # None outside SLURM
         profiler=profiler, step_hooks=built.family.step_hooks(built.parts, dims),
+        periodic_eval=periodic_eval_of(cfg, built, data),
     )
     if rank == 0:
         print(header_of(cfg, dims, data, built, world_size, run_dir), flush=True)

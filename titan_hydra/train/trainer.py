@@ -67,6 +67,7 @@ class Trainer:
         preemption=None,
         profiler=None,
         step_hooks=(),
+        periodic_eval=None,
     ) -> None:
         self.model_parts = model_parts
         self.runner = runner
@@ -90,6 +91,8 @@ class Trainer:
         self.profiler = profiler
         # The model family's per-optimizer-step work (ModelFamily.step_hooks, e.g. MoE load balancing).
         self.step_hooks = list(step_hooks)
+        # (due(step, last) -> bool, run() -> metrics): the eval group's harness tasks, None = off
+        self.periodic_eval = periodic_eval
         self.state = state if state is not None else TrainState()
         self.last_val_loss: float | None = None
 
@@ -188,6 +191,9 @@ class Trainer:
                 self.last_val_loss = val["val/loss"]
                 self.metric_logger.log(val, step)
                 self.throughput.reset()  # validation time is not training throughput
+            if self.periodic_eval is not None and self.periodic_eval[0](step, step == self.steps):
+                self.metric_logger.log(self.periodic_eval[1](), step)
+                self.throughput.reset()
             if self.checkpointer is not None:
                 self.checkpointer.maybe_save(step, last=step == self.steps)
             if self.profiler is not None:
