@@ -1,9 +1,9 @@
 """Sampling from a trained model: greedy, temperature, top-k and top-p (nucleus), seeded.
 
-Works with any model family's ``forward(tokens) -> logits`` (the model protocol): each new token
-re-runs the model over the whole sequence so far. That is O(n^2) in the generated length and
-fine for reading samples of a checkpoint on CPU; a KV cache (one per attention variant: GQA,
-MLA, sinks, windows, chunks) is the next step for long generations.
+Works with any model family's ``forward(tokens) -> logits`` (the model protocol). A model that
+sets ``supports_kv_cache`` (every ``Decoder``: GQA, MLA, sinks, windows, chunks, NoPE) runs the
+prompt once and then one token per step against its key/value cache
+(``models/common/kv_cache.py``); any other model re-runs the whole sequence for each new token.
 
 Order of the logit filters, as in transformers' ``generate``: temperature, then top-k, then
 top-p; ``temperature=0`` is greedy (argmax, the filters do not matter).
@@ -63,9 +63,12 @@ def next_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Gener
 
 @torch.no_grad()
 def generate(model: torch.nn.Module, prompt: torch.Tensor, cfg: SamplingConfig, max_seq_len: int,
-             eos_id: int | None = None) -> torch.Tensor:
+             eos_id: int | None = None, use_cache: bool = True) -> torch.Tensor:
     """prompt [B, S] int64 -> [B, S + n] (n <= max_new_tokens; stops early once every row has
-    produced ``eos_id`` when ``cfg.stop_at_eos``). Refuses a prompt that leaves no room."""
+    produced ``eos_id`` when ``cfg.stop_at_eos``). Refuses a prompt that leaves no room.
+    ``use_cache=False`` re-runs the full sequence per token even where a KV cache exists."""
+    from titan_hydra.models.common.kv_cache import KVCache
+
     if prompt.dim() != 2 or prompt.shape[1] < 1:
         raise ConfigError(f"the prompt must be a non-empty [batch, tokens] tensor, got shape {tuple(prompt.shape)}")
     if prompt.shape[1] >= max_seq_len:
@@ -75,8 +78,12 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, cfg: SamplingConfig, 
     tokens = prompt
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
     steps = min(cfg.max_new_tokens, max_seq_len - prompt.shape[1])
+    cache = KVCache() if use_cache and getattr(model, "supports_kv_cache", False) else None
     for _ in range(steps):
-        logits = model(tokens)[:, -1, :]
+        if cache is None:
+            logits = model(tokens)[:, -1, :]
+        else:  # the prompt once, then only the newest token
+            logits = model(tokens[:, cache.length:], cache=cache)[:, -1, :]
         new = next_token(logits, cfg, generator)
         if eos_id is not None:
             new = torch.where(done, torch.full_like(new, eos_id), new)  # finished rows pad with EOS

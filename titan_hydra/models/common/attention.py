@@ -68,25 +68,30 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         # The tables arrive whole: only here is the true sequence length known (a pipeline
         # stage's input may be sequence-sharded by TP and gathered just before attention).
-        q, k = self.position(q, k, *fit_tables(cos, sin, seqlen), doc_ids)
+        # With a KV cache (decoding) they arrive starting at the cache's position.
+        offset = 0 if cache is None else cache.length
+        q, k = self.position(q, k, *fit_tables(cos, sin, seqlen), doc_ids, offset)
+        if cache is not None:
+            k, v = cache.update(k, v)
         n_rep = q.shape[2] // k.shape[2]
         if n_rep > 1:  # kv head j serves query heads j*n_rep .. (j+1)*n_rep-1, as in Meta's repeat_kv
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
-        out = self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), doc_ids)
+        out = self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), doc_ids, offset)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def position(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 doc_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                 doc_ids: torch.Tensor | None, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, S, H, D], k [B, S, Hkv, D] before attention: QK-norm, then rotary (a family with
-        another order or NoPE layers overrides this)."""
+        another order or NoPE layers overrides this). ``offset``: position of the first token
+        (> 0 when decoding with a KV cache; the tables already start there)."""
         if self.q_norm is not None:
             # The norms' fp32 weights would promote autocast's bf16 q/k to fp32; keep the
             # projections' dtype (HF's Qwen3RMSNorm returns its input dtype too).
@@ -94,24 +99,25 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin, self.rope_interleaved), apply_rope(k, cos, sin, self.rope_interleaved)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+              doc_ids: torch.Tensor | None = None, offset: int = 0) -> torch.Tensor:
         dtype = self.sdpa_dtype
         if dtype is None:
-            return self._attend(q, k, v, doc_ids)
+            return self._attend(q, k, v, doc_ids, offset)
         # Even when q/k/v already arrive in ``dtype``, an active autocast would cast them down
         # again inside SDPA (it is on autocast's lower-precision list): always run it disabled.
         with torch.autocast(q.device.type, enabled=False):
-            out = self._attend(q.to(dtype), k.to(dtype), v.to(dtype), doc_ids)
+            out = self._attend(q.to(dtype), k.to(dtype), v.to(dtype), doc_ids, offset)
         return out.to(v.dtype)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
-        s = q.shape[2]
-        # a window or chunk at least as long as the sequence cuts nothing: keep the fused causal path
-        window = self.sliding_window if self.sliding_window is not None and self.sliding_window < s else None
-        chunk = self.chunk_size if self.chunk_size is not None and self.chunk_size < s else None
-        if window is None and chunk is None and self.sinks is None and doc_ids is None:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None,
+                offset: int = 0) -> torch.Tensor:
+        s, t = q.shape[2], k.shape[2]
+        # a window or chunk at least as long as the keys cuts nothing: keep the fused causal path
+        window = self.sliding_window if self.sliding_window is not None and self.sliding_window < t else None
+        chunk = self.chunk_size if self.chunk_size is not None and self.chunk_size < t else None
+        if window is None and chunk is None and self.sinks is None and doc_ids is None and offset == 0:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        mask = visible_keys(s, window, q.device, chunk=chunk, doc_ids=doc_ids)
+        mask = visible_keys(s, window, q.device, chunk=chunk, doc_ids=doc_ids, q_offset=offset, kv_len=t)
         return masked_attention(q, k, v, mask, self.sinks)
 
     def init_weights(self, out_std: float, in_std: float = 0.02) -> None:

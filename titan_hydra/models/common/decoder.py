@@ -41,12 +41,10 @@ class TransformerBlock(nn.Module):
         self.out_std = out_std
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        # doc_ids travels as a keyword: TP's PrepareModuleInput lays out the positional inputs only
-        if doc_ids is None:
-            h = x + self.attention(self.attention_norm(x), cos, sin)
-        else:
-            h = x + self.attention(self.attention_norm(x), cos, sin, doc_ids=doc_ids)
+                doc_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        # doc_ids / cache travel as keywords: TP's PrepareModuleInput lays out the positional inputs only
+        extra = {k: v for k, v in (("doc_ids", doc_ids), ("cache", cache)) if v is not None}
+        h = x + self.attention(self.attention_norm(x), cos, sin, **extra)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -107,17 +105,27 @@ class Decoder(nn.Module):
         if self.args.tie_word_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.tok_embeddings.weight = self.output.weight
 
-    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    supports_kv_cache = True  # forward(tokens, cache=KVCache()) decodes incrementally (generate.py)
+
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """tokens [B, S] -> logits [B, S, vocab].
 
         On a pipeline stage without ``tok_embeddings`` the input is hidden states [B, S, dim];
         without ``output`` the return value is hidden states. ``doc_ids`` [B, S] (document
         masking, ``common/masking.py``): attention stays within each document and rotary
-        positions restart at every document.
+        positions restart at every document. ``cache`` (``common/kv_cache.py``): only the new
+        tokens are run, attending to the cached keys/values of earlier calls.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = self.rope_cos, self.rope_sin
-        if doc_ids is None:
+        if cache is not None:  # decoding: the new tokens sit at positions cache.length, ...
+            if doc_ids is not None:
+                raise ValueError("a KV cache decodes one sequence per row: document ids are not supported with it")
+            start = cache.length
+            for name, layer in self.layers.items():
+                h = layer(h, cos[start:], sin[start:], cache=cache.layer(name))
+            cache.advance(h.shape[1])
+        elif doc_ids is None:
             for layer in self.layers.values():
                 h = layer(h, cos, sin)
         else:

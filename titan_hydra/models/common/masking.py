@@ -40,15 +40,18 @@ def positions_in_documents(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 def visible_keys(seq_len: int, window: int | None = None, device=None, *, chunk: int | None = None,
-                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Boolean mask, True = visible: [S, S] (no documents) or [B, 1, S, S]."""
-    pos = torch.arange(seq_len, device=device)
-    offset = pos[:, None] - pos[None, :]
+                 doc_ids: torch.Tensor | None = None, q_offset: int = 0, kv_len: int | None = None) -> torch.Tensor:
+    """Boolean mask, True = visible: [S, T] (no documents) or [B, 1, S, S]. Queries sit at
+    positions ``q_offset .. q_offset + S - 1`` and keys at ``0 .. T - 1`` (T = ``kv_len``,
+    default S): a KV-cached decode step attends from its new tokens to everything before."""
+    qpos = torch.arange(q_offset, q_offset + seq_len, device=device)
+    kpos = torch.arange(seq_len if kv_len is None else kv_len, device=device)
+    offset = qpos[:, None] - kpos[None, :]
     keep = offset >= 0
     if window is not None:
         keep = keep & (offset < window)
     if chunk is not None:
-        keep = keep & ((pos[:, None] // chunk) == (pos[None, :] // chunk))
+        keep = keep & ((qpos[:, None] // chunk) == (kpos[None, :] // chunk))
     if doc_ids is not None:
         same = doc_ids[:, :, None] == doc_ids[:, None, :]
         keep = (keep.to(same.device) & same).unsqueeze(1)

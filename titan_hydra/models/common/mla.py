@@ -68,7 +68,7 @@ class MultiHeadLatentAttention(nn.Module):
         return self.wq(x)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         cos, sin = fit_tables(cos, sin, seqlen)
         q = self.queries(x).view(bsz, seqlen, -1, self.head_dim)
@@ -80,27 +80,31 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
+        offset = 0 if cache is None else cache.length
+        if cache is not None:  # decoding: keys/values per head, after rotary (not the compressed latent)
+            k, v = cache.update(k, v)
         # One width for q/k/v: CPU's flash kernel (and the ring attention of context parallel
         # built on it) needs equal head sizes, else SDPA falls back to the O(S^2)-memory math
         # kernel. Zero columns add nothing to q.k and come out of p.v as zeros, cut off below.
         width = max(self.head_dim, self.v_head_dim)
         q, k, v = (_pad_heads(t.transpose(1, 2), width) for t in (q, k, v))
-        out = self._sdpa(q, k, v, doc_ids)[..., : self.v_head_dim]
+        out = self._sdpa(q, k, v, doc_ids, offset)[..., : self.v_head_dim]
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+              doc_ids: torch.Tensor | None = None, offset: int = 0) -> torch.Tensor:
         dtype = self.sdpa_dtype
         if dtype is None:
-            return self._attend(q, k, v, doc_ids)
+            return self._attend(q, k, v, doc_ids, offset)
         with torch.autocast(q.device.type, enabled=False):  # autocast would cast fp32 q/k/v down again
-            out = self._attend(q.to(dtype), k.to(dtype), v.to(dtype), doc_ids)
+            out = self._attend(q.to(dtype), k.to(dtype), v.to(dtype), doc_ids, offset)
         return out.to(v.dtype)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
-        if doc_ids is None:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None,
+                offset: int = 0) -> torch.Tensor:
+        if doc_ids is None and offset == 0:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
-        mask = visible_keys(q.shape[2], device=q.device, doc_ids=doc_ids)
+        mask = visible_keys(q.shape[2], device=q.device, doc_ids=doc_ids, q_offset=offset, kv_len=k.shape[2])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
 
     def init_weights(self, out_std: float, in_std: float = 0.02) -> None:

@@ -140,7 +140,7 @@ class Llama4Attention(Attention):
         self.norm_eps = norm_eps
         self.temperature = None if use_rope else temperature  # (floor_scale, attn_scale)
 
-    def position(self, q, k, cos, sin, doc_ids):
+    def position(self, q, k, cos, sin, doc_ids, offset: int = 0):
         if self.use_rope:
             q, k = apply_rope(q, cos, sin, True), apply_rope(k, cos, sin, True)
             if self.l2_qk_norm:
@@ -148,7 +148,7 @@ class Llama4Attention(Attention):
         elif self.temperature is not None:
             floor_scale, attn_scale = self.temperature
             if doc_ids is None:
-                pos = torch.arange(q.shape[1], device=q.device)[None]
+                pos = torch.arange(offset, offset + q.shape[1], device=q.device)[None]
             else:
                 pos = positions_in_documents(doc_ids)
             scale = torch.log1p(torch.floor((pos.float() + 1.0) / floor_scale)) * attn_scale + 1.0
