@@ -33,17 +33,15 @@ def evaluate(checkpoint: str | Path, tasks: list[str], limit: int | None = None,
              ) -> dict[str, dict[str, float]]:
     """{task: {metric: value}} of the harness on a checkpoint; ``max_seq_len`` (default: the
     model's) is the scoring window, e.g. the training sequence length."""
-    from lm_eval.tasks import TaskManager
-
     from generate import load_model
     from titan_hydra.data.tokenizer import Tokenizer
-    from titan_hydra.evaluation import TitanLM, check_tasks, run_harness
+    from titan_hydra.evaluation import TitanLM, check_tasks, run_harness, task_manager_for
     from titan_hydra.models.hf_io import is_hf_dir
 
     _, args, model = load_model(checkpoint, device)
     own = Path(checkpoint) / "tokenizer.json"
     tok = Tokenizer(tokenizer or (str(checkpoint) if is_hf_dir(checkpoint) and own.is_file() else "builtin"))
-    manager = TaskManager()
+    manager = task_manager_for(tasks)
     check_tasks(tasks, manager)
     lm = TitanLM(model, tok, min(max_seq_len or args.max_seq_len, args.max_seq_len), batch_size, device)
     return run_harness(lm, tasks, limit, manager)

@@ -18,13 +18,16 @@ from helpers import BASE, GLOBAL_BATCH, assert_parity, compose_cfg, read_metrics
 FAMILIES = {
     # head_dim 16, window 16 (so sliding layers really cut), 4 experts of width 32
     "gpt_oss": (["model=gpt_oss_debug", "model.head_dim=16", "model.sliding_window=16", "model.moe.num_experts=4",
-                 "model.moe.expert_dim=32"], ["fsdp", "pp"], [0, 1, 2, 3]),
+                 "model.moe.expert_dim=32"], ["fsdp"], [0, 1, 2, 3]),
     # head_dim 16, chunk 16 and temperature floor 16 (both act at seq 64), 4 experts of width 32 + the
     # shared expert on layers 1 and 3, dense layers 0 and 2 of width 96
     "llama4": (["model=llama4_debug", "model.head_dim=16", "model.ffn_hidden_dim=96", "model.attention_chunk_size=16",
-                "model.floor_scale=16", "model.moe.num_experts=4", "model.moe.expert_dim=32"], ["fsdp", "ep", "pp"],
+                "model.floor_scale=16", "model.moe.num_experts=4", "model.moe.expert_dim=32"], ["ep", "pp"],
                [1, 3]),
 }
+# Layouts are chosen to bound CI time: ep on 2 ranks also FSDP-shards every non-expert weight
+# (dp_shard=2), and the masks live inside the attention module, which pp does not touch (GPT-OSS
+# under pp passed the same 1e-5 bar when it landed).
 CHECKPOINTS = ["checkpoint=default", "checkpoint.interval=5", "checkpoint.keep_latest_k=0"]
 PARITY = [(family, layout) for family, (_, layouts, _) in FAMILIES.items() for layout in layouts]
 

@@ -146,17 +146,26 @@ def task_configs(names: list[str], work: Path) -> list[Any]:
     return tasks
 
 
+def _is_local(task: str) -> bool:
+    return task == "builtin_ppl" or task.startswith("jsonl_mc:")
+
+
+def task_manager_for(tasks: list[str]):
+    """The harness's TaskManager; without its registry (indexing it takes ~5 s) when every task is local."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_defaults=not all(_is_local(t) for t in tasks))
+
+
 def check_tasks(tasks: list[str], manager=None) -> None:
     """One-line ConfigError for a task that is neither local nor in the harness's registry."""
     if not tasks:
         raise ConfigError("no evaluation task given: use builtin_ppl, jsonl_mc:<file>, or a name from `lm-eval ls tasks`")
-    local = [t for t in tasks if t == "builtin_ppl" or t.startswith("jsonl_mc:")]
+    local = [t for t in tasks if _is_local(t)]
     if len(local) == len(tasks):
         return
     if manager is None:
-        from lm_eval.tasks import TaskManager
-
-        manager = TaskManager()
+        manager = task_manager_for(tasks)
     unknown = [t for t in tasks if t not in local and t not in manager.all_tasks]
     if unknown:
         raise ConfigError(f"unknown task(s) {unknown}: use builtin_ppl, jsonl_mc:<file>, or a name from "
@@ -167,6 +176,8 @@ def run_harness(lm: LM, tasks: list[str], limit: int | None = None, manager=None
     """{task: {metric: value}} of lm-eval's ``simple_evaluate`` on ``lm``."""
     from lm_eval import evaluator
 
+    if manager is None:
+        manager = task_manager_for(tasks)
     with tempfile.TemporaryDirectory() as work:
         results = evaluator.simple_evaluate(model=lm, tasks=task_configs(tasks, Path(work)), limit=limit,
                                             task_manager=manager, bootstrap_iters=0, log_samples=False,
