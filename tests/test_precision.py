@@ -14,16 +14,18 @@ from titan_hydra.train.precision import apply_attention_precision, attention_dty
 from helpers import compose_cfg
 
 
-@pytest.mark.parametrize("mode,mp,device,head_dim,expected", [
-    ("auto", "bf16", "cpu", 16, torch.float32),   # CPU flash kernel: fp32 faster at small heads
-    ("auto", "bf16", "cpu", 64, None),            # bf16 as fast or faster: leave it
-    ("auto", "bf16", "cuda", 16, None),           # GPUs: attention in the compute dtype
-    ("auto", "fp32", "cpu", 16, None),            # already fp32
-    ("compute", "bf16", "cpu", 16, None),
-    ("fp32", "bf16", "cuda", 128, torch.float32),
+@pytest.mark.parametrize("mode,mp,device,head_dim,seq_len,expected", [
+    ("auto", "bf16", "cpu", 16, 256, torch.float32),   # CPU flash kernel: fp32 faster at small heads, short seqs
+    ("auto", "bf16", "cpu", 16, 2048, None),           # ... but bf16 is faster from 1024 tokens on
+    ("auto", "bf16", "cpu", 16, None, torch.float32),  # unknown length: the short-sequence rule
+    ("auto", "bf16", "cpu", 64, 256, None),            # bf16 as fast or faster: leave it
+    ("auto", "bf16", "cuda", 16, 256, None),           # GPUs: attention in the compute dtype
+    ("auto", "fp32", "cpu", 16, 256, None),            # already fp32
+    ("compute", "bf16", "cpu", 16, 256, None),
+    ("fp32", "bf16", "cuda", 128, 8192, torch.float32),
 ])
-def test_attention_dtype_rules(mode, mp, device, head_dim, expected):
-    assert attention_dtype(mode, mp, device, head_dim) == expected
+def test_attention_dtype_rules(mode, mp, device, head_dim, seq_len, expected):
+    assert attention_dtype(mode, mp, device, head_dim, seq_len) == expected
 
 
 class KernelDtypes(TorchDispatchMode):
@@ -60,7 +62,8 @@ def test_model_runs_sdpa_in_chosen_dtype_under_autocast(kind, head_dim, mode, ex
     torch.manual_seed(0)
     model = tiny(kind, head_dim)
     model.init_weights()
-    chosen = apply_attention_precision(model, str(cfg.training.attention_precision), "bf16", torch.device("cpu"))
+    chosen = apply_attention_precision(model, str(cfg.training.attention_precision), "bf16", torch.device("cpu"),
+                                       int(cfg.training.seq_len))
     assert chosen == (None if expected == torch.bfloat16 else expected)
     tokens = torch.randint(0, 128, (2, 32))
     with torch.autocast("cpu", dtype=torch.bfloat16), KernelDtypes() as kernels:

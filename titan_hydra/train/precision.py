@@ -1,13 +1,18 @@
 """Attention precision policy: which dtype scaled-dot-product attention runs in.
 
 Under bf16 training q/k/v arrive in bf16 and SDPA runs in bf16, which is what GPUs want. torch's
-CPU flash-attention kernel is the exception: at small head dims it is slower in bf16 than in
-fp32 (measured with torch 2.13, 2 threads, B=8 S=256, forward+backward per layer: head_dim 16
-fp32 20 ms vs bf16 29 ms; head_dim 32 28 vs 27; head_dim 64 39 vs 37; head_dim 128 536 vs 359),
-because the per-score softmax work dominates when each score costs only 2*head_dim FLOPs.
-``auto`` therefore upcasts attention to fp32 on CPU below head_dim 32 and leaves it alone
-everywhere else. fp32 attention is also the more accurate choice, so ``auto`` never trades
-accuracy for speed.
+CPU flash-attention kernel is the exception for small heads at short sequences, where its bf16
+path is slower than its fp32 one: the per-score softmax work dominates when each score costs
+only 2*head_dim FLOPs, and below 768 queries the kernel also switches to small query blocks.
+Measured with torch 2.13 on 2 cores (AVX512-BF16), causal forward+backward of one layer,
+16 heads, 16k tokens per call, bf16 time / fp32 time:
+
+    head_dim 16: seq 256 1.40, seq 512 1.00, seq 1024 0.84, seq 2048 0.83
+    head_dim 32: seq 256 1.01, seq 512 0.85, seq 1024 0.75, seq 2048 0.76
+
+``auto`` therefore upcasts attention to fp32 on CPU only below head_dim 32 AND below 1024
+tokens per sequence, and leaves it in the compute dtype everywhere else (GPUs always).
+``fp32`` forces the upcast (the more accurate choice), ``compute`` forbids it.
 
 The model exposes the knob (an attention module with ``sdpa_dtype`` and ``head_dim`` attributes,
 e.g. ``models/common/attention.Attention``); this module sets it from outside, as the
@@ -19,25 +24,28 @@ from __future__ import annotations
 import torch
 
 CPU_FP32_BELOW_HEAD_DIM = 32
+CPU_FP32_BELOW_SEQ_LEN = 1024
 
 
-def attention_dtype(mode: str, mixed_precision: str, device_type: str, head_dim: int) -> torch.dtype | None:
-    """The dtype SDPA should run in, or None for the compute dtype."""
+def attention_dtype(mode: str, mixed_precision: str, device_type: str, head_dim: int,
+                    seq_len: int | None = None) -> torch.dtype | None:
+    """The dtype SDPA should run in, or None for the compute dtype. ``seq_len``: tokens per
+    sequence the attention kernel sees (``training.seq_len``; None = short)."""
     if mode == "fp32":
         return torch.float32
     if mode == "compute" or mixed_precision == "fp32":
         return None
-    if device_type == "cpu" and head_dim < CPU_FP32_BELOW_HEAD_DIM:
+    if device_type == "cpu" and head_dim < CPU_FP32_BELOW_HEAD_DIM and (seq_len or 0) < CPU_FP32_BELOW_SEQ_LEN:
         return torch.float32
     return None
 
 
 def apply_attention_precision(model: torch.nn.Module, mode: str, mixed_precision: str,
-                              device: torch.device) -> torch.dtype | None:
+                              device: torch.device, seq_len: int | None = None) -> torch.dtype | None:
     """Set every attention module's SDPA dtype from ``training.attention_precision`` (``mode``)."""
     chosen = None
     for module in model.modules():
         if hasattr(module, "sdpa_dtype") and hasattr(module, "head_dim"):  # any family's attention
-            chosen = attention_dtype(mode, mixed_precision, device.type, module.head_dim)
+            chosen = attention_dtype(mode, mixed_precision, device.type, module.head_dim, seq_len)
             module.sdpa_dtype = chosen
     return chosen

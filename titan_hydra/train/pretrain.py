@@ -220,7 +220,8 @@ def build_parallel_model(cfg: DictConfig, dims, device: torch.device, grad_accum
         family, model = build_model(cfg.model)
     _, model_args = args_of(cfg.model)
     mp = mixed_precision_of(cfg)
-    attention_dtype = apply_attention_precision(model, str(cfg.training.attention_precision), mp, device)
+    attention_dtype = apply_attention_precision(model, str(cfg.training.attention_precision), mp, device,
+                                                int(cfg.training.seq_len))
     float8 = instantiate(cfg.float8, _convert_="all")
     model = float8.convert(model)
     pm = parallelize(
