@@ -18,8 +18,11 @@ from helpers import BASE, assert_parity, compose_cfg, reference_losses, run_layo
 
 # Measured max |loss diff| fsdp(2) bf16 vs single bf16 over 10 steps: 2.3e-3; ~3x that.
 BF16_ATOL = 7e-3
-# Trained parameters, fsdp(2) vs single, fp32 after 10 AdamW steps: measured max |diff| 6e-8.
-PARAM_ATOL = 1e-6
+# Trained parameters, fsdp(2) vs single, fp32 after 10 AdamW steps: measured max |diff| 6e-8 with
+# SDPA and 1.2e-6 with the small-head attention kernel (itself batch-invariant, bitwise: the
+# gradients differ only in the data-parallel reduction order, which AdamW's normalization
+# amplifies differently along the two trajectories).
+PARAM_ATOL = 2e-6
 
 
 # --------------------------------------------------------------------------- gloo reductions

@@ -58,6 +58,7 @@ ACMode = choice("ACMode", "none full selective_op selective_layer")
 CompileMode = choice("CompileMode", "none model model_loss")
 WandbMode = choice("WandbMode", "offline online disabled")
 AttentionPrecision = choice("AttentionPrecision", "auto compute fp32")
+AttentionKernel = choice("AttentionKernel", "auto sdpa small_head")
 InitMode = choice("InitMode", "auto full sharded")
 
 
@@ -307,6 +308,7 @@ class TrainingConfig:
     # auto = fp32 on CPU for head_dim < 32, where torch's CPU flash kernel runs fp32 faster than
     # bf16 (titan_hydra.train.precision), compute everywhere else.
     attention_precision: AttentionPrecision = AttentionPrecision["auto"]
+    attention_kernel: AttentionKernel = AttentionKernel["auto"]
     deterministic: bool = False
     log_freq: int = 1
     val_freq: int = 25  # 0 disables validation

@@ -23,7 +23,7 @@ def _fmt_tokens(stats: Mapping[str, Any]) -> str:
 def run_header(*, flavor: str, family: str, shape, dims, world_size: int, mixed_precision: str,
                attention_dtype: torch.dtype | None, ac: str, compile: str, float8: str, data_name: str,
                data_stats: Mapping[str, Any], seq_len: int, local_batch: int, global_batch: int,
-               grad_accum: int, steps: int, run_dir: str) -> str:
+               grad_accum: int, steps: int, run_dir: str, attention_kernel: str = "sdpa") -> str:
     active = "" if shape.active_params == shape.params else f", {shape.active_params:,} active per token"
     tied = ", tied embeddings" if shape.tied_embeddings else ""
     degrees = [(n, getattr(dims, n)) for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")]
@@ -33,6 +33,8 @@ def run_header(*, flavor: str, family: str, shape, dims, world_size: int, mixed_
     params = "bf16 params (FSDP), fp32 reduce" if mixed_precision == "bf16" and dims.fsdp_enabled else (
         "bf16 autocast, fp32 params" if mixed_precision == "bf16" else "fp32")
     attention = "compute dtype" if attention_dtype is None else str(attention_dtype).replace("torch.", "")
+    if attention_kernel != "sdpa":
+        attention += f" ({attention_kernel} kernel)"
     rows = [
         ("model", f"{flavor} ({family}): {shape.params:,} parameters{active}{tied}"),
         ("layout", f"{world_size} rank(s): {mesh}"),

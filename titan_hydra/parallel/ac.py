@@ -41,7 +41,9 @@ def _save_ops() -> set:
         "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
     ]
-    return {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    from titan_hydra.kernels.small_head_attention import attention_op  # registers the custom op
+
+    return {getattr(aten, n).default for n in names if hasattr(aten, n)} | {attention_op._opoverload}
 
 
 SAVE_OPS = _save_ops()

@@ -32,6 +32,7 @@ from titan_hydra.models.registry import args_of, build_model
 from titan_hydra.parallel.apply import parallelize
 from titan_hydra.launch.preemption import watch_for_preemption
 from titan_hydra.train.loss import cross_entropy_loss
+from titan_hydra.train.attention_kernel import apply_attention_kernel
 from titan_hydra.train.precision import apply_attention_precision
 from titan_hydra.train.trainer import Trainer, TrainState
 
@@ -193,6 +194,7 @@ class BuiltModel:
     float8: Any
     flops_per_token: float
     attention_dtype: Any = None  # the dtype SDPA runs in (None: the compute dtype)
+    attention_kernel: str = "sdpa"  # what runs plain causal attention (train/attention_kernel.py)
 
 
 def build_data(cfg: DictConfig, dims) -> DataPlan:
@@ -222,6 +224,9 @@ def build_parallel_model(cfg: DictConfig, dims, device: torch.device, grad_accum
     mp = mixed_precision_of(cfg)
     attention_dtype = apply_attention_precision(model, str(cfg.training.attention_precision), mp, device,
                                                 int(cfg.training.seq_len))
+    attention_kernel = apply_attention_kernel(model, str(cfg.training.attention_kernel), device, dims.cp)
+    if attention_kernel != "sdpa":
+        attention_dtype = torch.float32  # the kernel computes in fp32 whatever q/k/v arrive in
     float8 = instantiate(cfg.float8, _convert_="all")
     model = float8.convert(model)
     pm = parallelize(
@@ -232,7 +237,8 @@ def build_parallel_model(cfg: DictConfig, dims, device: torch.device, grad_accum
     family.set_loss_scale(pm.model_parts, pm.runner.loss_scale)  # model-internal losses weigh like the main one
     init_weights(cfg, pm.model_parts, family.shape(model_args).params, device, world_size, rank)
     return BuiltModel(family, model_args, pm.model_parts, pm.runner, float8,
-                      family.flops_per_token(model_args, cfg.training.seq_len), attention_dtype)
+                      family.flops_per_token(model_args, cfg.training.seq_len), attention_dtype,
+                      attention_kernel)
 
 
 def build_optimizer(cfg: DictConfig, built: BuiltModel):
@@ -278,6 +284,7 @@ def header_of(cfg: DictConfig, dims, data: DataPlan, built: BuiltModel, world_si
         flavor=str(OmegaConf.select(cfg, "model.flavor", default=None) or "custom"), family=built.family.name,
         shape=built.family.shape(built.args), dims=dims, world_size=world_size,
         mixed_precision=mixed_precision_of(cfg), attention_dtype=built.attention_dtype,
+        attention_kernel=built.attention_kernel,
         ac=str(cfg.activation_checkpoint.mode), compile=str(cfg.compile.mode), float8=str(cfg.float8.recipe),
         data_name=str(OmegaConf.select(cfg, "data.name", default="data"))
         + (" (document mask)" if getattr(data.dataset, "document_eos_id", None) is not None else ""),

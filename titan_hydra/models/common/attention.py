@@ -13,7 +13,9 @@
   document's keys; the cos/sin tables then arrive per token [B, S, D/2] (positions restart per
   document, see ``masking.py``).
 
-The default (no window, chunk, sinks or documents) stays one ``is_causal`` SDPA call. The others
+The default (no window, chunk, sinks or documents) stays one ``is_causal`` SDPA call, or whatever
+``causal_kernel`` names instead (a callable ``(q, k, v) -> out`` for plain causal attention that a
+training policy may install from outside, e.g. ``titan_hydra.train.attention_kernel``). The others
 need an explicit mask (``masking.visible_keys``), which torch 2.13's CPU flex_attention cannot differentiate through, so
 they run as SDPA with a boolean mask. The sink is made exact inside that one SDPA call: every
 head gets one extra key, visible from every query, whose value is 0 and whose score is the sink
@@ -59,6 +61,8 @@ class Attention(nn.Module):
         # dtype SDPA runs in; None = whatever q/k/v arrive in (the compute dtype). A training
         # precision policy may set float32 (titan_hydra.train.precision).
         self.sdpa_dtype: torch.dtype | None = None
+        # replacement for the plain causal SDPA call (None = SDPA), installed by a training policy
+        self.causal_kernel = None
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
@@ -116,6 +120,8 @@ class Attention(nn.Module):
         window = self.sliding_window if self.sliding_window is not None and self.sliding_window < t else None
         chunk = self.chunk_size if self.chunk_size is not None and self.chunk_size < t else None
         if window is None and chunk is None and self.sinks is None and doc_ids is None and offset == 0:
+            if self.causal_kernel is not None:
+                return self.causal_kernel(q, k, v)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         mask = visible_keys(s, window, q.device, chunk=chunk, doc_ids=doc_ids, q_offset=offset, kv_len=t)
         return masked_attention(q, k, v, mask, self.sinks)

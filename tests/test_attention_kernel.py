@@ -1,0 +1,143 @@
+"""The small-head CPU attention kernel (titan_hydra/kernels) and the policy that installs it.
+
+The kernel must equal causal softmax attention (checked against fp64 SDPA, forward and all three
+gradients, at lengths that are not multiples of its 8-query / 16-key blocks), behave as a proper
+torch custom op (opcheck: fake tensors, autograd registration, torch.compile without a graph
+break), be saved rather than recomputed by selective activation checkpointing, and train to the
+same losses as SDPA. The policy picks it only where it applies and says why not otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from titan_hydra.errors import ConfigError
+from titan_hydra.kernels.small_head_attention import attention_op, causal_attention
+from titan_hydra.models.llama3 import Llama3
+from titan_hydra.models.qwen3 import Qwen3
+from titan_hydra.train.attention_kernel import apply_attention_kernel
+from helpers import STEPS, assert_parity, reference_losses, run_single
+
+
+def qkv(b: int, h: int, s: int, dtype=torch.float32, seed: int = 0):
+    """q/k/v [B, H, S, 16] as the model hands them over: transposed views of [B, S, H, 16]."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, s, h, 16, generator=g).to(dtype).transpose(1, 2).requires_grad_() for _ in range(3)]
+
+
+@pytest.mark.parametrize("b,h,s", [(1, 1, 1), (2, 3, 7), (1, 2, 16), (2, 2, 37), (1, 4, 130)])
+def test_kernel_equals_causal_attention_forward_and_backward(b, h, s):
+    q, k, v = qkv(b, h, s, seed=s)
+    grad = torch.randn(b, h, s, 16, generator=torch.Generator().manual_seed(1))
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad.double())
+    got = causal_attention(q, k, v)
+    got_grads = torch.autograd.grad(got, (q, k, v), grad)
+    assert got.dtype == torch.float32 and got.shape == (b, h, s, 16)
+    assert (got.double() - want).abs().max().item() < 2e-6
+    for name, g, w in zip("qkv", got_grads, want_grads):
+        assert (g.double() - w).abs().max().item() < 1e-5, name
+
+
+def test_kernel_takes_bf16_and_computes_in_fp32():
+    """bf16 q/k/v: the result is fp32 attention of those bf16 values, rounded once to bf16
+    (more accurate than bf16 SDPA, which rounds its probabilities too)."""
+    q, k, v = qkv(2, 4, 100, torch.bfloat16)
+    got = causal_attention(q, k, v)
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.double(), exact, atol=0, rtol=2**-8)  # one bf16 rounding of the exact value
+    sdpa_bf16 = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert (got.double() - exact).abs().max() <= (sdpa_bf16.double() - exact).abs().max()
+    got.float().square().sum().backward()
+    assert all(t.grad.dtype == torch.bfloat16 and t.grad.abs().sum() > 0 for t in (q, k, v))
+
+
+def test_custom_op_passes_opcheck_and_compiles_without_graph_break():
+    q, k, v = qkv(1, 2, 24)
+    torch.library.opcheck(attention_op, (q, k, v))
+    compiled = torch.compile(causal_attention, fullgraph=True, backend="aot_eager")  # fullgraph: no break allowed
+    eager, got = causal_attention(q, k, v), compiled(q, k, v)
+    assert torch.equal(eager, got)
+    ge = torch.autograd.grad(eager.sum(), (q, k, v))
+    gc = torch.autograd.grad(compiled(q, k, v).sum(), (q, k, v))
+    assert all(torch.equal(a, c) for a, c in zip(ge, gc))
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is attention_op._opoverload
+        return func(*args, **(kwargs or {}))
+
+
+def tiny_llama(n_layers: int = 2) -> Llama3:
+    torch.manual_seed(0)
+    model = Llama3(dim=64, n_layers=n_layers, n_heads=4, vocab_size=128, max_seq_len=32)  # heads of 16
+    model.init_weights()
+    return model
+
+
+@pytest.mark.parametrize("mode,calls_per_block", [("none", 1), ("selective_op", 1), ("full", 2)])
+def test_activation_checkpointing_saves_the_kernel_output(mode, calls_per_block):
+    from titan_hydra.parallel.ac import checkpoint_block
+
+    model = tiny_llama()
+    assert apply_attention_kernel(model, "small_head", torch.device("cpu")) == "small_head"
+    if mode != "none":
+        for block in model.layers.values():
+            checkpoint_block(block, selective_op=mode == "selective_op")
+    tokens = torch.randint(0, 128, (2, 32))
+    with OpCounter() as counter:
+        F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    assert counter.calls == calls_per_block * 2  # selective_op keeps it like a matmul; full reruns it
+
+
+def test_policy_installs_the_kernel_only_where_it_applies(monkeypatch, caplog):
+    cpu = torch.device("cpu")
+    model = tiny_llama()
+    assert apply_attention_kernel(model, "auto", cpu) == "small_head"
+    attns = [m.attention for m in model.layers.values()]
+    assert all(a.causal_kernel is causal_attention and a.sdpa_dtype is None for a in attns)
+    tokens = torch.randint(0, 128, (2, 32))
+    with OpCounter() as counter:
+        model(tokens)
+    assert counter.calls == 2
+
+    assert apply_attention_kernel(tiny_llama(), "sdpa", cpu) == "sdpa"
+    assert apply_attention_kernel(tiny_llama(), "auto", cpu, cp=2) == "sdpa"  # ring attention needs SDPA
+    wide = Qwen3(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=32, ffn_hidden_dim=96, vocab_size=128,
+                 max_seq_len=32)
+    assert apply_attention_kernel(wide, "auto", cpu) == "sdpa"
+    with pytest.raises(ConfigError, match=r"small_head cannot be used: it computes 16-wide heads and this model's are \[32\]"):
+        apply_attention_kernel(wide, "small_head", cpu)
+    with pytest.raises(ConfigError, match="context parallel"):
+        apply_attention_kernel(tiny_llama(), "small_head", cpu, cp=2)
+    with pytest.raises(ConfigError, match="CPU kernel and this run is on cuda"):
+        apply_attention_kernel(tiny_llama(), "small_head", torch.device("cuda"))
+
+    monkeypatch.setenv("TITAN_HYDRA_NO_KERNELS", "1")  # as on a machine without a compiler
+    with caplog.at_level(logging.WARNING, logger="titan_hydra"):
+        assert apply_attention_kernel(tiny_llama(), "auto", cpu) == "sdpa"
+    assert "TITAN_HYDRA_NO_KERNELS is set" in caplog.text
+    with pytest.raises(ConfigError, match="TITAN_HYDRA_NO_KERNELS"):
+        apply_attention_kernel(tiny_llama(), "small_head", cpu)
+
+
+def test_training_with_the_kernel_tracks_sdpa(tmp_path, run_cache, capsys, caplog):
+    """Same model, data and init in fp32: the kernel's losses equal SDPA's to float rounding."""
+    sdpa = reference_losses(run_cache, ("training.attention_kernel=sdpa",))
+    capsys.readouterr()
+    with caplog.at_level(logging.INFO):
+        kernel = run_single(tmp_path, ["training.attention_kernel=small_head"])
+    assert "attention in float32 (small_head kernel)" in caplog.text + capsys.readouterr().out  # the run header
+    assert len(kernel) == STEPS
+    assert_parity(kernel, sdpa, atol=2e-5, label="small_head kernel vs sdpa")

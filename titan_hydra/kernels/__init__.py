@@ -1,0 +1,1 @@
+"""Hand-written CPU kernels, built on first use with torch's C++ extension loader."""
