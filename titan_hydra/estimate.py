@@ -139,6 +139,215 @@ def alltoall_bytes(args: ModelShape, kind: str, tokens: float, moe_layers: float
     return 4 * moe_layers * args.top_k * tokens * args.dim * elem * (ep - 1) / ep
 
 
+# ---------------------------------------------------------------------------------------------
+# CUDA model. On a GPU the peak that matters is the caching allocator's reserved memory (what
+# torchtitan logs and what an OOM is measured against); the terms below are derived from what the
+# code holds, op by op, and checked against torchtitan's published H100 runs
+# (tests/test_estimator_published.py, tests/data/torchtitan_h100_202412.yaml).
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Behaviours of the training code that decide memory but are not config keys.
+
+    ``sac_policy``: what ``activation_checkpoint=selective_op`` saves. ``all_mm``: titan_hydra's
+    policy (parallel/ac.py: every matmul and attention output). ``every_second_mm``: torchtitan's
+    policy of December 2024 (``_save_list`` in parallelize_llama.py: attention outputs and the 1st,
+    3rd, 5th, 7th mm of a block = wq, wv, w1, w2; wk, wo, w3 are recomputed).
+    ``logits_alive_in_backward``: titan_hydra's runner drops the bf16 logits after backward,
+    torchtitan's train.py ``del pred`` before it.
+    ``pp_split``: which stages get the extra layers when n_layers % stages != 0: ``front``
+    (titan_hydra's parallel/pp.py) or ``middle`` (torchtitan's generate_split_points: the first and
+    last stages get one fewer).
+    """
+
+    name: str
+    sac_policy: str = "all_mm"
+    logits_alive_in_backward: bool = True
+    pp_split: str = "front"
+
+
+TITAN_HYDRA = Runtime("titan_hydra")
+TORCHTITAN_2024_12 = Runtime("torchtitan@9dec370", sac_policy="every_second_mm",
+                             logits_alive_in_backward=False, pp_split="middle")
+
+# Reserved / allocated memory of the CUDA caching allocator at the peak. Blocks freed in one size
+# class are not reusable by a larger request, so the reserved pool exceeds the live tensors.
+# Compiled blocks allocate a few fixed-size fused buffers; eager blocks also allocate and free
+# RMSNorm's fp32 upcasts and RoPE's fp32 complex copies (2-4x a bf16 activation) in every forward
+# and recompute, which splits cached segments further. One constant for each, calibrated on the
+# published ratio of eager to compiled 8B runs (82.4/77.0 = 1.07 and 67.0/62.0 = 1.08) and on
+# the usual 5-10% fragmentation of compiled steady-state training; not fitted per row.
+ALLOCATOR_RESERVE_COMPILED = 1.08
+ALLOCATOR_RESERVE_EAGER = 1.155
+
+# Loss backward, per logit element: the fp32 log-softmax output kept for backward, its incoming
+# gradient and the gradient it produces (4 B each, alive together inside log_softmax_backward).
+LOSS_BACKWARD_BYTES_PER_LOGIT = 12
+# The bf16 logits themselves while alive through backward (Runtime.logits_alive_in_backward).
+LOGITS_BYTES = 2
+
+
+def sac_saved_bytes_per_token(args: ModelShape, policy: str, tp: int) -> float:
+    """Bytes one block keeps per token under selective op AC on CUDA (bf16 activations).
+
+    Always: the block input (the checkpoint's argument, 2d) and the attention output (2d) plus its
+    fp32 logsumexp per head. ``all_mm`` adds all seven matmul outputs (wq, wo, w2: 2d each; wk, wv:
+    2kv each; w1, w3: 2f each); ``every_second_mm`` adds wq (2d), wv (2kv), w1 (2f), w2 (2d).
+    Head-parallel parts are split by tp (the residual stream too, under sequence parallel).
+    """
+    d, kv, f = args.dim, args.kv_dim, args.ffn_dim
+    base = 2 * d + 2 * d + 4 * args.n_heads
+    if policy == "every_second_mm":
+        mm = 2 * d + 2 * kv + 2 * f + 2 * d
+    elif policy == "all_mm":
+        mm = 3 * 2 * d + 2 * 2 * kv + 2 * 2 * f
+    else:
+        raise ValueError(f"unknown selective AC policy {policy!r}")
+    return (base + mm) / tp
+
+
+# One block's forward intermediates while it is recomputed in backward (bytes per token, x dim /
+# x ffn): eager = ACT_COEF's measured bf16_params/none (28 d + 8 f: RMSNorm and RoPE fp32
+# copies, q/k/v, SiLU and product); compiled = the fused kernels' bf16 outputs only (norm outputs,
+# q/k/v, attention output, residual: ~12 d; w1, w3 and the SiLU product: 6 f).
+RECOMPUTE_COEF = {"eager": (28, 8), "compiled": (12, 6)}
+
+
+def recompute_bytes(args: ModelShape, tokens: float, tp: int, compiled: bool) -> float:
+    """Transient of rebuilding one block in backward under AC (full or selective), for ``tokens``.
+    Under sequence parallel the two all-gathered norm outputs (2d each) are full-sequence."""
+    cd, cf = RECOMPUTE_COEF["compiled" if compiled else "eager"]
+    per_token = (cd * args.dim + cf * args.ffn_dim) / tp
+    if tp > 1:
+        per_token += 2 * 2 * args.dim * (tp - 1) / tp
+    return tokens * per_token
+
+
+def loss_peak_bytes(args: ModelShape, tokens: float, tp: int, runtime: Runtime) -> float:
+    """The loss backward's peak for ``tokens`` (logits vocab-sharded by tp under loss parallel):
+    fp32 log-softmax saved + its two gradients, the bf16 logits if still alive, and the final
+    norm's output the output projection saved (all-gathered: 2d per token)."""
+    per_logit = LOSS_BACKWARD_BYTES_PER_LOGIT + (LOGITS_BYTES if runtime.logits_alive_in_backward else 0)
+    return tokens * (per_logit * args.vocab_size / tp + 2 * args.dim)
+
+
+def saved_block_bytes_cuda(args: ModelShape, mode: str, tokens: float, tp: int, runtime: Runtime) -> float:
+    """What one block keeps for backward on CUDA for ``tokens`` (bf16 activations, FSDP bf16 params)."""
+    if mode == "full":
+        return tokens * 2 * args.dim / tp  # the block input (sequence-sharded under SP)
+    if mode == "selective_op":
+        return tokens * sac_saved_bytes_per_token(args, runtime.sac_policy, tp)
+    return block_activation_bytes(args, "bf16_params", "none", tokens, tp)
+
+
+def stage_layer_counts(dims, n_layers: int, runtime: Runtime) -> list[int]:
+    """Layers of every pipeline stage, in stage order (titan_hydra's split or torchtitan's)."""
+    from titan_hydra.parallel.pp import _default_stages_per_rank, stage_layer_ranges
+
+    if runtime.pp_split == "front" or dims.pp_split_points or dims.pp_layers_per_stage:
+        return [len(r) for r in stage_layer_ranges(dims, n_layers)]
+    n_stages = dims.pp * _default_stages_per_rank(dims.pp_schedule)
+    base, extra = divmod(n_layers, n_stages)  # torchtitan: first stage base, middle ones +1 first
+    sizes = [base] + [base + (1 if s <= extra else 0) for s in range(1, n_stages - 1)]
+    return sizes + [n_layers - sum(sizes)] if n_stages > 1 else [n_layers]
+
+
+def pipeline_order(schedule: str, pp: int, rank: int, n_mb: int, n_local: int) -> list[tuple[str, int]]:
+    """(F|B, local stage) in the order a rank runs them, as torch.distributed.pipelining does.
+
+    1F1B: ``min(n_mb, pp - rank)`` warmup forwards, then backward-then-forward pairs, then the
+    remaining backwards (the first stage holds up to pp microbatches). Interleaved 1F1B (and the
+    other multi-stage schedules, approximated by it): ``(n_local - 1) * per_round + 2 * (pp - 1 -
+    rank)`` warmup forwards (capped at all of them; torch's ``_get_warmup_ops``), then
+    forward-then-backward pairs; forwards walk the local stages in rounds of ``per_round``
+    microbatches, backwards walk them in reverse. GPipe: all forwards, then all backwards.
+    """
+    if n_local == 1:
+        warm = n_mb if schedule == "GPipe" else min(n_mb, pp - rank)
+        ops = [("F", 0)] * warm
+        for _ in range(n_mb - warm):
+            ops += [("B", 0), ("F", 0)]
+        return ops + [("B", 0)] * warm
+    total = n_mb * n_local
+    per_round = n_mb // max(1, n_mb // pp)
+    warm = min((n_local - 1) * per_round + 2 * (pp - 1 - rank), total)
+    fwd = [("F", (i // per_round) % n_local) for i in range(total)]
+    bwd = [("B", n_local - 1 - (i // per_round) % n_local) for i in range(total)]
+    ops = fwd[:warm]
+    for i in range(total - warm):
+        ops += [fwd[warm + i], bwd[i]]
+    return ops + bwd[total - warm:]
+
+
+def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime) -> tuple[float, float]:
+    """(peak bytes above the sharded fp32 state, unsharded parameter bytes within it) on the
+    worst rank, on CUDA with bf16 FSDP params.
+
+    Without PP: the saved activations of every block, plus the larger of the loss backward's
+    peak and one block's recompute with its unsharded gradients (bf16, + fp32 reduce-scatter input);
+    FSDP keeps the root (embedding, output) and the last block unsharded through it.
+    With PP (FSDP does not reshard after forward and does not reduce-scatter until the last
+    microbatch, as torchtitan and titan_hydra do): the whole stage's parameters stay unsharded, and
+    after a stage's first backward its gradients accumulate unsharded in fp32 (FSDP2's
+    reduce_dtype); the schedule (``pipeline_order``) decides how many microbatches' activations
+    are alive at each moment; the worst moment of the worst rank counts.
+    """
+    t, ac = cfg.training, cfg.activation_checkpoint
+    tp = dims.tp
+    compiled = str(OmegaConf.select(cfg, "compile.mode", default="none")) != "none"
+    f8 = OmegaConf.select(cfg, "float8", default=None)
+    fp8_gather = bool(f8 is not None and str(f8.recipe) != "none" and f8.enable_fsdp_float8_all_gather)
+    # Unsharded block weights: the Linear weights travel (and stay) as float8 under fp8 all-gather.
+    block_w = args.block_params / tp * (1 if fp8_gather and dims.fsdp_enabled else 2)
+    if not dims.fsdp_enabled:
+        block_w = 0.0  # the local params are already whole; counted in the static state
+    root_w = (args.embedding_params + args.head_params) / tp * 2 if dims.fsdp_enabled else 0.0
+    block_grad = args.block_params / tp * (2 + 4)  # bf16 unsharded grads + fp32 reduce-scatter input
+    mode = str(ac.mode)
+    if mode == "selective_layer":
+        mode = "none"  # not modeled separately on CUDA: the upper bound
+    if dims.pp == 1:
+        tokens = t.local_batch_size * t.seq_len / dims.cp
+        saved = args.n_layers * saved_block_bytes_cuda(args, mode, tokens, tp, runtime)
+        rebuild = recompute_bytes(args, tokens, tp, compiled) if mode != "none" else 0.0
+        dyn = saved + max(loss_peak_bytes(args, tokens, tp, runtime), rebuild + block_grad)
+        unsharded = root_w + 2 * block_w  # root + the last block (kept) + the one in use
+        return dyn + unsharded, unsharded
+    n_mb = int(dims.pp_microbatches or dims.pp)
+    mb_tokens = t.local_batch_size * t.seq_len / dims.cp / n_mb
+    sizes = stage_layer_counts(dims, args.n_layers, runtime)
+    n_local = len(sizes) // dims.pp
+    per_block = saved_block_bytes_cuda(args, mode, mb_tokens, tp, runtime)
+    rebuild = recompute_bytes(args, mb_tokens, tp, compiled) if mode != "none" else 0.0
+    worst = (0.0, 0.0)
+    for rank in range(dims.pp):
+        stages = [rank + k * dims.pp for k in range(n_local)]
+        last = len(sizes) - 1
+        unsharded = sum(sizes[s] * block_w for s in stages)
+        unsharded += (args.embedding_params / tp * 2 if 0 in stages and dims.fsdp_enabled else 0.0)
+        unsharded += (args.head_params / tp * 2 if last in stages and dims.fsdp_enabled else 0.0)
+        live = [0] * n_local
+        grads_done = [False] * n_local
+        peak = 0.0
+        for op, k in pipeline_order(str(dims.pp_schedule), dims.pp, rank, n_mb, n_local):
+            if op == "F":
+                live[k] += 1
+                continue
+            held = sum(n * sizes[s] * per_block for n, s in zip(live, stages))
+            acc = sum(sizes[s] * args.block_params / tp * 4 for g, s in zip(grads_done, stages) if g)
+            extra = rebuild + block_grad
+            if stages[k] == last:
+                extra = max(extra, loss_peak_bytes(args, mb_tokens, tp, runtime))
+            peak = max(peak, held + acc + extra)
+            live[k] -= 1
+            grads_done[k] = n_mb > 1
+        if peak + unsharded > sum(worst):
+            worst = (peak, unsharded)
+    return worst[0] + worst[1], worst[1]
+
+
 def head_activation_bytes(args: ModelShape, tokens: float, tp: int) -> float:
     """Final norm + logits: the logits, their fp32 log-softmax and both gradients (~16 B/vocab)."""
     return tokens * (12 * args.dim + 16 * args.vocab_size / tp)
@@ -213,6 +422,8 @@ def device_memory_of(cfg: DictConfig) -> float | None:
     c = cfg.cluster
     if c.device != "cuda":
         return None
+    if OmegaConf.select(cfg, "cluster.gpu_mem_gib") is not None:  # the cluster says (96 GB H100s)
+        return float(c.gpu_mem_gib)
     text = f"{c.name} {OmegaConf.select(cfg, 'cluster.constraint') or ''}".lower()
     for key, gib in DEVICE_MEMORY_GIB.items():
         if key in text:
@@ -227,7 +438,7 @@ def stage_params(args: ModelShape, pp: int) -> float:
     return math.ceil(args.n_layers / pp) * args.block_params + max(args.embedding_params, args.head_params)
 
 
-def plan(cfg: DictConfig, dims) -> Plan:
+def plan(cfg: DictConfig, dims, runtime: Runtime = TITAN_HYDRA) -> Plan:
     """Parameters, FLOPs and per-rank peak memory of ``cfg`` on ``dims``, without allocating.
 
     Peak = fp32 params + AdamW state (8 B/param) + max(saved activations at the start of
@@ -283,7 +494,16 @@ def plan(cfg: DictConfig, dims) -> Plan:
     expert_tensor = args.expert_params / max(3 * args.moe_layers, 1)  # one of w1/w2/w3 of a layer
     largest = max(n_emb, args.dim * args.ffn_dim, expert_tensor) / dims.tp / fsdp_shard
     optimizer_step = mem_grads + 4 * (params_local if cfg.cluster.device == "cuda" else largest)
-    peak = mem_params + mem_optim + max(act + transient, optimizer_step, end_of_backward)
+    if cfg.cluster.device == "cuda" and kind == "bf16_params":
+        # CUDA: what the run holds (cuda_dynamic_peak) times the caching allocator's reserve.
+        dyn, unsharded = cuda_dynamic_peak(cfg, dims, args, runtime)
+        dyn += moe_layers * moe_activation_bytes(args, kind, ac.mode, local_tokens)
+        act, transient = dyn - unsharded, unsharded
+        compiled = str(OmegaConf.select(cfg, "compile.mode", default="none")) != "none"
+        reserve = ALLOCATOR_RESERVE_COMPILED if compiled else ALLOCATOR_RESERVE_EAGER
+        peak = mem_params + mem_optim + reserve * max(dyn, optimizer_step, end_of_backward)
+    else:
+        peak = mem_params + mem_optim + max(act + transient, optimizer_step, end_of_backward)
     layout = f"dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp} pp={dims.pp} cp={dims.cp}"
     if ep > 1:
         layout += f" ep={ep}"

@@ -40,6 +40,7 @@ from titan_hydra.errors import ConfigError, UserError
 
 CP_MIN_SEQ_LEN = 32768  # consider context parallel only above this sequence length
 TIE_TOLERANCE = 0.02  # candidates within 2% of the best estimate count as tied
+ASSUMED_MFU = 0.4  # the model FLOP utilization compute time assumes (estimate.plan's step_time_s_at_mfu40)
 NOMINAL_PEAK_TFLOPS = 1.0  # ranking only, when the cluster gives no peak (CPU)
 # Effective per-device collective bandwidth (bytes/s): inside a node, across nodes.
 # cuda: NVLink4 (~450 GB/s per direction, ~350 achieved) and 8x400 Gb/s IB per node (~40 per GPU).
@@ -173,7 +174,7 @@ def estimated_step_time(cfg: DictConfig, dims, p) -> float:
 
     args = model_shape(cfg)
     t = cfg.training
-    compute = p.flops_per_step / dims.world_size / (0.4 * NOMINAL_PEAK_TFLOPS * 1e12)
+    compute = p.flops_per_step / dims.world_size / (ASSUMED_MFU * NOMINAL_PEAK_TFLOPS * 1e12)
     if p.step_time_s_at_mfu40 is not None:
         compute = p.step_time_s_at_mfu40
     intra, inter = LINK_BYTES_PER_S.get(str(cfg.cluster.device), LINK_BYTES_PER_S["cpu"])
