@@ -1,0 +1,112 @@
+"""The estimator against torchtitan's published Llama 3.1 runs on 96 GB H100s (2024-12).
+
+Rows: tests/data/torchtitan_h100_202412.yaml (source, commits and implicit settings in its header).
+Each row is composed as the titan_hydra config of the same setup (recipes/estimate_published.py)
+and sized analytically (meta-free: ``estimate.plan`` allocates nothing) with the behaviours of
+the code that ran it (``estimate.TORCHTITAN_2024_12``). Estimated peak must be within +-15% of
+the published max reserved memory. Rows the model does not reach are strict xfails with the
+reason (they pass the day the model explains them, and the xfail then fails, asking for removal).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("estimate_published", REPO / "recipes" / "estimate_published.py")
+ep = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ep)
+
+ROWS = ep.load_rows()
+TOLERANCE = 0.15
+DEVICE_GIB = 96.0
+
+# 20-26% under: the TP (70B, 405B) rows hold more than the modeled terms (FSDP/TP/PP state,
+# block inputs under full AC, one block's recompute, loss backward, pipeline in-flight
+# microbatches and unsharded fp32 grads). The ratio between 1F1B and interleaved 1F1B is right
+# (est. 1.14, published 1.13), so what is missing scales with the in-flight work; candidates are
+# the loss-parallel cross entropy's fp32 temporaries, async-TP/float8 buffers and PP send/recv
+# buffers, none of which could be measured on a CPU-only machine.
+UNDER_TP = "estimate 20-26% below the published peak: TP x float8 x compile terms not modeled (see module comment)"
+XFAIL = {
+    "t4_2d": UNDER_TP, "t4_2d_async_tp": UNDER_TP, "t5_1f1b": UNDER_TP, "t5_interleaved_1f1b": UNDER_TP,
+    "t6_fsdp8_cp1": UNDER_TP, "t6_fsdp4_cp2": UNDER_TP, "t6_fsdp2_cp4": UNDER_TP, "t6_fsdp1_cp8": UNDER_TP,
+}
+
+
+def _param(row):
+    marks = [pytest.mark.xfail(strict=True, reason=XFAIL[row["id"]])] if row["id"] in XFAIL else []
+    return pytest.param(row, id=row["id"], marks=marks)
+
+
+def test_data_file_covers_all_six_tables():
+    assert sorted({r["table"] for r in ROWS}) == [1, 2, 3, 4, 5, 6]
+    assert len(ROWS) == 18
+    for r in ROWS:
+        assert r["dp_shard"] * r["tp"] * r["pp"] * r["cp"] == r["gpus"], r["id"]
+
+
+@pytest.mark.parametrize("row", [_param(r) for r in ROWS])
+def test_estimated_peak_within_15_percent_of_published(row):
+    got = ep.evaluate_row(row)
+    ratio = got["estimated_gib"] / row["memory_gib"]
+    assert abs(ratio - 1) <= TOLERANCE, (
+        f"{row['id']}: estimated {got['estimated_gib']:.1f} GiB, published {row['memory_gib']} GiB ({ratio:.2f}x)")
+
+
+def test_tokens_per_second_is_reported_for_every_row():
+    """No accuracy target (see recipes/estimate_published.py); the ratio must exist and be sane."""
+    for row in ROWS:
+        got = ep.evaluate_row(row)
+        assert 0.2 < got["tps_ratio"] < 5, (row["id"], got)
+
+
+def test_schedule_and_compile_effects_have_the_published_sign():
+    """Interleaved 1F1B holds less than 1F1B (published 72.7 vs 82.5 GiB); compile less than eager."""
+    est = {r["id"]: ep.evaluate_row(r)["estimated_gib"] for r in ROWS}
+    assert est["t5_interleaved_1f1b"] < est["t5_1f1b"]
+    assert est["t1_fsdp_compile"] < est["t1_fsdp"] and est["t3_fsdp_compile"] < est["t3_fsdp"]
+    assert est["t3_fsdp"] < est["t1_fsdp"]  # 16x more ranks shard the state 16x finer
+
+
+# parallelism=auto on the published models, cluster sizes and batch settings (titan_hydra's own
+# runtime: its selective_op saves every matmul and its runner keeps the logits through backward).
+# The published runs show that a layout with tp*pp*cp no larger than theirs fits 96 GB; auto must
+# pick a layout it estimates to fit, and need no more model parallelism than the published one.
+# titan_hydra refuses compile with full AC under TP (parallel/auto.py's launch rules), so the TP
+# groups are sized with compile=none.
+def _groups():
+    seen, out = set(), []
+    for r in ROWS:
+        key = (r["model"], r["gpus"], r["local_batch"], r["seq_len"], r["ac"])
+        if key not in seen and r["table"] in (1, 2, 3, 4, 5):
+            seen.add(key)
+            out.append(r)
+    return out
+
+
+AUTO_XFAIL = {
+    "t1_fsdp": "titan_hydra's selective_op saves all 7 matmul outputs (torchtitan: wq, wv, w1, w2): "
+               "+19 GiB at 16k tokens/rank, so FSDP over 8 GPUs no longer fits and auto adds tp=2",
+    "t2_fsdp1_cp8": "titan_hydra's runner keeps the bf16 logits through backward (+2 B/logit, 8 GiB at "
+                    "32k tokens/rank): no 8-GPU layout fits by estimate",
+}
+
+
+@pytest.mark.parametrize("row", [pytest.param(r, id=r["id"], marks=[pytest.mark.xfail(strict=True, reason=AUTO_XFAIL[r["id"]])]
+                                              if r["id"] in AUTO_XFAIL else []) for r in _groups()])
+def test_auto_picks_a_fitting_layout_no_more_parallel_than_published(row):
+    from titan_hydra.parallel import auto
+
+    ov = [o for o in ep.overrides(row) if not o.startswith("parallelism")] + ["parallelism=auto"]
+    if row["tp"] > 1:
+        ov = [o for o in ov if not o.startswith("compile=")] + ["compile=none"]
+    cfg = ep.compose(ov)
+    cands = [auto.evaluate(cfg, c) for c in auto.enumerate_candidates(cfg)]
+    chosen = auto.choose(cands)
+    assert chosen is not None, f"{row['id']}: no layout fits\n{auto.table(cands, DEVICE_GIB)}"
+    assert chosen.mem_gib <= DEVICE_GIB
+    assert chosen.tp * chosen.pp * chosen.cp <= row["tp"] * row["pp"] * row["cp"], chosen.describe()
