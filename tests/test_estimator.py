@@ -19,6 +19,7 @@ from titan_hydra.estimate import plan
 from titan_hydra.models.registry import build_model
 from titan_hydra.parallel.ac import apply_ac
 from titan_hydra.train.loss import cross_entropy_loss
+from titan_hydra.train.attention_kernel import apply_attention_kernel
 from titan_hydra.train.precision import apply_attention_precision
 from titan_hydra.validate import build_dims
 
@@ -32,7 +33,9 @@ def measured_peak_gib(cfg) -> float:
     family, m = build_model(cfg.model)
     m.init_weights()
     mp = str(getattr(cfg.training.mixed_precision, "value", cfg.training.mixed_precision))
-    apply_attention_precision(m, str(cfg.training.attention_precision), mp, torch.device("cpu"))  # as the trainer does
+    cpu = torch.device("cpu")  # as the trainer does: the precision rule, then the kernel policy
+    apply_attention_precision(m, str(cfg.training.attention_precision), mp, cpu, int(cfg.training.seq_len))
+    apply_attention_kernel(m, str(cfg.training.attention_kernel), cpu)
     apply_ac(family.blocks(m), cfg.activation_checkpoint)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
     t = cfg.training

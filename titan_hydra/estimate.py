@@ -95,11 +95,27 @@ def activation_bytes(args: ModelShape, kind: str, mode: str, tokens: float, laye
     return layers * saved + (full - saved)  # full: one block rebuilt at a time
 
 
+def small_head_kernel_applies(cfg: DictConfig, args: ModelShape) -> bool:
+    """Whether ``training.attention_kernel`` would install the small-head kernel (its policy's
+    static conditions: CPU, 16-wide heads, no context parallel, not forced to SDPA)."""
+    from titan_hydra.kernels.small_head_attention import HEAD_DIM
+
+    choice = str(OmegaConf.select(cfg, "training.attention_kernel", default="auto"))
+    cp = int(OmegaConf.select(cfg, "parallelism.cp", default=1) or 1)
+    return choice != "sdpa" and str(cfg.cluster.device) == "cpu" and args.head_dim == HEAD_DIM and cp == 1
+
+
 def fp32_attention_bytes(cfg: DictConfig, args: ModelShape, mp: str, ac: DictConfig, tokens: float,
                          layers: int, tp: int) -> float:
-    """What upcast attention adds to the saved activations (0 unless it is in effect)."""
+    """What upcast attention adds to the saved activations (0 unless it is in effect).
+
+    The small-head CPU kernel (train/attention_kernel.py) replaces the upcast where it applies:
+    it widens bf16 q/k/v inside and saves only them, the output and an fp32 logsumexp, as SDPA."""
     mode = str(cfg.training.attention_precision)
-    if mp != "bf16" or attention_dtype(mode, mp, cfg.cluster.device, args.head_dim) is None:
+    seq_len = int(cfg.training.seq_len)
+    if mp != "bf16" or attention_dtype(mode, mp, cfg.cluster.device, args.head_dim, seq_len) is None:
+        return 0.0
+    if small_head_kernel_applies(cfg, args):
         return 0.0
     per_block = tokens * args.dim / tp
     if ac.mode in ATTN_FP32_EXTRA:  # none / selective_op: every block keeps its copies
@@ -299,12 +315,19 @@ def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime)
     compiled = str(OmegaConf.select(cfg, "compile.mode", default="none")) != "none"
     f8 = OmegaConf.select(cfg, "float8", default=None)
     fp8_gather = bool(f8 is not None and str(f8.recipe) != "none" and f8.enable_fsdp_float8_all_gather)
+    # One block as FSDP unshards it: for MoE the largest (a MoE block with its 1/ep of the routed
+    # experts); per layer on average for what a pipeline stage holds unsharded.
+    ep = int(getattr(dims, "ep", 1))
+    blk = largest_block_params(args, ep)
+    avg_blk = args.block_params - (args.expert_params / args.n_layers) * (1 - 1 / max(ep, 1)) \
+        if args.moe_layers else args.block_params
     # Unsharded block weights: the Linear weights travel (and stay) as float8 under fp8 all-gather.
-    block_w = args.block_params / tp * (1 if fp8_gather and dims.fsdp_enabled else 2)
+    w_bytes = 1 if fp8_gather and dims.fsdp_enabled else 2
+    block_w = blk / tp * w_bytes
     if not dims.fsdp_enabled:
         block_w = 0.0  # the local params are already whole; counted in the static state
     root_w = (args.embedding_params + args.head_params) / tp * 2 if dims.fsdp_enabled else 0.0
-    block_grad = args.block_params / tp * (2 + 4)  # bf16 unsharded grads + fp32 reduce-scatter input
+    block_grad = blk / tp * (2 + 4)  # bf16 unsharded grads + fp32 reduce-scatter input
     mode = str(ac.mode)
     if mode == "selective_layer":
         mode = "none"  # not modeled separately on CUDA: the upper bound
@@ -325,7 +348,7 @@ def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime)
     for rank in range(dims.pp):
         stages = [rank + k * dims.pp for k in range(n_local)]
         last = len(sizes) - 1
-        unsharded = sum(sizes[s] * block_w for s in stages)
+        unsharded = sum(sizes[s] * avg_blk / tp * w_bytes for s in stages) if dims.fsdp_enabled else 0.0
         unsharded += (args.embedding_params / tp * 2 if 0 in stages and dims.fsdp_enabled else 0.0)
         unsharded += (args.head_params / tp * 2 if last in stages and dims.fsdp_enabled else 0.0)
         live = [0] * n_local
@@ -336,7 +359,7 @@ def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime)
                 live[k] += 1
                 continue
             held = sum(n * sizes[s] * per_block for n, s in zip(live, stages))
-            acc = sum(sizes[s] * args.block_params / tp * 4 for g, s in zip(grads_done, stages) if g)
+            acc = sum(sizes[s] * avg_blk / tp * 4 for g, s in zip(grads_done, stages) if g)
             extra = rebuild + block_grad
             if stages[k] == last:
                 extra = max(extra, loss_peak_bytes(args, mb_tokens, tp, runtime))
