@@ -44,9 +44,12 @@ def overrides(row: dict) -> list[str]:
         f"parallelism.tp={row['tp']}", f"parallelism.pp={row['pp']}", f"parallelism.cp={row['cp']}",
         f"parallelism.tp_async={str(row['async_tp']).lower()}",
         f"training.local_batch_size={row['local_batch']}", f"training.seq_len={row['seq_len']}",
+        f"model.max_seq_len={row['seq_len']}",  # torchtitan sizes its RoPE table to training.seq_len
         "training.mixed_precision=bf16", f"activation_checkpoint={row['ac']}",
         f"compile={'model' if row['compile'] else 'none'}", f"float8={'tensorwise' if row['float8'] else 'none'}",
     ]
+    if row["ac"] == "selective_op":  # torchtitan 9dec370's op policy: every second matmul saved
+        out.append("activation_checkpoint.selective_op_policy=every_second_mm")
     if row["pp"] > 1:  # torchtitan 9dec370: n_microbatches = pipeline_parallel_degree
         out += [f"parallelism.pp_schedule={row['schedule']}", f"parallelism.pp_microbatches={row['pp']}"]
     return out

@@ -58,6 +58,7 @@ def test_default_config_is_valid():
         ("compile.mode=max", "Invalid value 'max', expected one of [none, model, model_loss]"),
         ("logger.wandb.mode=cloud", "Invalid value 'cloud', expected one of [offline, online, disabled]"),
         ("activation_checkpoint.mode=some", "expected one of [none, full, selective_op, selective_layer]"),
+        ("activation_checkpoint.selective_op_policy=odd_mm", "expected one of [all_mm, every_second_mm]"),
         ("checkpoint.async_mode=sometimes", "expected one of [disabled, async]"),
         ("training.attention_precision=fp8", "expected one of [auto, compute, fp32]"),
         ("parallelism.pp_schedule=Zigzag", "Invalid value 'Zigzag', expected one of [GPipe, 1F1B,"),

@@ -47,8 +47,9 @@ def measured_peak_gib(cfg) -> float:
         ctx = torch.autocast("cpu", torch.bfloat16) if bf16 else contextlib.nullcontext()
         with ctx:
             logits = m(x)
-            cross_entropy_loss(logits, x).backward()
-            del logits
+            loss = cross_entropy_loss(logits, x)
+            del logits  # as the runner does: the logits are not kept through backward
+            loss.backward()
         opt.step()
 
     step()
@@ -67,6 +68,12 @@ CASES = {
     "debug bf16": DEBUG + ["training.mixed_precision=bf16"],
     "debug fp32 ac=full": DEBUG + ["training.mixed_precision=fp32", "activation_checkpoint=full"],
     "debug bf16 ac=selective_op": DEBUG + ["training.mixed_precision=bf16", "activation_checkpoint=selective_op"],
+    "debug bf16 ac=selective_op every_second_mm": DEBUG + [
+        "training.mixed_precision=bf16", "activation_checkpoint=selective_op",
+        "activation_checkpoint.selective_op_policy=every_second_mm"],
+    "debug fp32 ac=selective_op every_second_mm": DEBUG + [
+        "training.mixed_precision=fp32", "activation_checkpoint=selective_op",
+        "activation_checkpoint.selective_op_policy=every_second_mm"],
     "debug bf16 bf16-attention": DEBUG + ["training.mixed_precision=bf16", "training.attention_precision=compute"],
     "100M fp32": LLAMA_100M + ["training.mixed_precision=fp32"],
     # Qwen3 (QK-norm; q 512 wide on a 256-wide model; tied). estimate/measured, 2026-11-23:

@@ -73,7 +73,7 @@ def test_schedule_and_compile_effects_have_the_published_sign():
 
 
 # parallelism=auto on the published models, cluster sizes and batch settings (titan_hydra's own
-# runtime: its selective_op saves every matmul and its runner keeps the logits through backward).
+# runtime, with the published runs' selective_op policy, every_second_mm).
 # The published runs show that a layout with tp*pp*cp no larger than theirs fits 96 GB; auto must
 # pick a layout it estimates to fit, and need no more model parallelism than the published one.
 # titan_hydra refuses compile with full AC under TP (parallel/auto.py's launch rules), so the TP
@@ -88,12 +88,7 @@ def _groups():
     return out
 
 
-AUTO_XFAIL = {
-    "t1_fsdp": "titan_hydra's selective_op saves all 7 matmul outputs (torchtitan: wq, wv, w1, w2): "
-               "+19 GiB at 16k tokens/rank, so FSDP over 8 GPUs no longer fits and auto adds tp=2",
-    "t2_fsdp1_cp8": "titan_hydra's runner keeps the bf16 logits through backward (+2 B/logit, 8 GiB at "
-                    "32k tokens/rank): no 8-GPU layout fits by estimate",
-}
+AUTO_XFAIL: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("row", [pytest.param(r, id=r["id"], marks=[pytest.mark.xfail(strict=True, reason=AUTO_XFAIL[r["id"]])]

@@ -42,7 +42,9 @@ def tiny_model(ac: str = "none", layers: int = LAYERS, float8: str | None = None
     m.init_weights()
     if float8:
         Float8Converter(float8, filter_fqns=["output"], auto_filter_small_kn=False).convert(m)
-    apply_ac(m.layers, OmegaConf.create({"mode": ac, "selective_layer_freq": 2}))
+    mode, _, policy = ac.partition(":")  # "selective_op:every_second_mm" = mode:policy
+    apply_ac(m.layers, OmegaConf.create({"mode": mode, "selective_layer_freq": 2,
+                                         "selective_op_policy": policy or "all_mm"}))
     return m
 
 
@@ -73,14 +75,17 @@ def backward_counts(ac: str, kind: str) -> tuple[float, dict[str, int], list[tor
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def ac_runs(request):
-    runs = {mode: backward_counts(mode, request.param) for mode in ("none", "full", "selective_op", "selective_layer")}
+    runs = {mode: backward_counts(mode, request.param) for mode in ("none", *AC_MODES)}
     return request.param, runs
+
+
+AC_MODES = ("full", "selective_op", "selective_op:every_second_mm", "selective_layer")
 
 
 def test_ac_losses_and_grads_equal_no_ac(ac_runs):
     _, runs = ac_runs
     loss0, _, grads0 = runs["none"]
-    for mode in ("full", "selective_op", "selective_layer"):
+    for mode in AC_MODES:
         loss, _, grads = runs[mode]
         assert loss == loss0, mode  # recompute is deterministic: bitwise equal
         assert max((a - b).abs().max().item() for a, b in zip(grads, grads0)) == 0.0, mode
@@ -99,6 +104,9 @@ def test_ac_backward_recomputes_what_the_mode_says(ac_runs):
     assert mm["selective_layer"] - mm["none"] == (LAYERS // 2) * recomputed
     # selective_op: matmul outputs are saved, so no matmul is recomputed ...
     assert mm["selective_op"] == mm["none"]
+    # every_second_mm keeps wq, wv, w1, w2 and recomputes wk, wo, w3 (all three feed saved inputs:
+    # k of attention, h of ffn_norm, w3 of the SiLU product)
+    assert mm["selective_op:every_second_mm"] - mm["none"] == LAYERS * 3
     # ... but the cheap ops are: each block's RMSNorms run again (Qwen3: QK-norm's two as well)
     norms = {mode: r[1].get("_fused_rms_norm", 0) + r[1].get("rsqrt", 0) for mode, r in runs.items()}
     assert norms["selective_op"] - norms["none"] == NORMS_PER_BLOCK[kind] * LAYERS
@@ -121,13 +129,17 @@ def step_peak(ac: str) -> dict[str, int]:
 
 
 def test_ac_peak_memory_drops():
-    peaks = {mode: step_peak(mode)["total"] for mode in ("none", "selective_layer", "selective_op", "full")}
+    peaks = {mode: step_peak(mode)["total"] for mode in ("none", *AC_MODES)}
     # measured (dim 128, 4 layers, 512 tokens; none = 29.3 MiB): full 0.46x, selective_op 0.70x,
     # selective_layer 0.64x of none
     assert peaks["full"] < 0.6 * peaks["none"], peaks
     assert peaks["selective_op"] < 0.85 * peaks["none"], peaks
     assert peaks["selective_layer"] < 0.85 * peaks["none"], peaks
     assert peaks["full"] < peaks["selective_op"], peaks
+    # every_second_mm drops wk, wo, w3 outputs: (64 + 128 + 384) x 4 B x 512 tokens x 4 blocks
+    dropped = (64 + 128 + 384) * 4 * 512 * LAYERS
+    assert peaks["selective_op"] - peaks["selective_op:every_second_mm"] == pytest.approx(dropped, rel=0.25), peaks
+    assert peaks["full"] < peaks["selective_op:every_second_mm"], peaks
 
 
 # ------------------------------------------------------------------------------- float8

@@ -55,6 +55,7 @@ DataSource = choice("DataSource", "builtin json parquet text hf")
 AsyncMode = choice("AsyncMode", "disabled async")
 ExportDtype = choice("ExportDtype", "float32 bfloat16 float16")
 ACMode = choice("ACMode", "none full selective_op selective_layer")
+SACPolicy = choice("SACPolicy", "all_mm every_second_mm")
 CompileMode = choice("CompileMode", "none model model_loss")
 WandbMode = choice("WandbMode", "offline online disabled")
 AttentionPrecision = choice("AttentionPrecision", "auto compute fp32")
@@ -223,6 +224,7 @@ class ActivationCheckpointConfig:
     _target_: str = "titan_hydra.parallel.ac.ActivationCheckpointing"
     mode: ACMode = ACMode["none"]
     selective_layer_freq: int = 2
+    selective_op_policy: SACPolicy = SACPolicy["all_mm"]  # which matmul outputs selective_op saves
 
 
 @dataclass

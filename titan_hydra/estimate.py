@@ -54,6 +54,9 @@ Q_WIDE_COEF = {("fp32", "none"): 16, ("bf16", "none"): 6, ("bf16_params", "none"
                ("fp32", "selective_op"): 8, ("bf16", "selective_op"): 1, ("bf16_params", "selective_op"): 1}
 QK_NORM_COEF = {("fp32", "none"): 8, ("bf16", "none"): 6, ("bf16_params", "none"): 6}
 RESIDUAL_BYTES = {"fp32": 4, "bf16": 4, "bf16_params": 2}
+# selective_op_policy=every_second_mm recomputes wk, wo and w3 (kv, d and f wide per token) whose
+# outputs all_mm keeps: bytes per element of a matmul output.
+MM_OUT_BYTES = {"fp32": 4, "bf16": 2, "bf16_params": 2}
 # Extra bytes per token and block (x dim) when bf16 training runs SDPA in fp32
 # (training.attention_precision; auto does on CPU below head_dim 32): the fp32 copies of q/k/v
 # and the fp32 output that SDPA saves. Measured like ACT_COEF: +10 d saved for backward
@@ -67,13 +70,16 @@ def precision_kind(mp: str, fsdp: bool) -> str:
     return "bf16_params" if fsdp else "bf16"
 
 
-def block_activation_bytes(args: ModelShape, kind: str, mode: str, tokens: float, tp: int = 1) -> float:
+def block_activation_bytes(args: ModelShape, kind: str, mode: str, tokens: float, tp: int = 1,
+                           policy: str = "all_mm") -> float:
     """Saved activations of one block for ``tokens`` tokens (per rank: heads split by tp)."""
     d, kv, f = args.dim, args.kv_dim, args.ffn_dim
     if mode == "full":
         return tokens * RESIDUAL_BYTES[kind] * d / tp  # only the block input
     cd, ckv, cf = ACT_COEF[(kind, mode)]
     per_token = cd * d + ckv * kv + cf * f + 4 * args.n_heads
+    if mode == "selective_op" and policy == "every_second_mm":
+        per_token -= MM_OUT_BYTES[kind] * (d + kv + f)
     per_token += Q_WIDE_COEF[(kind, mode)] * max(args.q_dim - d, 0)
     if args.qk_norm and (kind, mode) in QK_NORM_COEF:
         per_token += QK_NORM_COEF[(kind, mode)] * (args.q_dim + kv) + 4 * (args.n_heads + args.n_kv_heads)
@@ -81,7 +87,7 @@ def block_activation_bytes(args: ModelShape, kind: str, mode: str, tokens: float
 
 
 def activation_bytes(args: ModelShape, kind: str, mode: str, tokens: float, layers: float,
-                     freq: int, tp: int = 1) -> float:
+                     freq: int, tp: int = 1, policy: str = "all_mm") -> float:
     """All blocks' saved activations plus one block's recompute (transient) under AC."""
     full = block_activation_bytes(args, kind, "none", tokens, tp)
     if mode == "none":
@@ -89,7 +95,7 @@ def activation_bytes(args: ModelShape, kind: str, mode: str, tokens: float, laye
     if mode == "selective_layer":
         ckpt = math.ceil(layers / max(freq, 1))
         return ckpt * block_activation_bytes(args, kind, "full", tokens, tp) + (layers - ckpt) * full
-    saved = block_activation_bytes(args, kind, mode, tokens, tp)
+    saved = block_activation_bytes(args, kind, mode, tokens, tp, policy)
     if mode == "selective_op":  # the recomputed norms/rope are small next to the head's gradients
         return layers * saved
     return layers * saved + (full - saved)  # full: one block rebuilt at a time
@@ -167,26 +173,21 @@ def alltoall_bytes(args: ModelShape, kind: str, tokens: float, moe_layers: float
 class Runtime:
     """Behaviours of the training code that decide memory but are not config keys.
 
-    ``sac_policy``: what ``activation_checkpoint=selective_op`` saves. ``all_mm``: titan_hydra's
-    policy (parallel/ac.py: every matmul and attention output). ``every_second_mm``: torchtitan's
-    policy of December 2024 (``_save_list`` in parallelize_llama.py: attention outputs and the 1st,
-    3rd, 5th, 7th mm of a block = wq, wv, w1, w2; wk, wo, w3 are recomputed).
-    ``logits_alive_in_backward``: titan_hydra's runner drops the bf16 logits after backward,
-    torchtitan's train.py ``del pred`` before it.
+    (What ``activation_checkpoint=selective_op`` saves is a config key,
+    ``activation_checkpoint.selective_op_policy``; torchtitan's December 2024 runs saved every
+    second matmul, which titan_hydra offers as ``every_second_mm``. Both drop the bf16 logits
+    before backward.)
     ``pp_split``: which stages get the extra layers when n_layers % stages != 0: ``front``
     (titan_hydra's parallel/pp.py) or ``middle`` (torchtitan's generate_split_points: the first and
     last stages get one fewer).
     """
 
     name: str
-    sac_policy: str = "all_mm"
-    logits_alive_in_backward: bool = True
     pp_split: str = "front"
 
 
 TITAN_HYDRA = Runtime("titan_hydra")
-TORCHTITAN_2024_12 = Runtime("torchtitan@9dec370", sac_policy="every_second_mm",
-                             logits_alive_in_backward=False, pp_split="middle")
+TORCHTITAN_2024_12 = Runtime("torchtitan@9dec370", pp_split="middle")
 
 # Reserved / allocated memory of the CUDA caching allocator at the peak. Blocks freed in one size
 # class are not reusable by a larger request, so the reserved pool exceeds the live tensors.
@@ -201,8 +202,6 @@ ALLOCATOR_RESERVE_EAGER = 1.155
 # Loss backward, per logit element: the fp32 log-softmax output kept for backward, its incoming
 # gradient and the gradient it produces (4 B each, alive together inside log_softmax_backward).
 LOSS_BACKWARD_BYTES_PER_LOGIT = 12
-# The bf16 logits themselves while alive through backward (Runtime.logits_alive_in_backward).
-LOGITS_BYTES = 2
 
 
 def sac_saved_bytes_per_token(args: ModelShape, policy: str, tp: int) -> float:
@@ -241,20 +240,19 @@ def recompute_bytes(args: ModelShape, tokens: float, tp: int, compiled: bool) ->
     return tokens * per_token
 
 
-def loss_peak_bytes(args: ModelShape, tokens: float, tp: int, runtime: Runtime) -> float:
+def loss_peak_bytes(args: ModelShape, tokens: float, tp: int) -> float:
     """The loss backward's peak for ``tokens`` (logits vocab-sharded by tp under loss parallel):
-    fp32 log-softmax saved + its two gradients, the bf16 logits if still alive, and the final
-    norm's output the output projection saved (all-gathered: 2d per token)."""
-    per_logit = LOSS_BACKWARD_BYTES_PER_LOGIT + (LOGITS_BYTES if runtime.logits_alive_in_backward else 0)
-    return tokens * (per_logit * args.vocab_size / tp + 2 * args.dim)
+    fp32 log-softmax saved + its two gradients (the bf16 logits are dropped before backward), and
+    the final norm's output the output projection saved (all-gathered: 2d per token)."""
+    return tokens * (LOSS_BACKWARD_BYTES_PER_LOGIT * args.vocab_size / tp + 2 * args.dim)
 
 
-def saved_block_bytes_cuda(args: ModelShape, mode: str, tokens: float, tp: int, runtime: Runtime) -> float:
+def saved_block_bytes_cuda(args: ModelShape, mode: str, tokens: float, tp: int, policy: str) -> float:
     """What one block keeps for backward on CUDA for ``tokens`` (bf16 activations, FSDP bf16 params)."""
     if mode == "full":
         return tokens * 2 * args.dim / tp  # the block input (sequence-sharded under SP)
     if mode == "selective_op":
-        return tokens * sac_saved_bytes_per_token(args, runtime.sac_policy, tp)
+        return tokens * sac_saved_bytes_per_token(args, policy, tp)
     return block_activation_bytes(args, "bf16_params", "none", tokens, tp)
 
 
@@ -329,20 +327,21 @@ def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime)
     root_w = (args.embedding_params + args.head_params) / tp * 2 if dims.fsdp_enabled else 0.0
     block_grad = blk / tp * (2 + 4)  # bf16 unsharded grads + fp32 reduce-scatter input
     mode = str(ac.mode)
+    policy = str(ac.get("selective_op_policy", "all_mm"))
     if mode == "selective_layer":
         mode = "none"  # not modeled separately on CUDA: the upper bound
     if dims.pp == 1:
         tokens = t.local_batch_size * t.seq_len / dims.cp
-        saved = args.n_layers * saved_block_bytes_cuda(args, mode, tokens, tp, runtime)
+        saved = args.n_layers * saved_block_bytes_cuda(args, mode, tokens, tp, policy)
         rebuild = recompute_bytes(args, tokens, tp, compiled) if mode != "none" else 0.0
-        dyn = saved + max(loss_peak_bytes(args, tokens, tp, runtime), rebuild + block_grad)
+        dyn = saved + max(loss_peak_bytes(args, tokens, tp), rebuild + block_grad)
         unsharded = root_w + 2 * block_w  # root + the last block (kept) + the one in use
         return dyn + unsharded, unsharded
     n_mb = int(dims.pp_microbatches or dims.pp)
     mb_tokens = t.local_batch_size * t.seq_len / dims.cp / n_mb
     sizes = stage_layer_counts(dims, args.n_layers, runtime)
     n_local = len(sizes) // dims.pp
-    per_block = saved_block_bytes_cuda(args, mode, mb_tokens, tp, runtime)
+    per_block = saved_block_bytes_cuda(args, mode, mb_tokens, tp, policy)
     rebuild = recompute_bytes(args, mb_tokens, tp, compiled) if mode != "none" else 0.0
     worst = (0.0, 0.0)
     for rank in range(dims.pp):
@@ -362,7 +361,7 @@ def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime)
             acc = sum(sizes[s] * avg_blk / tp * 4 for g, s in zip(grads_done, stages) if g)
             extra = rebuild + block_grad
             if stages[k] == last:
-                extra = max(extra, loss_peak_bytes(args, mb_tokens, tp, runtime))
+                extra = max(extra, loss_peak_bytes(args, mb_tokens, tp))
             peak = max(peak, held + acc + extra)
             live[k] -= 1
             grads_done[k] = n_mb > 1
@@ -372,8 +371,10 @@ def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime)
 
 
 def head_activation_bytes(args: ModelShape, tokens: float, tp: int) -> float:
-    """Final norm + logits: the logits, their fp32 log-softmax and both gradients (~16 B/vocab)."""
-    return tokens * (12 * args.dim + 16 * args.vocab_size / tp)
+    """Final norm + logits at the loss backward: the fp32 log-softmax kept for backward, its
+    gradient and the logits' gradient (12 B/vocab; the logits themselves are dropped before
+    backward, parallel/runner.py)."""
+    return tokens * (12 * args.dim + LOSS_BACKWARD_BYTES_PER_LOGIT * args.vocab_size / tp)
 
 
 @dataclass
@@ -496,7 +497,8 @@ def plan(cfg: DictConfig, dims, runtime: Runtime = TITAN_HYDRA) -> Plan:
     layers = math.ceil(args.n_layers / dims.pp)
     moe_layers = math.ceil(args.moe_layers / dims.pp)
     ep = int(getattr(dims, "ep", 1))
-    act = activation_bytes(args, kind, ac.mode, local_tokens, layers, int(ac.selective_layer_freq), dims.tp)
+    act = activation_bytes(args, kind, ac.mode, local_tokens, layers, int(ac.selective_layer_freq), dims.tp,
+                           str(ac.get("selective_op_policy", "all_mm")))
     act += moe_layers * moe_activation_bytes(args, kind, ac.mode, local_tokens)
     act += head_activation_bytes(args, local_tokens, dims.tp)
     act += fp32_attention_bytes(cfg, args, mp, ac, local_tokens, layers, dims.tp)

@@ -9,6 +9,10 @@ Which modules are "blocks" is the model family's answer (``ModelFamily.blocks``)
 * ``selective_op``: every block is checkpointed with a per-op policy: outputs of matmuls and
   attention kernels (the expensive ops) are saved, everything else (norms, rope, SiLU, products,
   casts) is recomputed. Uses ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
+  ``selective_op_policy`` picks which matmuls: ``all_mm`` (every one) or ``every_second_mm``
+  (the 1st, 3rd, 5th, ... of a block in call order; in a Llama block wq, wv, w1 and w2 are kept,
+  wk, wo and w3 recomputed: torchtitan's trade, about a third less saved for one extra
+  matmul-third of recompute). Attention outputs are saved under both.
 
 Why the block's ``forward`` is replaced in place instead of wrapping the block in
 ``checkpoint_wrapper``: a wrapper inserts ``_checkpoint_wrapped_module`` into every parameter
@@ -22,7 +26,7 @@ so the recompute in backward happens while the block's parameters are gathered.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from omegaconf import DictConfig
@@ -47,23 +51,42 @@ def _save_ops() -> set:
 
 
 SAVE_OPS = _save_ops()
+# The projections a block's Linear layers dispatch to (what every_second_mm counts).
+MM_OPS = {getattr(torch.ops.aten, n).default for n in ("mm", "addmm", "_scaled_mm") if hasattr(torch.ops.aten, n)}
+SAC_POLICIES = ("all_mm", "every_second_mm")
 
 
-def _selective_op_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def selective_op_policy(name: str = "all_mm") -> Callable:
+    """A fresh policy function for one checkpointed call.
+
+    ``every_second_mm`` numbers the matmuls of the call and recomputes the even ones. Forward and
+    recompute count separately, so the recompute makes the same choices as the forward did."""
+    selective_op_policy_check(name)
+    seen = {False: 0, True: 0}  # matmuls so far, keyed by ctx.is_recompute
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op not in SAVE_OPS:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if name == "every_second_mm" and op in MM_OPS:
+            seen[ctx.is_recompute] += 1
+            if seen[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+
+    return policy
 
 
-def selective_op_context():
+def selective_op_context(policy: str = "all_mm"):
     """Fresh (forward, recompute) context pair for one checkpointed call."""
-    return create_selective_checkpoint_contexts(_selective_op_policy)
+    return create_selective_checkpoint_contexts(selective_op_policy(policy))
 
 
-def checkpoint_block(block: torch.nn.Module, selective_op: bool = False) -> None:
+def checkpoint_block(block: torch.nn.Module, selective_op: bool = False, policy: str = "all_mm") -> None:
     """Make ``block`` recompute its forward in backward (in place; FQNs unchanged)."""
     if getattr(block, "_th_ac_mode", None) is not None:
         return  # already checkpointed
     inner = block.forward
-    extra: dict[str, Any] = {"context_fn": selective_op_context} if selective_op else {}
+    extra: dict[str, Any] = {"context_fn": functools.partial(selective_op_context, policy)} if selective_op else {}
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
@@ -85,11 +108,13 @@ def checkpointed_layer_ids(layer_names: list[str], mode: str, freq: int) -> list
 class ActivationCheckpointing:
     """The ``activation_checkpoint`` group's object (``_target_``): applies one mode to blocks."""
 
-    def __init__(self, mode: str = "none", selective_layer_freq: int = 2) -> None:
+    def __init__(self, mode: str = "none", selective_layer_freq: int = 2,
+                 selective_op_policy: str = "all_mm") -> None:
         mode = str(getattr(mode, "value", mode))
         if mode not in MODES:
             raise ConfigError(f"activation_checkpoint.mode={mode!r} is not one of {', '.join(MODES)}")
-        self.mode, self.freq = mode, int(selective_layer_freq)
+        selective_op_policy_check(selective_op_policy)
+        self.mode, self.freq, self.policy = mode, int(selective_layer_freq), str(selective_op_policy)
 
     @property
     def enabled(self) -> bool:
@@ -99,17 +124,25 @@ class ActivationCheckpointing:
         """Checkpoint these blocks (``family.blocks(part)``) per the mode; returns the ids done."""
         chosen = checkpointed_layer_ids(list(layers.keys()), self.mode, self.freq)
         for name in chosen:
-            checkpoint_block(layers[name], selective_op=self.mode == "selective_op")
+            checkpoint_block(layers[name], selective_op=self.mode == "selective_op", policy=self.policy)
         return chosen
 
 
 def apply_ac(layers: torch.nn.ModuleDict, ac_cfg) -> list[str]:
     """``ActivationCheckpointing(**ac_cfg).apply(layers)`` for a config node (tests, tools)."""
-    return ActivationCheckpointing(ac_cfg.mode, int(ac_cfg.get("selective_layer_freq", 2))).apply(layers)
+    return ActivationCheckpointing(ac_cfg.mode, int(ac_cfg.get("selective_layer_freq", 2)),
+                                   str(ac_cfg.get("selective_op_policy", "all_mm"))).apply(layers)
+
+
+def selective_op_policy_check(name: str) -> None:
+    if str(name) not in SAC_POLICIES:
+        raise ConfigError(f"activation_checkpoint.selective_op_policy={name!r} is not one of "
+                          f"{', '.join(SAC_POLICIES)}")
 
 
 def check_config(cfg: DictConfig, dims) -> None:
     ac = cfg.activation_checkpoint
+    selective_op_policy_check(ac.get("selective_op_policy", "all_mm"))
     if ac.mode == "selective_layer" and int(ac.selective_layer_freq) < 1:
         raise ConfigError(
             f"activation_checkpoint.selective_layer_freq={ac.selective_layer_freq} must be >= 1"

@@ -57,8 +57,10 @@ class SingleStageRunner:
         with self.step_context(inputs, labels):
             logits = self.model(inputs, **self.batch_kwargs(inputs))
             loss = self.loss_fn(logits, labels)
-            (loss / self.grad_accum_steps).backward()
+            # Autograd keeps what the loss needs (its fp32 log-softmax); dropping this reference
+            # before backward frees the bf16 logits (2 bytes x vocab per token) for the backward peak.
             del logits
+            (loss / self.grad_accum_steps).backward()
         return loss.detach()
 
     @torch.no_grad()
