@@ -7,7 +7,7 @@ benchmarks/llama3_h100_202412_torchtitan.md) becomes the titan_hydra config of t
 that ran it (``estimate.TORCHTITAN_2024_12``). Prints a markdown table and writes JSON:
 
     python recipes/estimate_published.py                 # -> bench_out/estimator_h100.json
-    python recipes/estimate_published.py --out docs/bench/2026-11-24_estimator_h100.json
+    python recipes/estimate_published.py --out docs/bench/2026-11-25_estimator_h100.json
 
 Tokens/s per GPU is ``parallel/auto.py``'s ``estimated_step_time`` at its assumed MFU on the
 cluster's 989 TFLOP/s (SXM H100 dense bf16) peak; these were 500 W HBM2e parts, whose real peak

@@ -165,3 +165,49 @@ def test_estimate_within_15_percent_per_rank_under_layouts(tmp_path, name):
         record = json.loads((run_dir / "memory_snapshot" / "iteration_2" / f"rank{rank}_memory.json").read_text())
         got = record["peak_bytes"]["total"] / GIB
         assert abs(est - got) / got < 0.15, f"{name} rank {rank}: estimated {est:.4f} GiB, measured {got:.4f} GiB"
+
+
+def _loss_bytes_worker(rank: int, out: str) -> None:
+    """Peak tensor bytes of a bf16-logits cross entropy's forward+backward per local logit, plain
+    and under TP loss parallel (vocab sharded over the 2 ranks), as the runner runs it."""
+    import torch.nn.functional as F
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    mesh = init_device_mesh("cpu", (2,))
+    tokens, vocab = 2048, 4096
+    torch.manual_seed(0)
+    weights = torch.randn(tokens, vocab, dtype=torch.bfloat16)
+    labels = torch.randint(0, vocab, (tokens,))
+    got = {}
+    for parallel in (False, True):
+        leaf = weights.clone().requires_grad_(True)
+        source = distribute_tensor(leaf, mesh, [Shard(1)]) if parallel else leaf
+        tracker = MemTracker()
+        with tracker, (loss_parallel() if parallel else contextlib.nullcontext()):
+            logits = source * 1  # a non-leaf, like the output projection's result
+            loss = F.cross_entropy(logits.float(), labels)
+            del logits
+            loss.backward()
+        peak = sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+        got["parallel" if parallel else "plain"] = peak / (tokens * vocab / (2 if parallel else 1))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(got, f)
+
+
+def test_loss_backward_bytes_per_logit_match_measured(tmp_path):
+    """The two loss constants the CUDA estimate uses, measured on the ops that run: 12 B per logit
+    for the plain loss, 16 B per local logit under loss parallel (DTensor's fused nll+log-softmax
+    backward keeps three fp32 temporaries beside the saved log-probs)."""
+    from helpers import spawn_gloo
+
+    from titan_hydra.estimate import LOSS_BACKWARD_BYTES_PER_LOGIT, LOSS_PARALLEL_BACKWARD_BYTES_PER_LOGIT
+
+    out = tmp_path / "loss_bytes.json"
+    spawn_gloo(_loss_bytes_worker, 2, str(out))
+    got = json.loads(out.read_text())
+    assert got["plain"] == pytest.approx(LOSS_BACKWARD_BYTES_PER_LOGIT, rel=0.05), got
+    assert got["parallel"] == pytest.approx(LOSS_PARALLEL_BACKWARD_BYTES_PER_LOGIT, rel=0.05), got

@@ -202,6 +202,19 @@ ALLOCATOR_RESERVE_EAGER = 1.155
 # Loss backward, per logit element: the fp32 log-softmax output kept for backward, its incoming
 # gradient and the gradient it produces (4 B each, alive together inside log_softmax_backward).
 LOSS_BACKWARD_BYTES_PER_LOGIT = 12
+# Under tensor-parallel loss parallel, torch's DTensor handler fuses nll and log-softmax backward
+# as ``(zeros_like(x) with -1 at the targets + exp(x)) * grad``: the saved fp32 log-probs x plus
+# three fp32 temporaries of its size alive together (16 B per local logit; measured with
+# MemTracker on 2 gloo ranks: 16.0, against 12.0 for the plain loss).
+LOSS_PARALLEL_BACKWARD_BYTES_PER_LOGIT = 16
+
+
+def loss_bytes_per_token(args: ModelShape, dims) -> float:
+    """Bytes per token of the loss backward's logit-sized buffers on this rank: vocab-sharded under
+    loss parallel, the whole vocabulary otherwise (TP without loss parallel gathers the logits)."""
+    if dims.loss_parallel_enabled:
+        return LOSS_PARALLEL_BACKWARD_BYTES_PER_LOGIT * args.vocab_size / dims.tp
+    return LOSS_BACKWARD_BYTES_PER_LOGIT * args.vocab_size
 
 
 def sac_saved_bytes_per_token(args: ModelShape, policy: str, tp: int) -> float:
@@ -240,11 +253,11 @@ def recompute_bytes(args: ModelShape, tokens: float, tp: int, compiled: bool) ->
     return tokens * per_token
 
 
-def loss_peak_bytes(args: ModelShape, tokens: float, tp: int) -> float:
+def loss_peak_bytes(args: ModelShape, tokens: float, dims) -> float:
     """The loss backward's peak for ``tokens`` (logits vocab-sharded by tp under loss parallel):
     fp32 log-softmax saved + its two gradients (the bf16 logits are dropped before backward), and
     the final norm's output the output projection saved (all-gathered: 2d per token)."""
-    return tokens * (LOSS_BACKWARD_BYTES_PER_LOGIT * args.vocab_size / tp + 2 * args.dim)
+    return tokens * (loss_bytes_per_token(args, dims) + 2 * args.dim)
 
 
 def saved_block_bytes_cuda(args: ModelShape, mode: str, tokens: float, tp: int, policy: str) -> float:
@@ -334,7 +347,7 @@ def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime)
         tokens = t.local_batch_size * t.seq_len / dims.cp
         saved = args.n_layers * saved_block_bytes_cuda(args, mode, tokens, tp, policy)
         rebuild = recompute_bytes(args, tokens, tp, compiled) if mode != "none" else 0.0
-        dyn = saved + max(loss_peak_bytes(args, tokens, tp), rebuild + block_grad)
+        dyn = saved + max(loss_peak_bytes(args, tokens, dims), rebuild + block_grad)
         unsharded = root_w + 2 * block_w  # root + the last block (kept) + the one in use
         return dyn + unsharded, unsharded
     n_mb = int(dims.pp_microbatches or dims.pp)
@@ -343,10 +356,19 @@ def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime)
     n_local = len(sizes) // dims.pp
     per_block = saved_block_bytes_cuda(args, mode, mb_tokens, tp, policy)
     rebuild = recompute_bytes(args, mb_tokens, tp, compiled) if mode != "none" else 0.0
+    # torch.distributed.pipelining's buffers (stage.py): a stage that receives activations has a
+    # recv buffer per microbatch, one that receives gradients a grad buffer per microbatch, both
+    # allocated once and kept; fwd_cache keeps each in-flight microbatch's stage output until its
+    # backward. Stage I/O is the residual stream, sequence-sharded under TP's sequence parallel;
+    # the last stage's output is its logits (vocab-sharded under loss parallel). A received input
+    # is also the first block's saved input (counted in per_block), hence ``io`` is taken back.
+    io = mb_tokens * 2 * args.dim / (tp if dims.tp_sequence_parallel else 1)
+    logits_out = mb_tokens * 2 * args.vocab_size / (tp if dims.loss_parallel_enabled else 1)
     worst = (0.0, 0.0)
     for rank in range(dims.pp):
         stages = [rank + k * dims.pp for k in range(n_local)]
         last = len(sizes) - 1
+        p2p = sum(n_mb * io * ((s != 0) + (s != last)) for s in stages)
         unsharded = sum(sizes[s] * avg_blk / tp * w_bytes for s in stages) if dims.fsdp_enabled else 0.0
         unsharded += (args.embedding_params / tp * 2 if 0 in stages and dims.fsdp_enabled else 0.0)
         unsharded += (args.head_params / tp * 2 if last in stages and dims.fsdp_enabled else 0.0)
@@ -357,11 +379,12 @@ def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime)
             if op == "F":
                 live[k] += 1
                 continue
-            held = sum(n * sizes[s] * per_block for n, s in zip(live, stages))
+            held = sum(n * (sizes[s] * per_block + (logits_out if s == last else io) - (io if s else 0))
+                       for n, s in zip(live, stages)) + p2p
             acc = sum(sizes[s] * avg_blk / tp * 4 for g, s in zip(grads_done, stages) if g)
             extra = rebuild + block_grad
             if stages[k] == last:
-                extra = max(extra, loss_peak_bytes(args, mb_tokens, tp))
+                extra = max(extra, loss_peak_bytes(args, mb_tokens, dims))
             peak = max(peak, held + acc + extra)
             live[k] -= 1
             grads_done[k] = n_mb > 1
@@ -370,11 +393,11 @@ def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime)
     return worst[0] + worst[1], worst[1]
 
 
-def head_activation_bytes(args: ModelShape, tokens: float, tp: int) -> float:
+def head_activation_bytes(args: ModelShape, tokens: float, dims) -> float:
     """Final norm + logits at the loss backward: the fp32 log-softmax kept for backward, its
     gradient and the logits' gradient (12 B/vocab; the logits themselves are dropped before
     backward, parallel/runner.py)."""
-    return tokens * (12 * args.dim + LOSS_BACKWARD_BYTES_PER_LOGIT * args.vocab_size / tp)
+    return tokens * (12 * args.dim + loss_bytes_per_token(args, dims))
 
 
 @dataclass
@@ -500,7 +523,7 @@ def plan(cfg: DictConfig, dims, runtime: Runtime = TITAN_HYDRA) -> Plan:
     act = activation_bytes(args, kind, ac.mode, local_tokens, layers, int(ac.selective_layer_freq), dims.tp,
                            str(ac.get("selective_op_policy", "all_mm")))
     act += moe_layers * moe_activation_bytes(args, kind, ac.mode, local_tokens)
-    act += head_activation_bytes(args, local_tokens, dims.tp)
+    act += head_activation_bytes(args, local_tokens, dims)
     act += fp32_attention_bytes(cfg, args, mp, ac, local_tokens, layers, dims.tp)
     if kind == "bf16":  # autocast's bf16 copies of the weights live until backward ends
         act += params_local * 2
