@@ -233,11 +233,28 @@ def test_logger_nonzero_rank_creates_nothing(tmp_path):
     assert not (tmp_path / "run").exists() and os.listdir(tmp_path) == []
 
 
-def test_cpu_bf16_slower_than_fp32_detects_emulated_bf16(cache_dir, monkeypatch):
+def test_cpu_bf16_slower_than_fp32_detects_emulated_bf16(cache_dir, monkeypatch, tmp_path):
+    avx2 = tmp_path / "cpuinfo_avx2"
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
     fake = {torch.bfloat16: 0.001, torch.float32: 0.14}  # an AVX2-only CPU, as measured on one
     monkeypatch.setattr(tp, "_time_matmul", lambda device, dtype, *a, **k: fake[dtype])
-    assert tp.cpu_bf16_slower_than_fp32() == (0.001, 0.14)
+    assert tp.cpu_bf16_slower_than_fp32(str(avx2)) == (0.001, 0.14)
     tp._PEAK_CACHE.clear()
     fake[torch.bfloat16] = 0.9
     assert tp.measure_cpu_peak_tflops(torch.bfloat16, fresh=True) == 0.9
-    assert tp.cpu_bf16_slower_than_fp32() is None
+    assert tp.cpu_bf16_slower_than_fp32(str(avx2)) is None
+
+
+def test_cpu_bf16_warning_is_not_fooled_by_load(cache_dir, monkeypatch, tmp_path):
+    """Seen once in CI: an AVX512-BF16 EPYC under load timed bf16 at half of fp32 (0.083 vs 0.166)
+    and warned that bf16 is emulated. Native flags settle it; without flags only a wide gap warns."""
+    native = tmp_path / "cpuinfo_bf16"
+    native.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    fake = {torch.bfloat16: 0.001, torch.float32: 0.14}
+    monkeypatch.setattr(tp, "_time_matmul", lambda device, dtype, *a, **k: fake[dtype])
+    assert tp.cpu_bf16_slower_than_fp32(str(native)) is None  # flags win over any timing
+    assert tp.cpu_flags(str(tmp_path / "missing")) is None
+    tp._PEAK_CACHE.clear()
+    fake[torch.bfloat16] = 0.083
+    fake[torch.float32] = 0.166
+    assert tp.cpu_bf16_slower_than_fp32(str(tmp_path / "missing")) is None  # 0.5x: load, not emulation
