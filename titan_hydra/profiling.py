@@ -41,6 +41,27 @@ def tensor_peak_bytes(tracker) -> dict[str, int]:
     return out
 
 
+def _step_tracker():
+    """torch's MemTracker, accepting a root module that runs forward several times in one step.
+
+    Pipeline microbatches and gradient accumulation call a model part's forward more than once per
+    optimizer step; MemTracker refuses that (it keeps per-module stats for one call). Only the
+    step's global peak is read here, so a root module's stats from its earlier call are dropped
+    when it runs again; the tensors themselves stay tracked.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepMemTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs):
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                parents = set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)}
+                if parents == {"Global"}:
+                    del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
+    return StepMemTracker()
+
+
 class Profiler:
     """Owns the torch.profiler session and the memory snapshot window of one rank."""
 
@@ -105,9 +126,7 @@ class Profiler:
         """On CPU, track tensors over the coming step if it is a snapshot step."""
         if self.device.type == "cuda" or not self._snapshot_due(self.step_num + 1):
             return
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        tracker = MemTracker()
+        tracker = _step_tracker()
         tracker.track_external(*self.model_parts, *([self.optimizer] if self.optimizer else []))
         tracker.__enter__()
         self.tracker = tracker

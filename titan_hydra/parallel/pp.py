@@ -208,11 +208,13 @@ class PipelineRunner:
         probe = contextlib.nullcontext() if self._probed else _undo_probe_forward(list(self.parts.values()))
         self._probed = True
         extra = self.batch_kwargs(inputs)  # split into microbatches along dim 0, like the tokens
+        # return_outputs=False: torch's schedule otherwise keeps every microbatch's last-stage
+        # output (the logits) until the step ends, to merge them for a caller that never reads them.
         with probe, self.step_context(inputs, labels):
             if self.has_first_stage:
-                self.schedule.step(inputs, target=target, **extra)
+                self.schedule.step(inputs, target=target, return_outputs=False, **extra)
             else:
-                self.schedule.step(target=target, **extra)
+                self.schedule.step(target=target, return_outputs=False, **extra)
         # The first step's shape inference also calls the loss on a probe batch: keep only the
         # last n_microbatches calls, which are the real ones.
         losses = self._recorded[-self.n_microbatches:]
