@@ -180,14 +180,18 @@ class Runtime:
     ``pp_split``: which stages get the extra layers when n_layers % stages != 0: ``front``
     (titan_hydra's parallel/pp.py) or ``middle`` (torchtitan's generate_split_points: the first and
     last stages get one fewer).
+    ``pp_keeps_outputs``: torch's pipeline schedule keeps the last stage's output of every
+    microbatch (the logits) until the step ends unless ``step(return_outputs=False)``;
+    torchtitan's December 2024 train loop kept them, titan_hydra's runner drops them.
     """
 
     name: str
     pp_split: str = "front"
+    pp_keeps_outputs: bool = False
 
 
 TITAN_HYDRA = Runtime("titan_hydra")
-TORCHTITAN_2024_12 = Runtime("torchtitan@9dec370", pp_split="middle")
+TORCHTITAN_2024_12 = Runtime("torchtitan@9dec370", pp_split="middle", pp_keeps_outputs=True)
 
 # Reserved / allocated memory of the CUDA caching allocator at the peak. Blocks freed in one size
 # class are not reusable by a larger request, so the reserved pool exceeds the live tensors.
@@ -308,9 +312,10 @@ def pipeline_order(schedule: str, pp: int, rank: int, n_mb: int, n_local: int) -
     return ops + bwd[total - warm:]
 
 
-def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime) -> tuple[float, float]:
+def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime,
+                      pp_rank: int | None = None) -> tuple[float, float]:
     """(peak bytes above the sharded fp32 state, unsharded parameter bytes within it) on the
-    worst rank, on CUDA with bf16 FSDP params.
+    worst rank (or on pipeline rank ``pp_rank``), on CUDA with bf16 FSDP params.
 
     Without PP: the saved activations of every block, plus the larger of the loss backward's
     peak and one block's recompute with its unsharded gradients (bf16, + fp32 reduce-scatter input);
@@ -365,7 +370,7 @@ def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime)
     io = mb_tokens * 2 * args.dim / (tp if dims.tp_sequence_parallel else 1)
     logits_out = mb_tokens * 2 * args.vocab_size / (tp if dims.loss_parallel_enabled else 1)
     worst = (0.0, 0.0)
-    for rank in range(dims.pp):
+    for rank in range(dims.pp) if pp_rank is None else [pp_rank]:
         stages = [rank + k * dims.pp for k in range(n_local)]
         last = len(sizes) - 1
         p2p = sum(n_mb * io * ((s != 0) + (s != last)) for s in stages)
@@ -373,7 +378,7 @@ def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime)
         unsharded += (args.embedding_params / tp * 2 if 0 in stages and dims.fsdp_enabled else 0.0)
         unsharded += (args.head_params / tp * 2 if last in stages and dims.fsdp_enabled else 0.0)
         live = [0] * n_local
-        grads_done = [False] * n_local
+        done = [0] * n_local  # microbatches whose backward has run, per local stage
         peak = 0.0
         for op, k in pipeline_order(str(dims.pp_schedule), dims.pp, rank, n_mb, n_local):
             if op == "F":
@@ -381,13 +386,16 @@ def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime)
                 continue
             held = sum(n * (sizes[s] * per_block + (logits_out if s == last else io) - (io if s else 0))
                        for n, s in zip(live, stages)) + p2p
+            if runtime.pp_keeps_outputs and last in stages:  # outputs kept past their backward
+                held += done[stages.index(last)] * logits_out
+            grads_done = [d > 0 and n_mb > 1 for d in done]
             acc = sum(sizes[s] * avg_blk / tp * 4 for g, s in zip(grads_done, stages) if g)
             extra = rebuild + block_grad
             if stages[k] == last:
                 extra = max(extra, loss_peak_bytes(args, mb_tokens, dims))
             peak = max(peak, held + acc + extra)
             live[k] -= 1
-            grads_done[k] = n_mb > 1
+            done[k] += 1
         if peak + unsharded > sum(worst):
             worst = (peak, unsharded)
     return worst[0] + worst[1], worst[1]
