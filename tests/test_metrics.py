@@ -258,3 +258,13 @@ def test_cpu_bf16_warning_is_not_fooled_by_load(cache_dir, monkeypatch, tmp_path
     fake[torch.bfloat16] = 0.083
     fake[torch.float32] = 0.166
     assert tp.cpu_bf16_slower_than_fp32(str(tmp_path / "missing")) is None  # 0.5x: load, not emulation
+
+
+def test_peak_is_timed_on_a_matrix_the_cpu_can_afford():
+    """A CPU that emulates bf16 spent ~1 minute per 2048^3 matmul, three times at every bf16 run's
+    start; the timed size shrinks to what one second buys and stays 2048 where it is cheap."""
+    assert tp.affordable_size(torch.float32, 2048, budget_s=1e9) == 2048
+    assert tp.affordable_size(torch.float32, 2048, budget_s=1e-9) == 256
+    mid = tp.affordable_size(torch.float32, 4096, budget_s=0.01)
+    assert 256 <= mid < 4096 and mid % 64 == 0
+    assert tp.affordable_size(torch.float32, 128) == 128

@@ -142,6 +142,28 @@ def cpu_isa() -> str:
     return "no AVX2" if flags else "unknown ISA"
 
 
+# Longest one timed matmul may take. A CPU that emulates bf16 (AVX2 only: ~0.3 GFLOP/s on one
+# thread) needs ~1 minute for a 2048^3 bf16 matmul, and every bf16 run measures again at start
+# (3 matmuls: over 3 minutes before the first step); such a CPU is timed on a smaller matrix.
+MATMUL_BUDGET_S = 1.0
+
+
+def affordable_size(dtype: torch.dtype, size: int, budget_s: float = MATMUL_BUDGET_S) -> int:
+    """The matrix size (a multiple of 64, 256..``size``) whose CPU matmul is projected to take at
+    most ``budget_s``, from one timed 256^3 matmul. Fast CPUs get ``size`` itself."""
+    small = 256
+    if size <= small:
+        return size
+    a = torch.randn(small, small).to(dtype)
+    b = torch.randn(small, small).to(dtype)
+    torch.mm(a, b)
+    t0 = time.perf_counter()
+    torch.mm(a, b)
+    rate = 2.0 * small**3 / max(time.perf_counter() - t0, 1e-9)  # FLOP/s
+    fit = int((budget_s * rate / 2.0) ** (1.0 / 3.0)) // 64 * 64
+    return max(small, min(size, fit))
+
+
 def measure_cpu_peak_tflops(dtype: torch.dtype = torch.bfloat16, size: int = 2048,
                             reps: int = 10, fresh: bool = False) -> float:
     """Measured CPU matmul peak (TFLOP/s) with the current torch thread count.
@@ -169,7 +191,7 @@ def measure_cpu_peak_tflops(dtype: torch.dtype = torch.bfloat16, size: int = 204
         _PEAK_CACHE[mem_key] = float(known)
         return _PEAK_CACHE[mem_key]
     with torch.no_grad():
-        peak = max(_time_matmul(torch.device("cpu"), dtype, size, reps), known)
+        peak = max(_time_matmul(torch.device("cpu"), dtype, affordable_size(dtype, size), reps), known)
     _PEAK_CACHE[mem_key] = peak
     try:  # best effort: a read-only or racing cache must never fail a run
         path.parent.mkdir(parents=True, exist_ok=True)
