@@ -71,8 +71,8 @@ SUITES: dict[str, dict[str, Variant]] = {
             ("training.mixed_precision=bf16", "compile=model_loss", "parallelism=ddp",
              "training.local_batch_size=4"), nproc=2, group="debug", threads=1),
         "100M: plain fp32 eager loop": Variant(M100 + ("training.mixed_precision=fp32",), plain=True, group="100M"),
-        "100M: bf16": Variant(M100, group="100M"),
-        "100M: compile + bf16": Variant(M100 + ("compile=model_loss",), group="100M"),
+        "100M: auto precision": Variant(M100, group="100M"),
+        "100M: compile, auto precision": Variant(M100 + ("compile=model_loss",), group="100M"),
     },
     # Performance features on the debug model, one process. float8 turns off torchao's H100 size
     # filter (it would skip every layer this small) and emulates the float8 matmul (real
@@ -89,28 +89,30 @@ SUITES: dict[str, dict[str, Variant]] = {
         "ac selective_op": Variant(("training.mixed_precision=bf16", "activation_checkpoint=selective_op")),
         "ac selective_layer": Variant(("training.mixed_precision=bf16", "activation_checkpoint=selective_layer")),
     },
-    # Each model family at its debug shape (same data, batch and sequence): bf16 eager, compiled,
+    # Variants that name no precision run training.mixed_precision=auto (bf16 where this CPU
+    # multiplies bf16 natively, fp32 elsewhere); the table's precision column says which it was.
+    # Each model family at its debug shape (same data, batch and sequence): eager, compiled,
     # and tp on 2 ranks (where tied embeddings and QK-norm change the plan). "vs baseline"
     # compares within a family.
     "families": {
-        "llama3_debug: bf16": Variant(("model=llama3_debug",), group="llama3"),
-        "llama3_debug: compile + bf16": Variant(("model=llama3_debug", "compile=model_loss"), group="llama3"),
-        "llama3_debug: tp 2 ranks, bf16": Variant(("model=llama3_debug", "parallelism=tp"), 2, group="llama3", threads=1),
-        "qwen3_debug: bf16": Variant(("model=qwen3_debug",), group="qwen3"),
-        "qwen3_debug: compile + bf16": Variant(("model=qwen3_debug", "compile=model_loss"), group="qwen3"),
-        "qwen3_debug: tp 2 ranks, bf16": Variant(("model=qwen3_debug", "parallelism=tp"), 2, group="qwen3", threads=1),
+        "llama3_debug: eager": Variant(("model=llama3_debug",), group="llama3"),
+        "llama3_debug: compile": Variant(("model=llama3_debug", "compile=model_loss"), group="llama3"),
+        "llama3_debug: tp 2 ranks": Variant(("model=llama3_debug", "parallelism=tp"), 2, group="llama3", threads=1),
+        "qwen3_debug: eager": Variant(("model=qwen3_debug",), group="qwen3"),
+        "qwen3_debug: compile": Variant(("model=qwen3_debug", "compile=model_loss"), group="qwen3"),
+        "qwen3_debug: tp 2 ranks": Variant(("model=qwen3_debug", "parallelism=tp"), 2, group="qwen3", threads=1),
     },
-    # Mixture-of-Experts debug models: grouped GEMM vs the per-expert loop, bf16 vs fp32, one
+    # Mixture-of-Experts debug models: grouped GEMM vs the per-expert loop, auto vs bf16, one
     # process vs expert parallel on 2 ranks of 1 thread (same global batch). MFU counts active
     # parameters; "load max/mean" is the worst layer's busiest expert over the mean.
     "moe": {
         **{f"{m}: {label}": Variant((f"model={m}", *ov), nproc, group=m, threads=th)
            for m in ("qwen3_moe_debug", "deepseek_v3_debug", "gpt_oss_debug", "llama4_debug")
            for label, ov, nproc, th in (
-               ("bf16, grouped mm", (), 1, None),
-               ("bf16, per-expert loop", ("model.moe.use_grouped_mm=false",), 1, None),
-               ("fp32, grouped mm", ("training.mixed_precision=fp32",), 1, None),
-               ("ep 2 ranks, bf16", ("parallelism=ep", "training.local_batch_size=4"), 2, 1),
+               ("grouped mm", (), 1, None),
+               ("per-expert loop", ("model.moe.use_grouped_mm=false",), 1, None),
+               ("bf16, grouped mm", ("training.mixed_precision=bf16",), 1, None),
+               ("ep 2 ranks", ("parallelism=ep", "training.local_batch_size=4"), 2, 1),
            )},
     },
 }
@@ -157,9 +159,19 @@ def run_variant(name: str, v: Variant, args, workdir: Path) -> dict:
         "final_loss": rows[-1]["loss"],
         "moe_max_over_mean": (statistics.median(r["moe/max_over_mean"] for r in rows)
                               if "moe/max_over_mean" in rows[-1] else None),
+        "precision": "fp32" if v.plain else header_value(proc.stdout, "precision").split(" ")[0],
+        "attention": "sdpa" if v.plain else header_value(proc.stdout, "attention").split(" ")[0],
         "wall_s": wall,
         "overrides": overrides,
     }
+
+
+def header_value(stdout: str, row: str) -> str:
+    """A row of the run header (``  precision  fp32 (auto: ...)``) from rank 0's output ('?' if absent)."""
+    for line in stdout.splitlines():
+        if line.startswith(f"  {row} "):
+            return line[len(row) + 2:].strip()
+    return "?"
 
 
 def main() -> None:
@@ -174,7 +186,8 @@ def main() -> None:
 
     import torch
 
-    from titan_hydra.metrics.throughput import cpu_isa, cpu_model, device_peak_tflops
+    from titan_hydra.hardware import cpu_isa, cpu_model
+    from titan_hydra.metrics.throughput import device_peak_tflops
 
     torch.set_num_threads(args.threads)
     # The trainer's denominator: measured bf16 matmul peak (fp32's where that is faster).
@@ -200,8 +213,8 @@ def main() -> None:
         f"{args.threads} thread(s)/process unless a variant says, torch {torch.__version__}, bf16 matmul peak "
         f"{peak_bf16:.2f} TFLOP/s/process, {args.steps} steps (median after {args.warmup})",
         "",
-        "| variant | ranks x threads | tok/s/rank | tok/s total | TFLOP/s/rank | MFU (bf16 peak) | peak RSS/rank GiB | params+optim/rank GiB | vs baseline |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| variant | precision, attention | ranks x threads | tok/s/rank | tok/s total | TFLOP/s/rank | MFU (bf16 peak) | peak RSS/rank GiB | params+optim/rank GiB | vs baseline |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     moe = any(r.get("moe_max_over_mean") for r in results)
     if moe:  # MoE suites: one more column, the expert-load imbalance
@@ -209,13 +222,13 @@ def main() -> None:
         lines[-1] += "---|"
     for r in results:
         if r["status"] != "ok":
-            lines.append(f"| {r['variant']} | {r['nproc']} | {r['status']} | | | | | | |")
+            lines.append(f"| {r['variant']} | | {r['nproc']} | {r['status']} | | | | | | |")
             continue
         ratio = r["tps_total"] / baselines[r["group"]]["tps_total"]
         r["speedup_vs_baseline"] = ratio
         state = f"{r['params_optimizer_gib']:.4f}" if r["params_optimizer_gib"] else "-"  # plain loop: not logged
         lines.append(
-            f"| {r['variant']} | {r['nproc']}x{r['threads_per_proc']} | {r['tps_per_rank']:,.0f} | {r['tps_total']:,.0f} | "
+            f"| {r['variant']} | {r['precision']}, {r['attention']} | {r['nproc']}x{r['threads_per_proc']} | {r['tps_per_rank']:,.0f} | {r['tps_total']:,.0f} | "
             f"{r['tflops_per_rank']:.3f} | {r['mfu_vs_bf16_peak_pct']:.1f}% | {r['peak_memory_gib']:.2f} | "
             f"{state} | {ratio:.2f}x |" + (f" {r['moe_max_over_mean'] or 0:.2f} |" if moe else "")
         )

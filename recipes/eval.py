@@ -1,9 +1,10 @@
 """Evaluate a checkpoint with the lm-eval harness (lm-eval 0.4.13), offline, one process.
 
-    python recipes/eval.py <checkpoint step dir | HF dir> --tasks builtin_ppl[,hellaswag,...] \\
+    python recipes/eval.py <checkpoint step dir | HF dir> [--tasks builtin_ppl[,hellaswag,...]] \\
         [--limit N] [--batch-size 8] [--tokenizer builtin|<dir>] [--max-seq-len 256] [--out results.json]
 
-Tasks are the harness's registry names (they download their data: the machine needs network
+With no ``--tasks`` it scores the built-in held-out corpus (``builtin_ppl``): the perplexity of
+the validation split the trainer reports ``val/loss`` on. Tasks are the harness's registry names (they download their data: the machine needs network
 access or a filled HF datasets cache) or local tasks that need no download:
 
 * ``builtin_ppl``: rolling log-likelihood over the built-in corpus's held-out files (the
@@ -50,7 +51,8 @@ def evaluate(checkpoint: str | Path, tasks: list[str], limit: int | None = None,
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint")
-    p.add_argument("--tasks", required=True, help="comma-separated")
+    p.add_argument("--tasks", default="builtin_ppl",
+                   help="comma-separated (default builtin_ppl: perplexity of the built-in held-out corpus)")
     p.add_argument("--limit", type=int, default=None, help="documents per task")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--tokenizer", default=None)

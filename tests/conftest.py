@@ -6,17 +6,19 @@ import pytest
 
 from helpers import RunCache, compose_cfg
 
-# The SLURM modules share one local cluster (a session fixture) and spend most of their time
-# waiting on it (a real time limit, requeue, accounting). Under ``-n 2 --dist loadgroup`` (the
-# README's test command) they run as one group on one worker beside everything else, kept in its
-# collected order on the other worker: the waiting overlaps the suite; only the SLURM group's
-# short training runs share the cores with it. ``pytest`` without ``-n`` ignores the marks.
+# Under ``-n 2 --dist loadgroup`` (the README's test command) the two workers take whole modules
+# (an xdist group per module, so a module-scoped fixture, e.g. a trained checkpoint, is built on
+# one worker only). The SLURM modules share one local cluster (a session fixture) and spend most
+# of their time waiting on it (a real time limit, requeue, accounting), so they form one group
+# that is scheduled first: its waiting overlaps the rest of the suite on both workers.
+# ``pytest`` without ``-n`` ignores the marks.
 SLURM_MODULES = {"test_slurm.py", "test_slurm_requeue.py"}
 
 
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name not in SLURM_MODULES)  # stable: SLURM first, rest in order
     for item in items:
-        group = "slurm" if item.path.name in SLURM_MODULES else "main"
+        group = "slurm" if item.path.name in SLURM_MODULES else item.path.stem
         item.add_marker(pytest.mark.xdist_group(group))
 
 

@@ -91,7 +91,7 @@ def test_activation_checkpointing_saves_the_kernel_output(mode, calls_per_block)
     from titan_hydra.parallel.ac import checkpoint_block
 
     model = tiny_llama()
-    assert apply_attention_kernel(model, "small_head", torch.device("cpu")) == "small_head"
+    assert apply_attention_kernel(model, "small_head", torch.device("cpu")).name == "small_head"
     if mode != "none":
         for block in model.layers.values():
             checkpoint_block(block, selective_op=mode == "selective_op")
@@ -101,10 +101,21 @@ def test_activation_checkpointing_saves_the_kernel_output(mode, calls_per_block)
     assert counter.calls == calls_per_block * 2  # selective_op keeps it like a matmul; full reruns it
 
 
+def kernel_faster(heads, seq_len, dtype):
+    """A probe that times the small-head kernel 2x faster than SDPA (as on an AVX-512 CPU)."""
+    return {"sdpa": 2.0, "small_head": 1.0}
+
+
+def sdpa_faster(heads, seq_len, dtype):
+    """A probe that times SDPA 3x faster than the small-head kernel (as on an AVX2-only CPU)."""
+    return {"sdpa": 1.0, "small_head": 3.0}
+
+
 def test_policy_installs_the_kernel_only_where_it_applies(monkeypatch, caplog):
     cpu = torch.device("cpu")
     model = tiny_llama()
-    assert apply_attention_kernel(model, "auto", cpu) == "small_head"
+    assert apply_attention_kernel(model, "auto", cpu, probe=kernel_faster) == (
+        "small_head", "auto: measured 2.0x faster than sdpa on this CPU")
     attns = [m.attention for m in model.layers.values()]
     assert all(a.causal_kernel is causal_attention and a.sdpa_dtype is None for a in attns)
     tokens = torch.randint(0, 128, (2, 32))
@@ -112,11 +123,20 @@ def test_policy_installs_the_kernel_only_where_it_applies(monkeypatch, caplog):
         model(tokens)
     assert counter.calls == 2
 
-    assert apply_attention_kernel(tiny_llama(), "sdpa", cpu) == "sdpa"
-    assert apply_attention_kernel(tiny_llama(), "auto", cpu, cp=2) == "sdpa"  # ring attention needs SDPA
+    # auto follows the measurement: where SDPA is faster the model keeps SDPA
+    slow = tiny_llama()
+    assert apply_attention_kernel(slow, "auto", cpu, probe=sdpa_faster) == (
+        "sdpa", "auto: measured 3.0x faster than the small_head kernel on this CPU")
+    assert all(m.attention.causal_kernel is None for m in slow.layers.values())
+    # an explicit request is honoured whatever the measurement says
+    assert apply_attention_kernel(tiny_llama(), "small_head", cpu, probe=sdpa_faster).name == "small_head"
+
+    assert apply_attention_kernel(tiny_llama(), "sdpa", cpu) == ("sdpa", "set explicitly")
+    ring = apply_attention_kernel(tiny_llama(), "auto", cpu, cp=2, probe=kernel_faster)  # ring attention needs SDPA
+    assert ring.name == "sdpa" and "context parallel" in ring.reason
     wide = Qwen3(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=32, ffn_hidden_dim=96, vocab_size=128,
                  max_seq_len=32)
-    assert apply_attention_kernel(wide, "auto", cpu) == "sdpa"
+    assert apply_attention_kernel(wide, "auto", cpu, probe=kernel_faster).name == "sdpa"
     with pytest.raises(ConfigError, match=r"small_head cannot be used: it computes 16-wide heads and this model's are \[32\]"):
         apply_attention_kernel(wide, "small_head", cpu)
     with pytest.raises(ConfigError, match="context parallel"):
@@ -126,10 +146,27 @@ def test_policy_installs_the_kernel_only_where_it_applies(monkeypatch, caplog):
 
     monkeypatch.setenv("TITAN_HYDRA_NO_KERNELS", "1")  # as on a machine without a compiler
     with caplog.at_level(logging.WARNING, logger="titan_hydra"):
-        assert apply_attention_kernel(tiny_llama(), "auto", cpu) == "sdpa"
+        assert apply_attention_kernel(tiny_llama(), "auto", cpu, probe=kernel_faster).name == "sdpa"
     assert "TITAN_HYDRA_NO_KERNELS is set" in caplog.text
     with pytest.raises(ConfigError, match="TITAN_HYDRA_NO_KERNELS"):
         apply_attention_kernel(tiny_llama(), "small_head", cpu)
+
+
+def test_auto_probe_times_both_kernels_once_per_shape(tmp_path, monkeypatch):
+    """The real probe: both kernels timed at the run's shape, then read back from the cache."""
+    from titan_hydra.train import attention_kernel as ak
+
+    monkeypatch.setenv("TITAN_HYDRA_CACHE_DIR", str(tmp_path))
+    calls = []
+    real = ak._time_kernels
+    monkeypatch.setattr(ak, "_time_kernels", lambda *a: calls.append(a) or real(*a))
+    first = ak.measured_kernel_times(4, 64, torch.float32)
+    assert set(first) == {"sdpa", "small_head"} and all(t > 0 for t in first.values())
+    assert ak.measured_kernel_times(4, 64, torch.float32) == first and len(calls) == 1  # cached
+    ak.measured_kernel_times(4, 128, torch.float32)
+    assert len(calls) == 2  # another length is another measurement
+    choice = apply_attention_kernel(tiny_llama(), "auto", torch.device("cpu"), seq_len=64)
+    assert choice.name == min(first, key=first.get) and len(calls) == 2  # the cached timing decided
 
 
 def test_training_with_the_kernel_tracks_sdpa(tmp_path, run_cache, capsys, caplog):
@@ -138,6 +175,6 @@ def test_training_with_the_kernel_tracks_sdpa(tmp_path, run_cache, capsys, caplo
     capsys.readouterr()
     with caplog.at_level(logging.INFO):
         kernel = run_single(tmp_path, ["training.attention_kernel=small_head"])
-    assert "attention in float32 (small_head kernel)" in caplog.text + capsys.readouterr().out  # the run header
+    assert "attention  small_head kernel (set explicitly), in float32" in caplog.text + capsys.readouterr().out
     assert len(kernel) == STEPS
     assert_parity(kernel, sdpa, atol=2e-5, label="small_head kernel vs sdpa")

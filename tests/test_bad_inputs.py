@@ -272,6 +272,10 @@ CATALOGUE: list[Row] = [
     config("ckpt_keep_negative", ["checkpoint.keep_latest_k=-1"], r"checkpoint\.keep_latest_k=-1 must be >= 0"),
     config("max_restarts_negative", ["cluster.max_restarts=-1"], r"cluster\.max_restarts=-1 must be >= 0"),
     config("threads_zero", ["cluster.threads_per_proc=0"], r"cluster\.threads_per_proc=0 must be > 0"),
+    # checked in a one-process run too, although only a rendezvous uses it
+    config("init_timeout_negative", ["cluster.init_timeout_s=-1"], r"cluster\.init_timeout_s=-1 must be > 0"),
+    config("slurm_timeout_zero", ["cluster.timeout_min=0"], r"cluster\.timeout_min=0 must be > 0"),
+    config("max_requeue_negative", ["cluster.max_requeue=-2"], r"cluster\.max_requeue=-2 must be >= 0"),
     config("profile_freq_zero", ["profiling.enable=true", "profiling.profile_freq=0"], r"profiling\.profile_freq=0 must be > 0"),
     config("val_fraction_one", ["data.val_fraction=1.0"], r"data\.val_fraction=1\.0 must be within \[0, 1\)"),
     config("max_documents_zero", ["data.max_documents=0"], r"data\.max_documents=0 must be > 0"),
@@ -456,7 +460,19 @@ LAUNCHED = {
     "world_size_env_not_a_number": (lambda tmp: [f"hydra.run.dir={tmp / 'run'}"], {"WORLD_SIZE": "two"},
                                     r"WORLD_SIZE='two' in the environment is not a positive integer"),
     "corrupted_checkpoint_on_resume": (_corrupted_resume, {}, r"checkpoint .*/step-2: file __0_0\.distcp is corrupted"),
+    "init_timeout_negative_one_process": (lambda tmp: ["cluster.init_timeout_s=-1", f"hydra.run.dir={tmp / 'run'}"],
+                                          {}, r"cluster\.init_timeout_s=-1 must be > 0"),
 }
+
+
+@pytest.mark.slow
+def test_an_experiment_that_does_not_exist_fails_while_composing(tmp_path):
+    """A typo in experiment=... used to train the default Llama silently (an ``optional`` default)."""
+    proc = _launch(["experiment=flux_debugg", "logger=minimal", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert proc.returncode != 0 and not (tmp_path / "run").exists()
+    assert "Could not find 'experiment/flux_debugg'" in proc.stderr
+    listed = re.findall(r"^\t(\S+)$", proc.stderr, re.M)  # Hydra lists the available options
+    assert set(listed) == {p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml")}, proc.stderr
 
 
 @pytest.fixture(scope="module")

@@ -33,4 +33,6 @@ def test_benchmark_precision_suite_tiny(tmp_path):
     for r in rows:
         assert r["tps_per_rank"] > 0 and r["peak_memory_gib"] > 0
         assert r["mfu_vs_bf16_peak_pct"] == pytest.approx(100 * r["tflops_per_rank"] / report["peak_bf16_tflops"])
-    assert "| fp32 eager | 1x1 |" in report["table"] and "| bf16 autocast | 1x1 |" in report["table"]
+    assert [r["precision"] for r in rows] == ["fp32", "bf16"]  # read back from each run's header
+    assert "| fp32 eager | fp32, sdpa | 1x1 |" in report["table"]
+    assert "| bf16 autocast | bf16, " in report["table"]

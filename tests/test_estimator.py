@@ -32,15 +32,15 @@ def measured_peak_gib(cfg) -> float:
     torch.manual_seed(0)
     family, m = build_model(cfg.model)
     m.init_weights()
-    mp = str(getattr(cfg.training.mixed_precision, "value", cfg.training.mixed_precision))
+    mp = mixed_precision_of(cfg)
     cpu = torch.device("cpu")  # as the trainer does: the precision rule, then the kernel policy
     apply_attention_precision(m, str(cfg.training.attention_precision), mp, cpu, int(cfg.training.seq_len))
-    apply_attention_kernel(m, str(cfg.training.attention_kernel), cpu)
+    apply_attention_kernel(m, str(cfg.training.attention_kernel), cpu, seq_len=int(cfg.training.seq_len))
     apply_ac(family.blocks(m), cfg.activation_checkpoint)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
     t = cfg.training
     x = torch.randint(0, cfg.model.vocab_size, (t.local_batch_size, t.seq_len))
-    bf16 = str(getattr(t.mixed_precision, "value", t.mixed_precision)) == "bf16"
+    bf16 = mp == "bf16"
 
     def step():
         opt.zero_grad(set_to_none=True)

@@ -90,6 +90,18 @@ def test_loglikelihood_equals_a_direct_computation(checkpoint):
     assert lm.generate_until([Req("def ", {"until": ["\n"], "max_gen_toks": 8})])[0].count("\n") == 0
 
 
+def test_eval_with_no_tasks_reports_the_builtin_perplexity(checkpoint, capsys):
+    """``recipes/eval.py <checkpoint>`` alone: the built-in held-out corpus's perplexities."""
+    capsys.readouterr()
+    assert eval_recipe.main([str(checkpoint), "--limit", "4", "--max-seq-len", str(SEQ), "--batch-size", "32"]) == 0
+    lines = {tuple(l.split()[:2]): float(l.split()[2]) for l in capsys.readouterr().out.splitlines()
+             if l.startswith("builtin_ppl")}
+    assert {"word_perplexity", "byte_perplexity", "bits_per_byte"} <= {m for _, m in lines}
+    bpb = lines[("builtin_ppl", "bits_per_byte")]
+    assert lines[("builtin_ppl", "byte_perplexity")] == pytest.approx(2 ** bpb, rel=1e-3)
+    assert 0 < bpb < 8  # a trained model: below one bit per bit of a byte
+
+
 def test_local_multiple_choice_and_bad_tasks(checkpoint, capsys):
     scores = eval_recipe.evaluate(checkpoint, [f"jsonl_mc:{REPO / 'recipes/eval_tasks/tiny_mc.jsonl'}"])
     acc = scores["jsonl_mc_tiny_mc"]["acc"]

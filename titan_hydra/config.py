@@ -21,6 +21,8 @@ from typing import Any, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from titan_hydra.hardware import Resolved, resolve_precision
+
 
 class Choice(str, Enum):
     """A string choice that the schema checks while Hydra composes (``compile.mode=modle`` fails
@@ -42,7 +44,7 @@ def choice(name: str, values: str) -> type:
     return Choice(name, [(v, v) for v in values.split()])  # type: ignore[return-value]
 
 
-Precision = choice("Precision", "bf16 fp32")  # bf16 autocast / FSDP param dtype, or plain fp32
+Precision = choice("Precision", "auto bf16 fp32")  # bf16 autocast / FSDP param dtype, plain fp32, or auto (hardware.py)
 ReshardPolicy = choice("ReshardPolicy", "default always never")
 RotateMethod = choice("RotateMethod", "allgather alltoall")
 PPSchedule = choice("PPSchedule", "GPipe 1F1B Interleaved1F1B LoopedBFS InterleavedZeroBubble ZBVZeroBubble DualPipeV")
@@ -308,7 +310,9 @@ class TrainingConfig:
     seq_len: int = 256
     max_norm: float = 1.0
     seed: int = 42
-    mixed_precision: Precision = Precision["bf16"]
+    # auto: bf16 where the device multiplies bf16 natively (CUDA Ampere+, CPUs with AVX512-BF16 /
+    # AMX / Arm BF16), fp32 elsewhere (titan_hydra.hardware); bf16 / fp32 force one.
+    mixed_precision: Precision = Precision["auto"]
     # dtype of scaled-dot-product attention under bf16: compute (bf16), fp32 (q/k/v upcast), or
     # auto = fp32 on CPU for head_dim < 32, where torch's CPU flash kernel runs fp32 faster than
     # bf16 (titan_hydra.train.precision), compute everywhere else.
@@ -406,8 +410,14 @@ register_configs()
 
 
 def mixed_precision_of(cfg: Any) -> str:
-    """``training.mixed_precision`` as a plain "bf16" / "fp32"."""
-    return plain(cfg.training.mixed_precision)
+    """``training.mixed_precision`` as the plain "bf16" / "fp32" it means on ``cluster.device``."""
+    return precision_choice_of(cfg).value
+
+
+def precision_choice_of(cfg: Any) -> Resolved:
+    """``training.mixed_precision`` resolved for ``cluster.device``, with the reason (``auto``)."""
+    device = plain(OmegaConf.select(cfg, "cluster.device", default="cpu"))
+    return resolve_precision(plain(cfg.training.mixed_precision), device)
 
 
 def plain(value: Any) -> Any:

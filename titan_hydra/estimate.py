@@ -13,12 +13,14 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from titan_hydra.config import mixed_precision_of
 
 from titan_hydra.models.protocol import ModelShape
 from titan_hydra.models.registry import args_of
+from titan_hydra.train.attention_kernel import auto_picks_kernel
 from titan_hydra.train.precision import attention_dtype
 
 GIB = 1024**3
@@ -101,14 +103,17 @@ def activation_bytes(args: ModelShape, kind: str, mode: str, tokens: float, laye
     return layers * saved + (full - saved)  # full: one block rebuilt at a time
 
 
-def small_head_kernel_applies(cfg: DictConfig, args: ModelShape) -> bool:
+def small_head_kernel_applies(cfg: DictConfig, args: ModelShape, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether ``training.attention_kernel`` would install the small-head kernel (its policy's
-    static conditions: CPU, 16-wide heads, no context parallel, not forced to SDPA)."""
+    static conditions: CPU, 16-wide heads, no context parallel, not forced to SDPA; under auto,
+    also this CPU's measurement of the kernel against SDPA)."""
     from titan_hydra.kernels.small_head_attention import HEAD_DIM
 
     choice = str(OmegaConf.select(cfg, "training.attention_kernel", default="auto"))
     cp = int(OmegaConf.select(cfg, "parallelism.cp", default=1) or 1)
-    return choice != "sdpa" and str(cfg.cluster.device) == "cpu" and args.head_dim == HEAD_DIM and cp == 1
+    if choice == "sdpa" or str(cfg.cluster.device) != "cpu" or args.head_dim != HEAD_DIM or cp != 1:
+        return False
+    return choice == "small_head" or auto_picks_kernel(args.n_heads, int(cfg.training.seq_len), dtype)
 
 
 def fp32_attention_bytes(cfg: DictConfig, args: ModelShape, mp: str, ac: DictConfig, tokens: float,
@@ -121,7 +126,7 @@ def fp32_attention_bytes(cfg: DictConfig, args: ModelShape, mp: str, ac: DictCon
     seq_len = int(cfg.training.seq_len)
     if mp != "bf16" or attention_dtype(mode, mp, cfg.cluster.device, args.head_dim, seq_len) is None:
         return 0.0
-    if small_head_kernel_applies(cfg, args):
+    if small_head_kernel_applies(cfg, args, torch.float32):  # the upcast SDPA it would replace
         return 0.0
     per_block = tokens * args.dim / tp
     if ac.mode in ATTN_FP32_EXTRA:  # none / selective_op: every block keeps its copies

@@ -158,9 +158,13 @@ def _validate_data(cfg: DictConfig) -> None:
 
 # --------------------------------------------------------------------------- value ranges, checkpoint, run dir
 # Keys a family or option may lack are looked up with OmegaConf.select (absent: not checked).
+# Every key is checked whatever the layout: cluster.init_timeout_s matters only once a rendezvous
+# happens, but a one-process run that accepts -1 teaches the user it was fine.
 POSITIVE = ("training.val_local_batch_size", "cluster.threads_per_proc", "parallelism.pp_microbatches",
-            "model.rope_theta", "model.norm_eps", "data.max_documents")
-NON_NEGATIVE = ("cluster.max_restarts", "optimizer.weight_decay", "optimizer.eps")
+            "model.rope_theta", "model.norm_eps", "data.max_documents", "cluster.init_timeout_s",
+            "cluster.timeout_min")
+NON_NEGATIVE = ("cluster.max_restarts", "optimizer.weight_decay", "optimizer.eps", "cluster.max_requeue",
+                "cluster.signal_delay_s")
 
 
 def _validate_ranges(cfg: DictConfig) -> None:

@@ -35,7 +35,9 @@ fi
 export DEBIAN_FRONTEND=noninteractive
 # One `apt-get update` per machine (the lists may be empty on a fresh image).
 stamp=/var/lib/apt/titan_hydra_slurm_updated
-[ -e "$stamp" ] || { apt-get update -q && touch "$stamp"; }
-apt-get install -y -q --no-install-recommends "${missing[@]}"
+# Another apt (an image's first-boot updates) may hold the dpkg lock: wait for it instead of failing.
+APT=(apt-get -o DPkg::Lock::Timeout=900)
+[ -e "$stamp" ] || { "${APT[@]}" update -q && touch "$stamp"; }
+"${APT[@]}" install -y -q --no-install-recommends "${missing[@]}"
 [ $made_policy = 1 ] && rm -f /usr/sbin/policy-rc.d
 echo "slurm: installed ${missing[*]}"

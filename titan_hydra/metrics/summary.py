@@ -20,25 +20,29 @@ def _fmt_tokens(stats: Mapping[str, Any]) -> str:
     return (", ".join(parts) + " tokens") if parts else "streamed (size unknown)"
 
 
-def run_header(*, flavor: str, family: str, shape, dims, world_size: int, mixed_precision: str,
+def run_header(*, flavor: str, family: str, shape, dims, world_size: int, precision: tuple[str, str],
                attention_dtype: torch.dtype | None, ac: str, compile: str, float8: str, data_name: str,
                data_stats: Mapping[str, Any], seq_len: int, local_batch: int, global_batch: int,
-               grad_accum: int, steps: int, run_dir: str, attention_kernel: str = "sdpa") -> str:
+               grad_accum: int, steps: int, run_dir: str,
+               attention_kernel: tuple[str, str] = ("sdpa", "set explicitly")) -> str:
+    """``precision`` and ``attention_kernel``: (what was chosen, why), e.g. ("fp32", "auto: this
+    CPU has no native bf16 matmuls"); the header prints both, so an ``auto`` choice is never silent."""
     active = "" if shape.active_params == shape.params else f", {shape.active_params:,} active per token"
     tied = ", tied embeddings" if shape.tied_embeddings else ""
     degrees = [(n, getattr(dims, n)) for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")]
     mesh = " x ".join(f"{n} {d}" for n, d in degrees if d > 1) or "one process"
     if getattr(dims, "ep", 1) > 1:  # EP adds no ranks: it splits the experts over dp_shard x cp
         mesh += f"; routed experts split over ep {dims.ep} of the dp_shard x cp ranks"
+    mixed_precision, precision_reason = precision
     params = "bf16 params (FSDP), fp32 reduce" if mixed_precision == "bf16" and dims.fsdp_enabled else (
-        "bf16 autocast, fp32 params" if mixed_precision == "bf16" else "fp32")
+        "bf16 autocast, fp32 params" if mixed_precision == "bf16" else "fp32 params and compute")
     attention = "compute dtype" if attention_dtype is None else str(attention_dtype).replace("torch.", "")
-    if attention_kernel != "sdpa":
-        attention += f" ({attention_kernel} kernel)"
+    kernel, kernel_reason = attention_kernel
     rows = [
         ("model", f"{flavor} ({family}): {shape.params:,} parameters{active}{tied}"),
         ("layout", f"{world_size} rank(s): {mesh}"),
-        ("precision", f"{mixed_precision}: {params}; attention in {attention}"),
+        ("precision", f"{mixed_precision} ({precision_reason}): {params}"),
+        ("attention", f"{kernel} kernel ({kernel_reason}), in {attention}"),
         ("features", f"activation checkpointing {ac}, compile {compile}, float8 {float8}"),
         ("data", f"{data_name}: {_fmt_tokens(data_stats)}; seq_len {seq_len}"),
         ("batch", f"global {global_batch} sequences = {global_batch * seq_len:,} tokens per step "

@@ -8,13 +8,12 @@ be paid by every run and every rank.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
-from pathlib import Path
 
 import torch
+
+from titan_hydra.hardware import cpu_flags, cpu_has_native_bf16, cpu_model, read_cache, write_cache
 
 log = logging.getLogger("titan_hydra")
 
@@ -47,6 +46,7 @@ PEAK_TFLOPS_FP32: dict[str, float] = {
     "H100": 67.0, "H800": 67.0, "A100": 19.5, "A800": 19.5, "L40S": 91.6, "L4": 30.3, "V100": 15.7,
 }
 
+CACHE_FILE = "cpu_peak.json"  # under hardware.cache_path
 _PEAK_CACHE: dict[tuple[str, int], float] = {}  # (dtype, threads) -> TFLOP/s, this process
 
 
@@ -110,38 +110,6 @@ def _time_matmul(device: torch.device, dtype: torch.dtype, size: int, reps: int,
     return 2.0 * size**3 / best / 1e12
 
 
-def _cache_file() -> Path:
-    """Disk cache; TITAN_HYDRA_CACHE_DIR redirects it (tests, read-only homes)."""
-    root = os.environ.get("TITAN_HYDRA_CACHE_DIR") or Path.home() / ".cache" / "titan_hydra"
-    return Path(root) / "cpu_peak.json"
-
-
-def _cpuinfo_field(name: str) -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(name):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def cpu_model() -> str:
-    import platform
-    return _cpuinfo_field("model name") or platform.processor() or platform.machine() or "unknown-cpu"
-
-
-def cpu_isa() -> str:
-    """The CPU's best matmul instruction set: what decides bf16 vs fp32 speed on a CPU."""
-    flags = (_cpuinfo_field("flags") or "").split()
-    for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX-512"),
-                       ("avx2", "AVX2")):
-        if flag in flags:
-            return name
-    return "no AVX2" if flags else "unknown ISA"
-
-
 # Longest one timed matmul may take. A CPU that emulates bf16 (AVX2 only: ~0.3 GFLOP/s on one
 # thread) needs ~1 minute for a 2048^3 bf16 matmul, and every bf16 run measures again at start
 # (3 matmuls: over 3 minutes before the first step); such a CPU is timed on a smaller matrix.
@@ -181,11 +149,7 @@ def measure_cpu_peak_tflops(dtype: torch.dtype = torch.bfloat16, size: int = 204
     if mem_key in _PEAK_CACHE and not fresh:
         return _PEAK_CACHE[mem_key]
     disk_key = f"{cpu_model()}|threads={threads}|{dtype}|torch={torch.__version__}|size={size}"
-    path = _cache_file()
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
+    cached = read_cache(CACHE_FILE)
     known = cached.get(disk_key) if isinstance(cached.get(disk_key), (int, float)) else 0.0
     if known > 0 and not fresh:
         _PEAK_CACHE[mem_key] = float(known)
@@ -193,35 +157,13 @@ def measure_cpu_peak_tflops(dtype: torch.dtype = torch.bfloat16, size: int = 204
     with torch.no_grad():
         peak = max(_time_matmul(torch.device("cpu"), dtype, affordable_size(dtype, size), reps), known)
     _PEAK_CACHE[mem_key] = peak
-    try:  # best effort: a read-only or racing cache must never fail a run
-        path.parent.mkdir(parents=True, exist_ok=True)
-        cached[disk_key] = peak
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError as e:
-        log.debug("could not write %s: %s", path, e)
+    write_cache(CACHE_FILE, disk_key, peak)
     return peak
 
 
-# x86 feature flags of native bf16 matmuls (AVX512-BF16 dot products, AMX tiles).
-NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 # Emulated bf16 is ~100x slower than fp32 (0.001 vs 0.14 TFLOP/s seen); a ratio above this is
 # load on shared cores (0.083 vs 0.166 was measured once on an AVX512-BF16 EPYC under load).
 EMULATED_BF16_RATIO = 0.25
-
-
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str] | None:
-    """The x86 ``flags`` of the first CPU in /proc/cpuinfo, or None where there are none (not
-    Linux, or an architecture that names them differently)."""
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return None
 
 
 def cpu_bf16_slower_than_fp32(cpuinfo: str = "/proc/cpuinfo") -> tuple[float, float] | None:
@@ -232,8 +174,7 @@ def cpu_bf16_slower_than_fp32(cpuinfo: str = "/proc/cpuinfo") -> tuple[float, fl
     A CPU whose flags name native bf16 never warns; otherwise the cached measurements decide, with
     a margin wide enough that a loaded machine's noisy timing is not mistaken for emulation.
     """
-    flags = cpu_flags(cpuinfo)
-    if flags is not None and flags & NATIVE_BF16_FLAGS:
+    if cpu_has_native_bf16(cpu_flags(cpuinfo)):
         return None
     bf16 = measure_cpu_peak_tflops(torch.bfloat16)
     fp32 = measure_cpu_peak_tflops(torch.float32)

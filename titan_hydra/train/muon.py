@@ -14,7 +14,9 @@ The arithmetic is torch.optim.Muon's: ``buf = lerp(buf, g, 1 - momentum)``, the 
 ``lerp(g, buf, momentum)``, the quintic iteration with its coefficients, decoupled weight decay
 ``p *= 1 - lr * wd`` and the shape-adjusted step (``adjust_lr_fn``: "original" =
 sqrt(max(1, rows/cols)), "match_rms_adamw" = 0.2 sqrt(max(rows, cols))). One addition:
-``ns_dtype`` (torch's is bfloat16) may be float32, which makes layouts agree to fp32 rounding.
+``ns_dtype`` (torch's is bfloat16) may be float32, which makes layouts agree to fp32 rounding, or
+auto: bfloat16 where the parameters' device multiplies bf16 natively, float32 elsewhere (a CPU
+without AVX512-BF16/AMX emulates bf16 matmuls ~50x slower than fp32; ``titan_hydra.hardware``).
 On plain tensors with the defaults, updates equal torch.optim.Muon bit for bit (tested).
 """
 
@@ -23,6 +25,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from titan_hydra.hardware import precision_dtype
 
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -67,6 +71,11 @@ def _like(full: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(full, ref.device_mesh, ref.placements, src_data_rank=None)
 
 
+def ns_dtype_of(name: str, device: torch.device) -> torch.dtype:
+    """The Newton-Schulz dtype ``name`` means for parameters on ``device`` (auto: the hardware's)."""
+    return precision_dtype("auto", device.type) if name == "auto" else NS_DTYPES[name]
+
+
 class Muon(torch.optim.Optimizer):
     """``Muon(params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5, eps=1e-7,
     adjust_lr_fn=None, ns_dtype="bfloat16")``: for 2-D parameters, plain or DTensor (FSDP / TP)."""
@@ -78,8 +87,8 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"Muon needs lr, weight_decay and momentum >= 0 (got {lr}, {weight_decay}, {momentum})")
         if adjust_lr_fn is not None and adjust_lr_fn not in ADJUST_LR:
             raise ValueError(f"Muon adjust_lr_fn={adjust_lr_fn!r} is not one of {', '.join(ADJUST_LR)}")
-        if ns_dtype not in NS_DTYPES:
-            raise ValueError(f"Muon ns_dtype={ns_dtype!r} is not one of {', '.join(NS_DTYPES)}")
+        if ns_dtype not in (*NS_DTYPES, "auto"):
+            raise ValueError(f"Muon ns_dtype={ns_dtype!r} is not one of {', '.join(NS_DTYPES)}, auto")
         if not 0 < ns_steps < 100:
             raise ValueError(f"Muon ns_steps={ns_steps} must be in [1, 99]")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
@@ -109,7 +118,7 @@ class Muon(torch.optim.Optimizer):
                 buf.lerp_(p.grad, 1 - mom)
                 update = p.grad.lerp(buf, mom) if group["nesterov"] else buf
                 ortho = orthogonalize(_whole(update), group["ns_steps"], group["ns_coefficients"], group["eps"],
-                                      NS_DTYPES[group["ns_dtype"]])
+                                      ns_dtype_of(group["ns_dtype"], p.device))
                 p.mul_(1 - lr * wd)
                 p.add_(_like(ortho.to(p.dtype), p), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss

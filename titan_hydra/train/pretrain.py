@@ -22,7 +22,7 @@ from titan_hydra.errors import instantiate_checked as instantiate
 from omegaconf import DictConfig, OmegaConf
 
 
-from titan_hydra.config import mixed_precision_of, to_container
+from titan_hydra.config import mixed_precision_of, precision_choice_of, to_container
 from titan_hydra.errors import UserError
 from titan_hydra.metrics.logger import MetricLogger
 from titan_hydra.metrics.memory import MemoryMonitor
@@ -32,7 +32,7 @@ from titan_hydra.models.registry import args_of, build_model
 from titan_hydra.parallel.apply import parallelize
 from titan_hydra.launch.preemption import watch_for_preemption
 from titan_hydra.train.loss import cross_entropy_loss
-from titan_hydra.train.attention_kernel import apply_attention_kernel
+from titan_hydra.train.attention_kernel import KernelChoice, apply_attention_kernel
 from titan_hydra.train.precision import apply_attention_precision
 from titan_hydra.train.trainer import Trainer, TrainState
 
@@ -194,7 +194,8 @@ class BuiltModel:
     float8: Any
     flops_per_token: float
     attention_dtype: Any = None  # the dtype SDPA runs in (None: the compute dtype)
-    attention_kernel: str = "sdpa"  # what runs plain causal attention (train/attention_kernel.py)
+    # what runs plain causal attention, and why (train/attention_kernel.py)
+    attention_kernel: KernelChoice = KernelChoice("sdpa", "set explicitly")
 
 
 def build_data(cfg: DictConfig, dims) -> DataPlan:
@@ -222,10 +223,12 @@ def build_parallel_model(cfg: DictConfig, dims, device: torch.device, grad_accum
         family, model = build_model(cfg.model)
     _, model_args = args_of(cfg.model)
     mp = mixed_precision_of(cfg)
-    attention_dtype = apply_attention_precision(model, str(cfg.training.attention_precision), mp, device,
-                                                int(cfg.training.seq_len))
-    attention_kernel = apply_attention_kernel(model, str(cfg.training.attention_kernel), device, dims.cp)
-    if attention_kernel != "sdpa":
+    seq_len = int(cfg.training.seq_len)
+    attention_dtype = apply_attention_precision(model, str(cfg.training.attention_precision), mp, device, seq_len)
+    sdpa_dtype = attention_dtype or (torch.bfloat16 if mp == "bf16" else torch.float32)
+    attention_kernel = apply_attention_kernel(model, str(cfg.training.attention_kernel), device, dims.cp,
+                                              seq_len=seq_len // dims.cp, dtype=sdpa_dtype)
+    if attention_kernel.name != "sdpa":
         attention_dtype = torch.float32  # the kernel computes in fp32 whatever q/k/v arrive in
     float8 = instantiate(cfg.float8, _convert_="all")
     model = float8.convert(model)
@@ -284,7 +287,7 @@ def header_of(cfg: DictConfig, dims, data: DataPlan, built: BuiltModel, world_si
     return run_header(
         flavor=str(OmegaConf.select(cfg, "model.flavor", default=None) or "custom"), family=built.family.name,
         shape=built.family.shape(built.args), dims=dims, world_size=world_size,
-        mixed_precision=mixed_precision_of(cfg), attention_dtype=built.attention_dtype,
+        precision=precision_choice_of(cfg), attention_dtype=built.attention_dtype,
         attention_kernel=built.attention_kernel,
         ac=str(cfg.activation_checkpoint.mode), compile=str(cfg.compile.mode), float8=str(cfg.float8.recipe),
         data_name=str(OmegaConf.select(cfg, "data.name", default="data"))
@@ -307,7 +310,10 @@ def _run(
     built = build_parallel_model(cfg, dims, device, data.grad_accum_steps, rank, world_size,
                                  document_eos_id=getattr(data.dataset, "document_eos_id", None))
     optimizer, lr_scheduler = build_optimizer(cfg, built)
-    metric_logger = MetricLogger(run_dir, rank, backends=logger_backends(cfg, run_dir), config=to_container(cfg))
+    # the config as composed, plus what its ``auto`` choices settled on here (W&B compares runs by it)
+    resolved = {"mixed_precision": mixed_precision_of(cfg), "attention_kernel": built.attention_kernel.name}
+    metric_logger = MetricLogger(run_dir, rank, backends=logger_backends(cfg, run_dir),
+                                 config={**to_container(cfg), "resolved": resolved})
     profiler = instantiate(cfg.profiling)(run_dir=run_dir, rank=rank, model_parts=built.parts,
                                           optimizer=optimizer, device=device)
     state = TrainState()
