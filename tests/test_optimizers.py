@@ -75,7 +75,7 @@ def test_muon_config_splits_matrices_and_one_schedule_drives_both():
         sched.step()
     ratios = [g["lr"] / peak for g, peak in zip(opt.param_groups, [g["initial_lr"] for g in opt.param_groups])]
     assert max(ratios) - min(ratios) < 1e-12 and ratios[0] < 1.0  # one multiplier for every group
-    assert {g["initial_lr"] for g in opt.param_groups} == {8e-4} and peaks  # Muon takes AdamW's LR (match_rms_adamw)
+    assert {g["initial_lr"] for g in opt.param_groups} == {cfg.optimizer.lr} and peaks  # Muon takes AdamW's LR (match_rms_adamw)
     assert len(opt.state) == len(list(model.parameters()))  # both members' state, one view
 
 
