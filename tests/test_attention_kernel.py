@@ -20,7 +20,7 @@ from titan_hydra.errors import ConfigError
 from titan_hydra.kernels.small_head_attention import attention_op, causal_attention
 from titan_hydra.models.llama3 import Llama3
 from titan_hydra.models.qwen3 import Qwen3
-from titan_hydra.train.attention_kernel import apply_attention_kernel
+from titan_hydra.kernels.attention_policy import apply_attention_kernel
 from helpers import STEPS, assert_parity, reference_losses, run_single
 
 
@@ -154,7 +154,7 @@ def test_policy_installs_the_kernel_only_where_it_applies(monkeypatch, caplog):
 
 def test_auto_probe_times_both_kernels_once_per_shape(tmp_path, monkeypatch):
     """The real probe: both kernels timed at the run's shape, then read back from the cache."""
-    from titan_hydra.train import attention_kernel as ak
+    from titan_hydra.kernels import attention_policy as ak
 
     monkeypatch.setenv("TITAN_HYDRA_CACHE_DIR", str(tmp_path))
     calls = []

@@ -19,8 +19,8 @@ from titan_hydra.estimate import plan
 from titan_hydra.models.registry import build_model
 from titan_hydra.parallel.ac import apply_ac
 from titan_hydra.train.loss import cross_entropy_loss
-from titan_hydra.train.attention_kernel import apply_attention_kernel
-from titan_hydra.train.precision import apply_attention_precision
+from titan_hydra.kernels.attention_policy import apply_attention_kernel
+from titan_hydra.kernels.attention_precision import apply_attention_precision
 from titan_hydra.validate import build_dims
 
 GIB = 1024**3

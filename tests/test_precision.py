@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from titan_hydra.models.common.attention import Attention
 from titan_hydra.models.llama3 import Llama3
 from titan_hydra.models.qwen3 import Qwen3
-from titan_hydra.train.precision import apply_attention_precision, attention_dtype
+from titan_hydra.kernels.attention_precision import apply_attention_precision, attention_dtype
 from helpers import compose_cfg
 
 

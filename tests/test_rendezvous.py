@@ -16,7 +16,7 @@ from datetime import timedelta
 
 from helpers import REPO, free_port
 
-from titan_hydra.launch.rendezvous import master_address, node_addr_of
+from titan_hydra.runtime.rendezvous import master_address, node_addr_of
 
 TIMEOUT_S = 5
 ARGS = ["parallelism=fsdp", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "training.seq_len=64",
@@ -71,7 +71,7 @@ def test_collectives_keep_the_default_timeout_after_a_bounded_init(monkeypatch):
     import torch
     import torch.distributed as dist
 
-    from titan_hydra.launch.rendezvous import init_process_group
+    from titan_hydra.runtime.rendezvous import init_process_group
 
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost",
                        "MASTER_PORT": str(free_port())}.items():

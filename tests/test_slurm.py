@@ -100,7 +100,7 @@ def test_no_sbatch_on_path_is_one_error(tmp_path):
 
 def test_master_address_is_the_nodes_slurm_address(slurm):
     """scontrol's NodeAddr for the job's first node, read as SLURM itself reports it (sinfo %o)."""
-    from titan_hydra.launch.rendezvous import master_address, slurm_node_addr
+    from titan_hydra.runtime.rendezvous import master_address, slurm_node_addr
 
     node = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
     sinfo_addr = subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%o"], capture_output=True,

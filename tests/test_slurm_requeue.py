@@ -1,4 +1,4 @@
-"""Save-on-signal and requeue (titan_hydra.launch.preemption).
+"""Save-on-signal and requeue (titan_hydra.runtime.preemption).
 
 Unit (2 local gloo ranks, seconds): a signal that reaches one rank only stops both ranks after
 the same step; both save that step once; the requeue runs once, on rank 0; every rank leaves
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from helpers import by_step, compose_cfg, run_launch, spawn_gloo
 from slurm_fixtures import slurm  # noqa: F401  (the session fixture)
-from titan_hydra.launch.preemption import JobRequeued, Preemption, save_step, watch_for_preemption
+from titan_hydra.runtime.preemption import JobRequeued, Preemption, save_step, watch_for_preemption
 
 # ---------------------------------------------------------------- unit: agreement on 2 local ranks
 

@@ -22,6 +22,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from titan_hydra.hardware import Resolved, resolve_precision
+from titan_hydra.models.registry import register_schemas
 
 
 class Choice(str, Enum):
@@ -156,7 +157,7 @@ class ClusterConfig:
     max_restarts: int = 0
     master_port: Optional[int] = None
     # Longest a rank waits for its peers at startup (rendezvous + process group connections);
-    # past it the rank fails with one line naming the address it could not reach (launch/rendezvous.py).
+    # past it the rank fails with one line naming the address it could not reach (runtime/rendezvous.py).
     init_timeout_s: int = 300
     peak_tflops: Optional[float] = None  # per-device peak for MFU; None = table or measured
     # Memory of one device in GiB for the estimator's fit check (estimate.device_memory_of);
@@ -315,7 +316,7 @@ class TrainingConfig:
     mixed_precision: Precision = Precision["auto"]
     # dtype of scaled-dot-product attention under bf16: compute (bf16), fp32 (q/k/v upcast), or
     # auto = fp32 on CPU for head_dim < 32, where torch's CPU flash kernel runs fp32 faster than
-    # bf16 (titan_hydra.train.precision), compute everywhere else.
+    # bf16 (titan_hydra.kernels.attention_precision), compute everywhere else.
     attention_precision: AttentionPrecision = AttentionPrecision["auto"]
     attention_kernel: AttentionKernel = AttentionKernel["auto"]
     deterministic: bool = False
@@ -401,8 +402,6 @@ def register_configs() -> None:
     cs.store(name="schema_titan", node=TitanConfig)
     for group, schema in GROUP_SCHEMAS.items():
         cs.store(name=f"schema_{group}", node=schema)
-    from titan_hydra.models.registry import register_schemas
-
     register_schemas(cs)
 
 

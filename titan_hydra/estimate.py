@@ -20,8 +20,8 @@ from titan_hydra.config import mixed_precision_of
 
 from titan_hydra.models.protocol import ModelShape
 from titan_hydra.models.registry import args_of
-from titan_hydra.train.attention_kernel import auto_picks_kernel
-from titan_hydra.train.precision import attention_dtype
+from titan_hydra.kernels.attention_policy import auto_picks_kernel
+from titan_hydra.kernels.attention_precision import attention_dtype
 
 GIB = 1024**3
 
@@ -120,7 +120,7 @@ def fp32_attention_bytes(cfg: DictConfig, args: ModelShape, mp: str, ac: DictCon
                          layers: int, tp: int) -> float:
     """What upcast attention adds to the saved activations (0 unless it is in effect).
 
-    The small-head CPU kernel (train/attention_kernel.py) replaces the upcast where it applies:
+    The small-head CPU kernel (kernels/attention_policy.py) replaces the upcast where it applies:
     it widens bf16 q/k/v inside and saves only them, the output and an fp32 logsumexp, as SDPA."""
     mode = str(cfg.training.attention_precision)
     seq_len = int(cfg.training.seq_len)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from lm_eval.api.model import LM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from titan_hydra.data import corpus
 from titan_hydra.errors import ConfigError
 from titan_hydra.generate import SamplingConfig, generate
 
@@ -115,8 +116,6 @@ MC_METRICS = [{"metric": m, "aggregation": "mean", "higher_is_better": True} for
 
 def builtin_heldout_jsonl(out_dir: Path) -> Path:
     """The built-in corpus's validation documents (those TokenDataset holds out) as JSON lines."""
-    from titan_hydra.data import corpus
-
     path = out_dir / "builtin_val.jsonl"
     with open(path, "w") as f:
         for text in corpus.builtin_documents("val"):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from titan_hydra.errors import ConfigError
+from titan_hydra.models.common.kv_cache import KVCache
 
 
 @dataclass
@@ -67,8 +68,6 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, cfg: SamplingConfig, 
     """prompt [B, S] int64 -> [B, S + n] (n <= max_new_tokens; stops early once every row has
     produced ``eos_id`` when ``cfg.stop_at_eos``). Refuses a prompt that leaves no room.
     ``use_cache=False`` re-runs the full sequence per token even where a KV cache exists."""
-    from titan_hydra.models.common.kv_cache import KVCache
-
     if prompt.dim() != 2 or prompt.shape[1] < 1:
         raise ConfigError(f"the prompt must be a non-empty [batch, tokens] tensor, got shape {tuple(prompt.shape)}")
     if prompt.shape[1] >= max_seq_len:

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from titan_hydra.errors import UserError
+
 log = logging.getLogger("titan_hydra")
 MIB = 1024**2
 
@@ -181,8 +183,6 @@ def build_profiler(*, run_dir: str, rank: int, model_parts, optimizer, device, e
     if not (enable or enable_memory_snapshot):
         return None
     if int(profile_freq) < 1:
-        from titan_hydra.errors import UserError
-
         raise UserError(f"profiling.profile_freq={profile_freq} must be >= 1")
     settings = SimpleNamespace(enable=enable, traces_folder=traces_folder, profile_freq=profile_freq, warmup=warmup,
                                active=active, enable_memory_snapshot=enable_memory_snapshot,

@@ -12,7 +12,7 @@ heads, one layer forward + backward: see the README's performance section.
 The extension is compiled for the machine it runs on (``-O3 -march=native``; ~20 s the first
 time, then cached under torch's extension directory, ``TORCH_EXTENSIONS_DIR``). ``load()``
 raises ``KernelUnavailable`` with one line when no C++ toolchain is there; the attention policy
-(``titan_hydra.train.precision``) then falls back to SDPA for ``auto`` and refuses an explicit
+(``titan_hydra.kernels.attention_precision``) then falls back to SDPA for ``auto`` and refuses an explicit
 request before training starts.
 """
 

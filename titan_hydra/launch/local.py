@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from titan_hydra.errors import RankFailed, UserError
+from titan_hydra.train.pretrain import build_dataset
 
 
 def free_port() -> int:
@@ -81,8 +82,6 @@ def run_local(
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
-
-    from titan_hydra.train.pretrain import build_dataset
 
     if int(cfg.cluster.nnodes) != 1:
         raise UserError(

@@ -24,7 +24,6 @@ validate) fails in the submitting process with one ``error: ...`` line, before a
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import zlib
@@ -34,7 +33,9 @@ from typing import Any, Sequence
 from omegaconf import DictConfig
 
 from titan_hydra.errors import UserError
-from titan_hydra.launch.rendezvous import master_address
+from titan_hydra.launch.slurm_check import check_slurm
+from titan_hydra.runtime.rendezvous import master_address
+from titan_hydra.train.pretrain import run
 from titan_hydra.launch.submitit_jobs import JobFailed, OneLineFailures, failure_of, job_log
 
 try:  # the Hydra plugin is a dependency; keep this module importable without it for unit use
@@ -131,42 +132,6 @@ def export_dist_env(cfg: DictConfig) -> bool:
     return True
 
 
-# ---------------------------------------------------------------- checks before submitting
-
-
-def check_slurm(cfg: DictConfig) -> None:
-    """One-line UserError when this machine cannot submit the job the cluster config asks for."""
-    c = cfg.cluster
-    if shutil.which("sbatch") is None:
-        raise UserError(
-            f"cluster={c.name} submits to SLURM but 'sbatch' is not on PATH; run on a SLURM login node "
-            "(or start the local test cluster: scripts/slurm/start.sh) or use cluster=local_cpu"
-        )
-    if c.tasks_per_node is not None and int(c.tasks_per_node) != int(c.nproc_per_node):
-        raise UserError(
-            f"cluster.tasks_per_node={c.tasks_per_node} differs from cluster.nproc_per_node={c.nproc_per_node}; "
-            "on SLURM set cluster.tasks_per_node only"
-        )
-    if c.partition:
-        known = partitions()
-        if known is not None and c.partition not in known:
-            raise UserError(
-                f"cluster.partition={c.partition} is not a partition of this SLURM cluster "
-                f"(it has: {', '.join(sorted(known)) or 'none'})"
-            )
-
-
-def partitions() -> set[str] | None:
-    """Partition names as sinfo lists them (None if sinfo cannot answer)."""
-    try:
-        proc = subprocess.run(["sinfo", "-h", "-o", "%R"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if proc.returncode != 0:
-        raise UserError(f"SLURM does not answer (sinfo: {proc.stderr.strip().splitlines()[-1:] or ['?']}[0])")
-    return {line.strip() for line in proc.stdout.splitlines() if line.strip()}
-
-
 def fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -208,7 +173,6 @@ class RankTask:
         self.run_dir = run_dir
 
     def __call__(self) -> dict[str, Any]:
-        from titan_hydra.train.pretrain import run
 
         export_dist_env(self.cfg)
         try:

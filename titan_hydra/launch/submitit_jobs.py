@@ -26,6 +26,8 @@ from typing import Any, Sequence
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from titan_hydra.launch.sweep_check import BASIC_SWEEPER, first_problem
+
 
 class SweepJobsFailed(CompactHydraException):
     """Some jobs of a sweep failed; each was already reported on its own line."""
@@ -150,7 +152,6 @@ def collect(launcher: Any, jobs: Sequence[Any], job_overrides: Sequence[Sequence
     Hydra's framing, the sweep ends here instead: one summary line, exit status 1."""
     from hydra.core.utils import JobReturn, JobStatus
 
-    from titan_hydra.launch.sweep_check import BASIC_SWEEPER
 
     returns, failed = [], []
     labels = varying(job_overrides)
@@ -238,7 +239,6 @@ class OneLineFailures:
 
     def prepare(self, job_overrides: Sequence[Sequence[str]], first_num: int) -> None:
         """Refuse a batch with a bad point (one ``error:`` line, exit 2) before submitting."""
-        from titan_hydra.launch.sweep_check import first_problem
 
         problem = first_problem(self.hydra_context.config_loader, self.config, job_overrides, first_num)
         if problem is not None:

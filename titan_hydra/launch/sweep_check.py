@@ -32,6 +32,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from titan_hydra.errors import UserError
+from titan_hydra.launch.slurm_check import check_slurm
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 _STOCK = "hydra_plugins.hydra_submitit_launcher.submitit_launcher."
@@ -146,8 +147,6 @@ class SweepCheckCallback(Callback):
 
         adopt_launcher(config)
         if OmegaConf.select(config, "cluster.launcher") == "slurm":
-            from titan_hydra.launch.slurm import check_slurm
-
             try:  # no sbatch, an unknown partition: said before the sweep dir exists
                 check_slurm(config)
             except UserError as e:

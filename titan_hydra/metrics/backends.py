@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from titan_hydra.metrics.wandb_reader import read_offline_run
+
 # key -> (label, formatter). Order here is the console column order.
 _FMT: dict[str, tuple[str, Callable[[float], str]]] = {
     "loss": ("loss", lambda v: f"{v:.4f}"),
@@ -197,8 +199,6 @@ def _wait_for_exit_record(log_file: Path, timeout_s: float = 10.0) -> None:
     a 7-byte file right after finish, 1.7 kB a moment later, ~1 run in 15), so whoever reads the
     run dir next (tests, sweep reports, ``wandb sync``) could see an empty run.
     """
-    from titan_hydra.metrics.wandb_reader import read_offline_run
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

@@ -33,6 +33,7 @@ from omegaconf import DictConfig
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from titan_hydra.errors import ConfigError
+from titan_hydra.kernels.small_head_attention import attention_op  # a custom op (its import registers it)
 
 MODES = ("none", "full", "selective_op", "selective_layer")
 
@@ -45,8 +46,6 @@ def _save_ops() -> set:
         "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
     ]
-    from titan_hydra.kernels.small_head_attention import attention_op  # registers the custom op
-
     return {getattr(aten, n).default for n in names if hasattr(aten, n)} | {attention_op._opoverload}
 
 

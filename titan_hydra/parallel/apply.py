@@ -13,22 +13,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
+from typing import Callable, ContextManager
 
 import torch
+from torch.distributed.tensor.parallel import loss_parallel
 
+from titan_hydra.parallel.cp import cp_context
 from titan_hydra.parallel.dims import ParallelDims
-from titan_hydra.parallel.runner import SingleStageRunner, batch_kwargs_for
-
-
-@dataclass
-class ParallelModel:
-    """What the trainer needs from the layout: this rank's parts and the runner that drives them."""
-
-    model_parts: list[torch.nn.Module]
-    runner: Any  # SingleStageRunner | pp.PipelineRunner: forward_backward / eval_loss
-    notes: list[str] = field(default_factory=list)
+from titan_hydra.parallel.ep import apply_ep
+from titan_hydra.parallel.fsdp import apply_data_parallel
+from titan_hydra.parallel.pp import build_pipeline
+from titan_hydra.parallel.runner import ParallelModel, SingleStageRunner, batch_kwargs_for
+from titan_hydra.parallel.tp import apply_tp
 
 
 def parallelize_part(part: torch.nn.Module, family, dims: ParallelDims, ac, compiler, mixed_precision: str,
@@ -39,21 +35,15 @@ def parallelize_part(part: torch.nn.Module, family, dims: ParallelDims, ac, comp
     plan, the routed experts, the blocks AC and compile wrap, the FSDP units.
     """
     if dims.tp_enabled:
-        from titan_hydra.parallel.tp import apply_tp
-
         apply_tp(part, family, dims)
     experts = []
     if dims.ep_enabled:
-        from titan_hydra.parallel.ep import apply_ep
-
         experts = [m for _, m in apply_ep(part, family, dims)]
     if ac is not None and ac.enabled:
         ac.apply(family.blocks(part))
     if compiler is not None and compiler.enabled:
         compiler.apply(part, family.blocks(part))
     if dims.fsdp_enabled or dims.dp_replicate_enabled:
-        from titan_hydra.parallel.fsdp import apply_data_parallel
-
         apply_data_parallel(part, family.fsdp_units(part), dims, mixed_precision, device, experts)
     return part
 
@@ -71,12 +61,8 @@ def make_step_context(parts: list[torch.nn.Module], family, dims: ParallelDims, 
     def step_context(inputs: torch.Tensor, labels: torch.Tensor) -> ContextManager:
         stack = contextlib.ExitStack()
         if dims.cp_enabled:
-            from titan_hydra.parallel.cp import cp_context
-
             stack.enter_context(cp_context(parts, family.rope_buffers, dims, inputs, labels))
         if dims.loss_parallel_enabled:
-            from torch.distributed.tensor.parallel import loss_parallel
-
             stack.enter_context(loss_parallel())
         if bf16_autocast:
             stack.enter_context(torch.autocast(device_type=device.type, dtype=torch.bfloat16))
@@ -103,8 +89,6 @@ def parallelize(model: torch.nn.Module, family, dims: ParallelDims, *, device: t
     context_fn = functools.partial(make_step_context, family=family, dims=dims,
                                    mixed_precision=mixed_precision, device=device)
     if dims.pp_enabled:
-        from titan_hydra.parallel.pp import build_pipeline
-
         return build_pipeline(model, family, dims, device, part_fn, context_fn,
                               grad_accum=grad_accum_steps, loss_fn=loss_fn, batch_kwargs=batch_kwargs)
     part = part_fn(model)

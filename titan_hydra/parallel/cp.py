@@ -27,6 +27,7 @@ import torch
 from omegaconf import DictConfig
 
 from titan_hydra.errors import ConfigError
+from titan_hydra.parallel.cp_cpu_attention import CPShimUnavailable, check_available, configure_ring_attention
 from titan_hydra.parallel.dims import ParallelDims
 
 # part -> its full-length rope tables, so that a later, longer sequence can be served again.
@@ -56,8 +57,6 @@ def cp_context(parts: list[torch.nn.Module], rope_buffers: tuple[str, ...], dims
     """Shard this microbatch's tokens, labels and rope tables over the cp mesh; ring attention inside."""
     from torch.distributed.tensor.experimental import context_parallel
 
-    from titan_hydra.parallel.cp_cpu_attention import configure_ring_attention
-
     mesh = dims.submesh("cp")
     configure_ring_attention(dims.cp_rotate_method, mesh.device_type)
     seq_len = inputs.shape[1]
@@ -74,8 +73,6 @@ def check_config(cfg: DictConfig, dims: ParallelDims) -> None:
     if not dims.cp_enabled:
         return
     if cfg.cluster.device == "cpu":
-        from titan_hydra.parallel.cp_cpu_attention import CPShimUnavailable, check_available
-
         try:
             check_available()
         except CPShimUnavailable as e:

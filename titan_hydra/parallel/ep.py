@@ -32,6 +32,7 @@ from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from titan_hydra.errors import ConfigError
+from titan_hydra.models.registry import args_of
 
 
 # --------------------------------------------------------------------------- the collective
@@ -153,8 +154,6 @@ def check_config(cfg: DictConfig, dims) -> None:
     """
     if dims.ep <= 1:
         return
-    from titan_hydra.models.registry import args_of
-
     family, args = args_of(cfg.model)
     n_experts = int(getattr(family.shape(args), "n_experts", 0) or 0)
     if n_experts == 0:

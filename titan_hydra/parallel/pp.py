@@ -36,6 +36,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from titan_hydra.errors import ConfigError
+from titan_hydra.models.registry import args_of
+from titan_hydra.parallel.runner import ParallelModel
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
@@ -145,8 +147,6 @@ def check_config(cfg: DictConfig, dims) -> None:
     """Pre-launch rules for pipeline parallelism (validate.py calls this)."""
     if not dims.pp_enabled:
         return
-    from titan_hydra.models.registry import args_of
-
     family, args = args_of(cfg.model)
     n_layers = family.shape(args).n_layers
     ranges = stage_layer_ranges(dims, n_layers)
@@ -327,7 +327,6 @@ def build_pipeline(model, family, dims, device: torch.device, parallelize_part, 
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-    from titan_hydra.parallel.apply import ParallelModel
 
     ranges = stage_layer_ranges(dims, len(family.blocks(model)))
     check_stage_count(dims, len(ranges), len(family.blocks(model)))

@@ -17,6 +17,7 @@ arguments to the model, or to every pipeline stage, split into microbatches like
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -24,6 +25,15 @@ import torch
 from titan_hydra.models.common.masking import document_ids
 
 BatchKwargs = Callable[[torch.Tensor], dict[str, Any]]
+
+
+@dataclass
+class ParallelModel:
+    """What the trainer needs from the layout: this rank's parts and the runner that drives them."""
+
+    model_parts: list[torch.nn.Module]
+    runner: Any  # SingleStageRunner | pp.PipelineRunner: forward_backward / eval_loss
+    notes: list[str] = field(default_factory=list)
 
 
 def no_batch_kwargs(inputs: torch.Tensor) -> dict[str, Any]:

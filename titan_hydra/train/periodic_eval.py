@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from titan_hydra.errors import ConfigError
+from titan_hydra.parallel.full_state import gather_full_state
 
 
 class PeriodicEval:
@@ -41,7 +42,7 @@ class PeriodicEval:
         except ImportError:
             raise ConfigError("eval.freq > 0 needs the lm-eval harness: pip install -e '.[eval]' "
                               "(or set eval=none)") from None
-        from titan_hydra.evaluation import check_tasks
+        from titan_hydra.evaluation import check_tasks  # lm-eval: the optional eval extra, loaded only when asked for
 
         check_tasks(self.tasks)
 
@@ -50,7 +51,6 @@ class PeriodicEval:
 
     def run(self, parts: list[torch.nn.Module], family, args, tokenizer) -> dict[str, float]:
         """The harness's scores of the current weights, the same dict on every rank."""
-        from titan_hydra.train.pretrain import gather_full_state
 
         state = gather_full_state(parts)  # collective inside each rank's sharding groups
         distributed = dist.is_initialized() and dist.get_world_size() > 1
@@ -68,7 +68,7 @@ class PeriodicEval:
         return scores[0]
 
     def _evaluate(self, state: dict[str, torch.Tensor], family, args, tokenizer) -> dict[str, float]:
-        from titan_hydra.evaluation import TitanLM, run_harness
+        from titan_hydra.evaluation import TitanLM, run_harness  # lm-eval (optional extra): see check
 
         with torch.device("meta"):
             model = family.build(args)

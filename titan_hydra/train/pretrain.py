@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from titan_hydra.errors import instantiate_checked as instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -30,10 +31,13 @@ from titan_hydra.metrics.summary import run_footer, run_header
 from titan_hydra.metrics.throughput import ThroughputMeter, cpu_bf16_slower_than_fp32, device_peak_tflops
 from titan_hydra.models.registry import args_of, build_model
 from titan_hydra.parallel.apply import parallelize
-from titan_hydra.launch.preemption import watch_for_preemption
+from titan_hydra.parallel.full_state import gather_full_state
+from titan_hydra.runtime.preemption import watch_for_preemption
+from titan_hydra.runtime.rendezvous import init_process_group  # bounded, one-line failure
 from titan_hydra.train.loss import cross_entropy_loss
-from titan_hydra.train.attention_kernel import KernelChoice, apply_attention_kernel
-from titan_hydra.train.precision import apply_attention_precision
+from titan_hydra.train.optimizers import build_optimizer as optimizer_of
+from titan_hydra.kernels.attention_policy import KernelChoice, apply_attention_kernel
+from titan_hydra.kernels.attention_precision import apply_attention_precision
 from titan_hydra.train.trainer import Trainer, TrainState
 
 log = logging.getLogger("titan_hydra")
@@ -71,7 +75,6 @@ def init_distributed(cluster: DictConfig, world_size: int) -> None:
         backend = str(cluster.backend)
         if cluster.device == "cpu" and backend != "gloo":
             raise UserError(f"cluster.backend={backend} cannot run on CPU; use cluster.backend=gloo")
-        from titan_hydra.launch.rendezvous import init_process_group  # bounded, one-line failure
 
         init_process_group(backend, float(cluster.init_timeout_s))
 
@@ -105,8 +108,6 @@ def init_weights(cfg: DictConfig, parts: list[torch.nn.Module], n_params: int, d
         mode = "full" if n_params <= FULL_INIT_MAX_PARAMS else "sharded"
     if mode != "full" or (world_size == 1 and len(parts) == 1):
         return  # one process already initialized the full model from the seed
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     full_sd: dict[str, torch.Tensor] = {}
     if rank == 0:
         with torch.device("cpu"):
@@ -118,19 +119,6 @@ def init_weights(cfg: DictConfig, parts: list[torch.nn.Module], n_params: int, d
     for part in parts:
         set_model_state_dict(part, dict(full_sd), options=options)  # a copy: DSD rewrites the dict it gets
     torch.manual_seed(seed)
-
-
-def gather_full_state(parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
-    """Full (unsharded) CPU copies of this rank's parameters, keyed by FQN."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    out: dict[str, torch.Tensor] = {}
-    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
-    for part in parts:
-        for k, v in get_model_state_dict(part, options=options).items():
-            v = v.full_tensor() if hasattr(v, "full_tensor") else v
-            out[k] = v.detach().cpu().clone()
-    return out
 
 
 def logger_backends(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
@@ -194,7 +182,7 @@ class BuiltModel:
     float8: Any
     flops_per_token: float
     attention_dtype: Any = None  # the dtype SDPA runs in (None: the compute dtype)
-    # what runs plain causal attention, and why (train/attention_kernel.py)
+    # what runs plain causal attention, and why (kernels/attention_policy.py)
     attention_kernel: KernelChoice = KernelChoice("sdpa", "set explicitly")
 
 
@@ -246,8 +234,6 @@ def build_parallel_model(cfg: DictConfig, dims, device: torch.device, grad_accum
 
 def build_optimizer(cfg: DictConfig, built: BuiltModel):
     """Optimizer over this rank's parameters (``_partial_``) and its LR schedule."""
-    from titan_hydra.train.optimizers import build_optimizer as optimizer_of
-
     named = [(name, p) for part in built.parts for name, p in part.named_parameters()]
     optimizer = optimizer_of(cfg.optimizer, named)
     built.float8.register(optimizer, built.parts)  # float8 scale precompute after each optimizer step

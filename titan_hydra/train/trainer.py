@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from titan_hydra.errors import TrainingDiverged
+from titan_hydra.metrics.memory import state_memory_gib
 from titan_hydra.train.grad_clip import clip_grad_norm_
 
 
@@ -87,7 +88,7 @@ class Trainer:
         self.memory = memory
         self.device = device
         self.checkpointer = checkpointer
-        self.preemption = preemption  # titan_hydra.launch.preemption.Preemption inside a SLURM job
+        self.preemption = preemption  # titan_hydra.runtime.preemption.Preemption inside a SLURM job
         self.profiler = profiler
         # The model family's per-optimizer-step work (ModelFamily.step_hooks, e.g. MoE load balancing).
         self.step_hooks = list(step_hooks)
@@ -181,8 +182,6 @@ class Trainer:
                 metrics["memory"] = mem.get("memory_peak_gib", 0.0)
                 metrics.update(mem)
                 if step == 1:  # optimizer state exists from the first step on
-                    from titan_hydra.metrics.memory import state_memory_gib
-
                     metrics.update(state_memory_gib(self.model_parts, self.optimizer))
                 self.metric_logger.log(metrics, step)
                 self.memory.reset_peak()

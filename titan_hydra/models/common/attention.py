@@ -15,7 +15,7 @@
 
 The default (no window, chunk, sinks or documents) stays one ``is_causal`` SDPA call, or whatever
 ``causal_kernel`` names instead (a callable ``(q, k, v) -> out`` for plain causal attention that a
-training policy may install from outside, e.g. ``titan_hydra.train.attention_kernel``). The others
+training policy may install from outside, e.g. ``titan_hydra.kernels.attention_policy``). The others
 need an explicit mask (``masking.visible_keys``), which torch 2.13's CPU flex_attention cannot differentiate through, so
 they run as SDPA with a boolean mask. The sink is made exact inside that one SDPA call: every
 head gets one extra key, visible from every query, whose value is 0 and whose score is the sink
@@ -59,7 +59,7 @@ class Attention(nn.Module):
         self.chunk_size = chunk_size
         self.rope_interleaved = rope_interleaved
         # dtype SDPA runs in; None = whatever q/k/v arrive in (the compute dtype). A training
-        # precision policy may set float32 (titan_hydra.train.precision).
+        # precision policy may set float32 (titan_hydra.kernels.attention_precision).
         self.sdpa_dtype: torch.dtype | None = None
         # replacement for the plain causal SDPA call (None = SDPA), installed by a training policy
         self.causal_kernel = None

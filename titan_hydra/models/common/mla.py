@@ -18,7 +18,7 @@ Like ``attention.Attention``: head counts are read off the projected shapes, so 
 sharded ``wq``/``wkv_b`` would just yield fewer local heads (tensor parallel is still refused
 by the DeepSeek-V3 family, which would also have to replicate the shared rope key); the
 latent norms use eps 1e-6 whatever the model's norm_eps, as DeepSeek's reference and
-transformers do; ``sdpa_dtype`` is the precision policy's knob (``train/precision.py``).
+transformers do; ``sdpa_dtype`` is the precision policy's knob (``kernels/attention_precision.py``).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from titan_hydra.errors import ConfigError
 from titan_hydra.hardware import cpu_isa, cpu_model, read_cache, write_cache
+from titan_hydra.kernels.small_head_attention import HEAD_DIM, KernelUnavailable, causal_attention, warm_up
 
 log = logging.getLogger("titan_hydra")
 
@@ -61,8 +62,6 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def why_not(model: torch.nn.Module, device: torch.device, cp: int) -> str | None:
     """Why the small-head kernel cannot serve this model and layout (None: it can)."""
-    from titan_hydra.kernels.small_head_attention import HEAD_DIM
-
     modules = _attention_modules(model)
     if device.type != "cpu":
         return f"it is a CPU kernel and this run is on {device.type}"
@@ -84,8 +83,6 @@ def _heads(module: torch.nn.Module) -> int:
 
 def _time_kernels(heads: int, seq_len: int, dtype: torch.dtype) -> dict[str, float]:
     """Best-of seconds of one causal forward + backward of a [1, heads, seq_len, 16] call, each kernel."""
-    from titan_hydra.kernels.small_head_attention import HEAD_DIM, causal_attention
-
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, heads, seq_len, HEAD_DIM, generator=g).to(dtype).requires_grad_() for _ in range(3))
     grad = torch.randn(1, heads, seq_len, HEAD_DIM, generator=g).to(dtype)
@@ -132,8 +129,6 @@ def faster_kernel(heads: int, seq_len: int, dtype: torch.dtype, probe: Probe | N
 def auto_picks_kernel(heads: int, seq_len: int, dtype: torch.dtype) -> bool:
     """Whether ``auto`` would install the small-head kernel for a model whose heads it can serve
     (the planner asks; builds the kernel and measures once, as a run would)."""
-    from titan_hydra.kernels.small_head_attention import KernelUnavailable, warm_up
-
     try:
         warm_up()
     except KernelUnavailable:
@@ -153,8 +148,6 @@ def apply_attention_kernel(model: torch.nn.Module, choice: str, device: torch.de
         return KernelChoice("sdpa", "set explicitly")
     reason, unavailable = why_not(model, device, cp), False
     if reason is None:
-        from titan_hydra.kernels.small_head_attention import KernelUnavailable, causal_attention, warm_up
-
         try:
             warm_up()
         except KernelUnavailable as e:
