@@ -139,7 +139,7 @@ def test_fsdp_units(tied):
 def test_tp_plan_shards_qk_norm_per_head_for_qwen3_only():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from titan_hydra.parallel.styles import HeadShardedNorm
+    from titan_hydra.models.common.tp_styles import HeadShardedNorm
 
     with torch.device("meta"):
         qwen = QWEN3.build(debug("qwen3_debug", "n_layers=1")[1])

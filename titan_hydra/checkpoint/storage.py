@@ -38,14 +38,11 @@ from typing import Any
 
 import torch
 
-from titan_hydra.errors import UserError, first_line
+from titan_hydra.errors import first_line
+from titan_hydra.models.hf_io import CheckpointError  # defined in models so that HF loading can raise it
 
 MARKER = "COMPLETE.json"
 STEP_RE = re.compile(r"^step-(\d+)$")
-
-
-class CheckpointError(UserError):
-    """A checkpoint that cannot be loaded: says which one and what is wrong."""
 
 
 # --------------------------------------------------------------------------- step dirs

@@ -12,9 +12,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
+from titan_hydra.errors import UserError
 from titan_hydra.models.common.hf_decoder import HFConversionError
 from titan_hydra.models.protocol import ModelFamily
+from titan_hydra.models.registry import family_for_hf_type
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be loaded: says which one and what is wrong.
+
+    Defined here, below ``titan_hydra.checkpoint`` (which re-exports it from ``checkpoint.storage``),
+    so that reading HF directories can raise it without models importing the checkpoint package.
+    """
 
 
 def is_hf_dir(path: str | Path) -> bool:
@@ -25,11 +36,6 @@ def is_hf_dir(path: str | Path) -> bool:
 def load_hf_checkpoint(path: str | Path, family: ModelFamily | None = None
                        ) -> tuple[ModelFamily, Any, dict[str, torch.Tensor]]:
     """(family, our args, our full state dict) from an HF directory."""
-    from safetensors.torch import load_file
-
-    from titan_hydra.checkpoint.storage import CheckpointError
-    from titan_hydra.models.registry import family_for_hf_type
-
     path = Path(path)
     try:
         cfg = json.loads((path / "config.json").read_text())
@@ -53,11 +59,7 @@ def load_hf_checkpoint(path: str | Path, family: ModelFamily | None = None
 def save_hf_checkpoint(family: ModelFamily, path: str | Path, sd: dict[str, torch.Tensor], args: Any,
                        dtype: torch.dtype = torch.float32) -> None:
     """Write config.json and model.safetensors (HF names and layout) plus our args."""
-    from safetensors.torch import save_file
-
     if family.hf is None:
-        from titan_hydra.checkpoint.storage import CheckpointError
-
         raise CheckpointError(f"model family {family.name!r} has no Hugging Face adapter; cannot export")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from titan_hydra.errors import ConfigError
+from titan_hydra.models.common import moe
 from titan_hydra.models.protocol import ModelFamily, ModelShape
 
 
@@ -141,10 +142,12 @@ class DecoderFamily(ModelFamily):
         return units
 
     def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
+        # Lazy: torch.distributed.tensor takes about a second to import, and only TP runs need it
+        # (not every import of a family: convert, generate, eval, the estimator).
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-        from titan_hydra.parallel.styles import HeadShardedNorm, ReplicateParallel
+        from titan_hydra.models.common.tp_styles import HeadShardedNorm, ReplicateParallel
 
         seq = Shard(1) if sequence_parallel else Replicate()
 
@@ -193,8 +196,6 @@ class DecoderFamily(ModelFamily):
     # --- training -----------------------------------------------------------------------
     def set_loss_scale(self, model_parts: list[nn.Module], scale: float) -> None:
         if any(self.expert_modules(part) for part in model_parts):
-            from titan_hydra.models.common import moe
-
             moe.set_aux_grad_scale(model_parts, scale)
 
     def step_hooks(self, model_parts: list[nn.Module], dims: Any) -> list:
@@ -202,8 +203,6 @@ class DecoderFamily(ModelFamily):
         metrics), with token counts summed over the data x context parallel ranks."""
         if not any(self.expert_modules(part) for part in model_parts):
             return []  # dense (or a pipeline stage without MoE layers)
-        from titan_hydra.models.common import moe
-
         mesh = dims.submesh("dp_cp") if dims is not None else None
         group = mesh.get_group() if mesh is not None else None
         return [functools.partial(moe.balance_step, model_parts, group)]

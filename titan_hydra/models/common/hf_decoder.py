@@ -1,15 +1,23 @@
-"""Parameter names of Hugging Face's Llama-style decoders (Llama, Qwen3, ...) and ours.
+"""Our decoders <-> Hugging Face's ``*ForCausalLM`` checkpoints: names, expert layouts, the loops.
 
-HF's ``*ForCausalLM`` decoders share one naming scheme (``model.layers.<i>.self_attn.q_proj``,
-``mlp.gate_proj``, ``input_layernorm``, ...); families differ in which entries exist (QK-norm)
-and in tensor layout (rotary pairing), which their adapters handle.
+HF's decoders share one naming scheme (``model.layers.<i>.self_attn.q_proj``, ``mlp.gate_proj``,
+``input_layernorm``, ...); families differ in which entries exist (QK-norm, biases, MLA), in
+tensor layout (rotary pairing) and in how routed experts are stored (one tensor per expert, or
+fused ``gate_up_proj`` / ``down_proj``, transposed or not, gate and up concatenated or
+interleaved). ``DecoderHFAdapter`` converts in both directions from a family's tables
+(``block_names`` / ``extra_names``, an ``ExpertLayout``, per-tensor hooks); each family's
+``hf.py`` declares those and its config.json mapping.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterable, Mapping
 
 import torch
+
+from titan_hydra.models.protocol import HFAdapter
 
 # our suffix within a block -> HF suffix within model.layers.<i>.
 BLOCK_NAMES = {
@@ -28,40 +36,202 @@ BLOCK_NAMES = {
 TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_BLOCK_INV = {v: k for k, v in BLOCK_NAMES.items()}
 _TOP_INV = {v: k for k, v in TOP_NAMES.items()}
 _OURS_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# our stacked expert projection -> HF per-expert projection
+EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_EXPERT_INV = {v: k for k, v in EXPERT_NAMES.items()}
+_HF_EXPERT_RE = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 class HFConversionError(ValueError):
     """A tensor or config that has no counterpart on the other side."""
 
 
-def to_hf_name(fqn: str) -> str:
-    if fqn in TOP_NAMES:
-        return TOP_NAMES[fqn]
-    m = _OURS_RE.match(fqn)
-    if not m or m.group(2) not in BLOCK_NAMES:
-        raise HFConversionError(f"no HF name for parameter {fqn!r}")
-    return f"model.layers.{m.group(1)}.{BLOCK_NAMES[m.group(2)]}"
+def refuse_moved_expert_bias(fqn: str, bias: torch.Tensor, no_bias: str) -> None:
+    """An MoE export to an HF class without a selection-only routing bias needs ours at 0.
 
-
-def from_hf_name(name: str) -> str:
-    if name in _TOP_INV:
-        return _TOP_INV[name]
-    m = _HF_RE.match(name)
-    if not m or m.group(2) not in _BLOCK_INV:
-        raise HFConversionError(f"HF tensor {name!r} has no counterpart in this model")
-    return f"layers.{m.group(1)}.{_BLOCK_INV[m.group(2)]}"
-
-
-def refuse_moved_expert_bias(fqn: str, bias: torch.Tensor, hf_model: str) -> None:
-    """An MoE export to an HF class without a selection-only routing bias needs ours at 0."""
+    ``no_bias`` says so for the HF class, e.g. "HF GPT-OSS has no selection-only routing bias".
+    """
     if bool((bias != 0).any()):
         raise HFConversionError(
-            f"{fqn} is non-zero (trained with model.moe.load_balance_coeff>0); {hf_model} has no selection-only "
-            "routing bias, so its expert choices would differ: export needs load_balance_coeff=0")
+            f"{fqn} is non-zero (trained with model.moe.load_balance_coeff>0); {no_bias}, so its expert choices "
+            "would differ: export needs load_balance_coeff=0")
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How HF stores our routed experts of one MoE layer.
+
+    Ours are stacked per projection: ``feed_forward.experts.w1`` (gate) and ``w3`` (up)
+    [E, hidden, dim], ``w2`` (down) [E, dim, hidden], optionally ``w1_bias`` / ``w3_bias``
+    [E, hidden] and ``w2_bias`` [E, dim]. HF keeps them under ``model.layers.<i>.<module>.experts``
+    either one 2-D tensor per expert (``<j>.gate_proj.weight``, ...; ``per_expert``) or fused:
+    ``gate_up_proj`` (gate and up joined along the hidden axis, ``gate_up`` says how),
+    ``down_proj`` and, with ``biases``, ``gate_up_proj_bias`` / ``down_proj_bias``. ``transposed``:
+    HF's fused weights are [E, in, out] (ours are [E, out, in]). A per-expert layout also reads
+    the fused, untransposed pair that transformers holds in memory (its files are per expert).
+    """
+
+    module: str = "mlp"
+    per_expert: bool = True
+    gate_up: str = "concat"  # "concat": gate half first; "interleave": gate at even, up at odd positions
+    transposed: bool = False
+    biases: bool = False
+
+    def _join(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """Along the last dim (the hidden axis)."""
+        if self.gate_up == "interleave":
+            return torch.stack((gate, up), dim=-1).flatten(-2)
+        return torch.cat((gate, up), dim=-1)
+
+    def _split(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.gate_up == "interleave":
+            return t[..., 0::2], t[..., 1::2]
+        gate, up = t.chunk(2, dim=-1)
+        return gate, up
+
+    def to_hf(self, fqn: str, layer: str, w: str, t: torch.Tensor, sd: dict[str, torch.Tensor]
+              ) -> dict[str, torch.Tensor]:
+        """HF tensors for our ``layers.<layer>.feed_forward.experts.<w>`` (``fqn``)."""
+        proj, bias = w.removesuffix("_bias"), w.endswith("_bias")
+        if proj not in EXPERT_NAMES or (bias and (self.per_expert or not self.biases)):
+            raise HFConversionError(f"no HF name for parameter {fqn!r}")
+        hf = f"model.layers.{layer}.{self.module}.experts"
+        if self.per_expert:
+            return {f"{hf}.{j}.{EXPERT_NAMES[proj]}.weight": t[j].contiguous() for j in range(t.shape[0])}
+        tail = "_bias" if bias else ""
+        if proj == "w3":
+            return {}  # written with w1
+        if proj == "w2":
+            return {f"{hf}.down_proj{tail}": (t.transpose(1, 2) if self.transposed and not bias else t).contiguous()}
+        up = sd[f"layers.{layer}.feed_forward.experts.w3{tail}"]
+        if bias:
+            return {f"{hf}.gate_up_proj_bias": self._join(t, up).contiguous()}
+        fused = self._join(t.transpose(1, 2), up.transpose(1, 2))  # [E, dim, 2 x hidden]
+        return {f"{hf}.gate_up_proj": (fused if self.transposed else fused.transpose(1, 2)).contiguous()}
+
+    def from_hf(self, suffix: str, t: torch.Tensor) -> dict[str, torch.Tensor] | tuple[int, str] | None:
+        """For HF's ``model.layers.<i>.<suffix>``: our stacked tensors {w: tensor} from a fused one,
+        (expert, w) for a per-expert one, or None when it is not a routed-expert tensor."""
+        rest = suffix.removeprefix(f"{self.module}.experts.")
+        if rest == suffix:
+            return None
+        if self.per_expert and (m := _HF_EXPERT_RE.match(rest)):
+            return int(m.group(1)), _EXPERT_INV[m.group(2)]
+        if rest == "gate_up_proj":
+            gate, up = self._split(t if self.transposed else t.transpose(1, 2))
+            return {"w1": gate.transpose(1, 2).contiguous(), "w3": up.transpose(1, 2).contiguous()}
+        if rest == "down_proj":
+            return {"w2": (t.transpose(1, 2) if self.transposed else t).contiguous()}
+        if self.biases and rest == "gate_up_proj_bias":
+            gate, up = self._split(t)
+            return {"w1_bias": gate.contiguous(), "w3_bias": up.contiguous()}
+        if self.biases and rest == "down_proj_bias":
+            return {"w2_bias": t}
+        return None
+
+
+class DecoderHFAdapter(HFAdapter):
+    """Our state dict <-> an HF ``*ForCausalLM`` checkpoint, driven by the family's tables.
+
+    A family declares ``block_names`` (our suffix within ``layers.<i>.`` -> HF's within
+    ``model.layers.<i>.``; default: the Llama-style table above) and ``extra_names`` (its additions
+    and overrides; import also reads ``block_names``' HF names), ``experts`` (an ``ExpertLayout``
+    for MoE layers), ``no_routing_bias`` (HF has no selection-only bias: export refuses a moved
+    ``expert_bias`` with that phrase, import starts it at 0 in ``moe_layer_ids``) and, where a
+    tensor's layout differs, ``to_hf_tensor`` / ``from_hf_tensor``. This class does the loops:
+    tied ``lm_head.weight`` is neither written nor read (HF ties it on load), old checkpoints'
+    ``rotary_emb.inv_freq`` buffers are skipped, per-expert tensors are stacked after a count check.
+    """
+
+    block_names: ClassVar[Mapping[str, str]] = BLOCK_NAMES
+    extra_names: ClassVar[Mapping[str, str]] = {}
+    experts: ClassVar[ExpertLayout | None] = None
+    no_routing_bias: ClassVar[str | None] = None
+    skip_layers_beyond_model = False  # import skips model.layers.<i >= n_layers> (multi-token prediction)
+
+    def __init__(self) -> None:
+        self._names = {**self.block_names, **self.extra_names}
+        self._names_inv = {**{v: k for k, v in self.block_names.items()},
+                           **{v: k for k, v in self.extra_names.items()}}
+
+    # --- hooks --------------------------------------------------------------------------------
+    def check_export(self, args: Any) -> None:
+        """Raise HFConversionError for a model the HF class cannot express (before any tensor)."""
+
+    def moe_layer_ids(self, args: Any) -> Iterable[int]:
+        return range(getattr(args, "n_dense_layers", 0), args.n_layers)
+
+    def to_hf_tensor(self, suffix: str, t: torch.Tensor, args: Any) -> torch.Tensor:
+        return t.contiguous()
+
+    def from_hf_tensor(self, suffix: str, t: torch.Tensor, args: Any) -> torch.Tensor:
+        return t
+
+    # --- the loops ----------------------------------------------------------------------------
+    def to_hf_state(self, sd: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
+        self.check_export(args)
+        out: dict[str, torch.Tensor] = {}
+        for fqn, t in sd.items():
+            if fqn == "output.weight" and args.tie_word_embeddings:
+                continue
+            if fqn in TOP_NAMES:
+                out[TOP_NAMES[fqn]] = t.contiguous()
+                continue
+            m = _OURS_RE.match(fqn)
+            if m is None:
+                raise HFConversionError(f"no HF name for parameter {fqn!r}")
+            layer, suffix = m.groups()
+            if suffix == "feed_forward.expert_bias" and self.no_routing_bias:
+                refuse_moved_expert_bias(fqn, t, self.no_routing_bias)
+            elif self.experts and suffix.startswith("feed_forward.experts."):
+                out.update(self.experts.to_hf(fqn, layer, suffix.removeprefix("feed_forward.experts."), t, sd))
+            elif suffix in self._names:
+                out[f"model.layers.{layer}.{self._names[suffix]}"] = self.to_hf_tensor(suffix, t, args)
+            else:
+                raise HFConversionError(f"no HF name for parameter {fqn!r}")
+        return out
+
+    def from_hf_state(self, sd: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        pieces: dict[tuple[int, str], dict[int, torch.Tensor]] = {}  # (layer, w) -> {expert: tensor}
+        for name, t in sd.items():
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and args.tie_word_embeddings):
+                continue  # old HF checkpoints carry the (recomputable) rope buffer; HF ties lm_head on load
+            if name in _TOP_INV:
+                out[_TOP_INV[name]] = t
+                continue
+            m = _HF_RE.match(name)
+            if m is None:
+                raise HFConversionError(f"HF tensor {name!r} has no counterpart in this model")
+            layer, suffix = int(m.group(1)), m.group(2)
+            if self.skip_layers_beyond_model and layer >= args.n_layers:
+                continue
+            got = self.experts.from_hf(suffix, t) if self.experts else None
+            if isinstance(got, tuple):
+                pieces.setdefault((layer, got[1]), {})[got[0]] = t
+            elif got is not None:
+                out.update({f"layers.{layer}.feed_forward.experts.{w}": v for w, v in got.items()})
+            elif suffix in self._names_inv:
+                ours = self._names_inv[suffix]
+                out[f"layers.{layer}.{ours}"] = self.from_hf_tensor(ours, t, args)
+            else:
+                raise HFConversionError(f"HF tensor {name!r} has no counterpart in this model")
+        for (layer, w), per_expert in sorted(pieces.items()):
+            n = args.moe.num_experts
+            if sorted(per_expert) != list(range(n)):
+                missing, extra = sorted(set(range(n)) - set(per_expert)), sorted(set(per_expert) - set(range(n)))
+                what = f"{missing[:4]} of {n} missing" if missing else f"{extra[:4]} beyond the {n} of this model"
+                raise HFConversionError(f"layer {layer}: HF experts {what} for {EXPERT_NAMES[w]}")
+            out[f"layers.{layer}.feed_forward.experts.{w}"] = torch.stack([per_expert[j] for j in range(n)])
+        if self.no_routing_bias:  # HF has no selection-only bias: ours starts at 0
+            for i in self.moe_layer_ids(args):
+                out[f"layers.{i}.feed_forward.expert_bias"] = torch.zeros(args.moe.num_experts, dtype=torch.float32)
+        if args.tie_word_embeddings and "tok_embeddings.weight" in out:
+            out["output.weight"] = out["tok_embeddings.weight"]
+        return out
 
 
 def decoder_hf_config(args, *, architecture: str, model_type: str, ffn_dim: int, head_dim: int,
@@ -93,6 +263,33 @@ def rope_theta_of(cfg: dict) -> tuple[float, dict]:
     legacy = cfg.get("rope_scaling") or {}
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     return float(theta), {**legacy, **rope}
+
+
+def rope_of(cfg: dict, supported: tuple[str, ...], family: str = "") -> tuple[float, dict, str]:
+    """(rope_theta, scaling dict, rope type) from a config.json; a type outside ``supported`` is refused."""
+    theta, scaling = rope_theta_of(cfg)
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type not in supported:
+        which = " or ".join(supported) if len(supported) > 1 else f"{supported[0]} only"
+        raise HFConversionError(f"rope type {rope_type!r} is not supported{' for ' + family if family else ''} ({which})")
+    return theta, scaling, rope_type
+
+
+def decoder_args_of(cfg: dict, *, norm_eps: float, max_seq_len: int) -> dict[str, Any]:
+    """Our args fields that ``decoder_hf_config`` writes, read back; a missing optional key takes the
+    HF class's default (``norm_eps``, ``max_seq_len`` are the family's)."""
+    dim, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    return {
+        "dim": dim,
+        "n_layers": int(cfg["num_hidden_layers"]),
+        "n_heads": heads,
+        "n_kv_heads": int(cfg.get("num_key_value_heads") or heads),
+        "head_dim": int(cfg.get("head_dim") or dim // heads),
+        "vocab_size": int(cfg["vocab_size"]),
+        "norm_eps": float(cfg.get("rms_norm_eps", norm_eps)),
+        "max_seq_len": int(cfg.get("max_position_embeddings", max_seq_len)),
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+    }
 
 
 def check_model_type(cfg: dict, expected: str) -> None:

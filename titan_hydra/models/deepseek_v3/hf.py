@@ -20,14 +20,14 @@ like torchtitan's), rope types other than default/yarn. Multi-token-prediction l
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 
-from titan_hydra.models.common.hf_decoder import DTYPE_NAMES, HFConversionError, check_model_type, rope_theta_of
+from titan_hydra.models.common.hf_decoder import (
+    DTYPE_NAMES, DecoderHFAdapter, ExpertLayout, HFConversionError, check_model_type, rope_of,
+)
 from titan_hydra.models.deepseek_v3.model import DeepSeekV3Args
-from titan_hydra.models.protocol import HFAdapter
 
 # our suffix within layers.<i>. -> HF suffix within model.layers.<i>.
 BLOCK_NAMES = {
@@ -52,79 +52,13 @@ BLOCK_NAMES = {
     "feed_forward.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
     "feed_forward.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
 }
-EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}  # feed_forward.experts.<w> [E, ...]
-TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-             "output.weight": "lm_head.weight"}
-_BLOCK_INV = {v: k for k, v in BLOCK_NAMES.items()}
-_EXPERT_INV = {v: k for k, v in EXPERT_NAMES.items()}
-_TOP_INV = {v: k for k, v in TOP_NAMES.items()}
-_OURS_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_HF_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(\w+)\.weight$")
-_HF_FUSED = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
 
 
-class DeepSeekV3HFAdapter(HFAdapter):
+class DeepSeekV3HFAdapter(DecoderHFAdapter):
     model_type = "deepseek_v3"
-
-    # --- tensors ----------------------------------------------------------------------------
-    def to_hf_state(self, sd: dict[str, torch.Tensor], args: DeepSeekV3Args) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for fqn, t in sd.items():
-            if fqn == "output.weight" and args.tie_word_embeddings:
-                continue  # HF ties lm_head to the embedding on load
-            if fqn in TOP_NAMES:
-                out[TOP_NAMES[fqn]] = t.contiguous()
-                continue
-            m = _OURS_RE.match(fqn)
-            layer, rest = (m.group(1), m.group(2)) if m else (None, "")
-            w = rest.removeprefix("feed_forward.experts.")
-            if layer is not None and w in EXPERT_NAMES:
-                for e in range(t.shape[0]):
-                    out[f"model.layers.{layer}.mlp.experts.{e}.{EXPERT_NAMES[w]}.weight"] = t[e].contiguous()
-            elif layer is not None and rest in BLOCK_NAMES:
-                out[f"model.layers.{layer}.{BLOCK_NAMES[rest]}"] = t.contiguous()
-            else:
-                raise HFConversionError(f"no HF name for parameter {fqn!r}")
-        return out
-
-    def from_hf_state(self, sd: dict[str, torch.Tensor], args: DeepSeekV3Args) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}  # (layer, w) -> {expert: tensor}
-        for name, t in sd.items():
-            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and args.tie_word_embeddings):
-                continue
-            if name in _TOP_INV:
-                out[_TOP_INV[name]] = t
-                continue
-            m = _HF_RE.match(name)
-            if m is None:
-                raise HFConversionError(f"HF tensor {name!r} has no counterpart in this model")
-            layer, rest = int(m.group(1)), m.group(2)
-            if layer >= args.n_layers:
-                continue  # a multi-token-prediction module: not part of the model here
-            e = _HF_EXPERT_RE.match(rest)
-            if e is not None and e.group(2) in _EXPERT_INV:
-                experts.setdefault((layer, _EXPERT_INV[e.group(2)]), {})[int(e.group(1))] = t
-            elif rest in _HF_FUSED:
-                if rest.endswith("down_proj"):
-                    experts[(layer, "w2")] = dict(enumerate(t))
-                else:  # [E, 2 x hidden, dim]: gate rows first, then up rows
-                    gate, up = t.chunk(2, dim=1)
-                    experts[(layer, "w1")], experts[(layer, "w3")] = dict(enumerate(gate)), dict(enumerate(up))
-            elif rest in _BLOCK_INV:
-                out[f"layers.{layer}.{_BLOCK_INV[rest]}"] = t
-            else:
-                raise HFConversionError(f"HF tensor {name!r} has no counterpart in this model")
-        n = args.moe.num_experts
-        for (layer, w), per_expert in experts.items():
-            if sorted(per_expert) != list(range(n)):
-                raise HFConversionError(f"layer {layer} holds {w} of experts {sorted(per_expert)[:4]}...; "
-                                        f"expected experts 0..{n - 1}")
-            out[f"layers.{layer}.feed_forward.experts.{w}"] = torch.stack([per_expert[i] for i in range(n)])
-        if args.tie_word_embeddings and "tok_embeddings.weight" in out:
-            out["output.weight"] = out["tok_embeddings.weight"]
-        return out
+    block_names = BLOCK_NAMES
+    experts = ExpertLayout(module="mlp", per_expert=True)
+    skip_layers_beyond_model = True  # multi-token-prediction layers: not part of the model here
 
     # --- config.json --------------------------------------------------------------------------
     def hf_config(self, args: DeepSeekV3Args, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
@@ -192,8 +126,7 @@ class DeepSeekV3HFAdapter(HFAdapter):
             raise HFConversionError(f"config.json has num_key_value_heads={cfg['num_key_value_heads']} != "
                                     f"num_attention_heads={heads}; MLA has a key and value per head")
         max_seq_len = int(cfg.get("max_position_embeddings", 4096))
-        theta, rope = rope_theta_of(cfg)
-        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        theta, rope, rope_type = rope_of(cfg, ("default", "yarn"), "DeepSeek-V3")
         fields: dict[str, Any] = {"rope_theta": theta, "rope_type": rope_type}
         if rope_type == "yarn":
             if rope.get("attention_factor") is not None or rope.get("truncate", True) is False:
@@ -205,8 +138,6 @@ class DeepSeekV3HFAdapter(HFAdapter):
                 rope_original_max_seq_len=original,
                 beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
                 mscale=float(rope.get("mscale") or 0.0), mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0))
-        elif rope_type != "default":
-            raise HFConversionError(f"rope type {rope_type!r} is not supported for DeepSeek-V3 (default or yarn)")
         # a key missing from config.json means transformers' DeepseekV3Config default
         moe = {
             "num_experts": int(cfg.get("n_routed_experts", 256)),

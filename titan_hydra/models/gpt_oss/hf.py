@@ -15,114 +15,46 @@ selection-only bias: a model whose routing differs, or whose ``expert_bias`` mov
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 
 from titan_hydra.models.common.hf_decoder import (
-    HFConversionError, check_model_type, decoder_hf_config, from_hf_name, refuse_moved_expert_bias, rope_theta_of,
-    to_hf_name,
+    DecoderHFAdapter, ExpertLayout, HFConversionError, check_model_type, decoder_args_of, decoder_hf_config,
+    rope_of,
 )
 from titan_hydra.models.common.moe import MoEArgs
 from titan_hydra.models.gpt_oss.model import GptOssArgs, alternating_layer_types
-from titan_hydra.models.protocol import HFAdapter
-
-# our suffix within a block -> HF suffix, for what hf_decoder's table does not name
-EXTRA_NAMES = {
-    "attention.wq.bias": "self_attn.q_proj.bias",
-    "attention.wk.bias": "self_attn.k_proj.bias",
-    "attention.wv.bias": "self_attn.v_proj.bias",
-    "attention.wo.bias": "self_attn.o_proj.bias",
-    "attention.sinks": "self_attn.sinks",
-    "feed_forward.router.gate.weight": "mlp.router.weight",
-    "feed_forward.router.gate.bias": "mlp.router.bias",
-    "feed_forward.experts.w2": "mlp.experts.down_proj",
-    "feed_forward.experts.w2_bias": "mlp.experts.down_proj_bias",
-}
-_EXTRA_INV = {v: k for k, v in EXTRA_NAMES.items()}
-_BLOCK = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_FUSED = {"feed_forward.experts.w1": ("mlp.experts.gate_up_proj", 0),
-          "feed_forward.experts.w3": ("mlp.experts.gate_up_proj", 1),
-          "feed_forward.experts.w1_bias": ("mlp.experts.gate_up_proj_bias", 0),
-          "feed_forward.experts.w3_bias": ("mlp.experts.gate_up_proj_bias", 1)}
 
 
-def _check_representable(moe: MoEArgs) -> None:
-    if (moe.score_func != "softmax" or not moe.route_norm or moe.route_scale != 1.0 or moe.num_shared_experts
-            or moe.num_expert_groups > 1):
-        raise HFConversionError(
-            "HF GPT-OSS routes by softmax over the top-k logits (score_func=softmax, route_norm=true) only; "
-            f"this model has score_func={moe.score_func}, route_norm={moe.route_norm}, route_scale={moe.route_scale}, "
-            f"num_shared_experts={moe.num_shared_experts}, num_expert_groups={moe.num_expert_groups}")
-
-
-def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """[..., hidden] x 2 -> [..., 2 x hidden] with gate on even and up on odd positions."""
-    return torch.stack((gate, up), dim=-1).flatten(-2)
-
-
-class GptOssHFAdapter(HFAdapter):
+class GptOssHFAdapter(DecoderHFAdapter):
     model_type = "gpt_oss"
+    # our suffix within a block -> HF suffix, for what hf_decoder's table does not name
+    extra_names = {
+        "attention.wq.bias": "self_attn.q_proj.bias",
+        "attention.wk.bias": "self_attn.k_proj.bias",
+        "attention.wv.bias": "self_attn.v_proj.bias",
+        "attention.wo.bias": "self_attn.o_proj.bias",
+        "attention.sinks": "self_attn.sinks",
+        "feed_forward.router.gate.weight": "mlp.router.weight",
+        "feed_forward.router.gate.bias": "mlp.router.bias",
+    }
+    experts = ExpertLayout(module="mlp", per_expert=False, gate_up="interleave", transposed=True, biases=True)
+    no_routing_bias = "HF GPT-OSS has no selection-only routing bias"
 
-    def to_hf_state(self, sd: dict[str, torch.Tensor], args: GptOssArgs) -> dict[str, torch.Tensor]:
-        _check_representable(args.moe)
-        out: dict[str, torch.Tensor] = {}
-        for fqn, t in sd.items():
-            if fqn == "output.weight" and args.tie_word_embeddings:
-                continue
-            m = _BLOCK.match(fqn)
-            if m is None:
-                out[to_hf_name(fqn)] = t.contiguous()
-                continue
-            layer, suffix = m.groups()
-            prefix = f"model.layers.{layer}"
-            if suffix == "feed_forward.expert_bias":
-                refuse_moved_expert_bias(fqn, t, "HF GPT-OSS")
-            elif suffix in _FUSED:
-                if _FUSED[suffix][1] == 0:  # emit the fused tensor once, at the gate's entry
-                    up = sd[f"layers.{layer}.{suffix.replace('w1', 'w3')}"]
-                    if t.dim() == 3:  # weights [E, hidden, dim] -> HF's [E, dim, hidden]
-                        t, up = t.transpose(1, 2), up.transpose(1, 2)
-                    out[f"{prefix}.{_FUSED[suffix][0]}"] = _interleave(t, up).contiguous()
-            elif suffix == "feed_forward.experts.w2":
-                out[f"{prefix}.mlp.experts.down_proj"] = t.transpose(1, 2).contiguous()
-            elif suffix in EXTRA_NAMES:
-                out[f"{prefix}.{EXTRA_NAMES[suffix]}"] = t.contiguous()
-            else:
-                out[to_hf_name(fqn)] = t.contiguous()
-        return out
-
-    def from_hf_state(self, sd: dict[str, torch.Tensor], args: GptOssArgs) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for name, t in sd.items():
-            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and args.tie_word_embeddings):
-                continue
-            m = _HF_BLOCK.match(name)
-            suffix = m.group(2) if m else None
-            if suffix == "mlp.experts.gate_up_proj":  # [E, dim, 2h] -> w1, w3 [E, h, dim]
-                ours = f"layers.{m.group(1)}.feed_forward.experts"
-                out[f"{ours}.w1"] = t[..., 0::2].transpose(1, 2).contiguous()
-                out[f"{ours}.w3"] = t[..., 1::2].transpose(1, 2).contiguous()
-            elif suffix == "mlp.experts.gate_up_proj_bias":
-                ours = f"layers.{m.group(1)}.feed_forward.experts"
-                out[f"{ours}.w1_bias"], out[f"{ours}.w3_bias"] = t[..., 0::2].contiguous(), t[..., 1::2].contiguous()
-            elif suffix == "mlp.experts.down_proj":
-                out[f"layers.{m.group(1)}.feed_forward.experts.w2"] = t.transpose(1, 2).contiguous()
-            elif suffix in _EXTRA_INV:
-                out[f"layers.{m.group(1)}.{_EXTRA_INV[suffix]}"] = t
-            else:
-                out[from_hf_name(name)] = t
-        for i in range(args.n_layers):  # HF has no selection-only bias: ours starts at 0
-            out[f"layers.{i}.feed_forward.expert_bias"] = torch.zeros(args.moe.num_experts, dtype=torch.float32)
-        if args.tie_word_embeddings and "tok_embeddings.weight" in out:
-            out["output.weight"] = out["tok_embeddings.weight"]
-        return out
+    def check_export(self, args: GptOssArgs) -> None:
+        moe = args.moe
+        if (moe.score_func != "softmax" or not moe.route_norm or moe.route_scale != 1.0 or moe.num_shared_experts
+                or moe.num_expert_groups > 1):
+            raise HFConversionError(
+                "HF GPT-OSS routes by softmax over the top-k logits (score_func=softmax, route_norm=true) only; "
+                f"this model has score_func={moe.score_func}, route_norm={moe.route_norm}, "
+                f"route_scale={moe.route_scale}, num_shared_experts={moe.num_shared_experts}, "
+                f"num_expert_groups={moe.num_expert_groups}")
 
     def hf_config(self, args: GptOssArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+        self.check_export(args)
         moe = args.moe
-        _check_representable(moe)
         if args.rope_type == "yarn":
             rope = {"rope_type": "yarn", "rope_theta": float(args.rope_theta), "factor": float(args.rope_factor),
                     "original_max_position_embeddings": int(args.rope_original_max_seq_len),
@@ -147,10 +79,7 @@ class GptOssHFAdapter(HFAdapter):
         if cfg.get("quantization_config"):
             raise HFConversionError("config.json has a quantization_config (MXFP4 experts); convert a dequantized "
                                     "(bf16/fp32) checkpoint, e.g. one saved by transformers after loading")
-        theta, scaling = rope_theta_of(cfg)
-        rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
-        if rope_type not in ("default", "yarn"):
-            raise HFConversionError(f"rope type {rope_type!r} is not supported for GPT-OSS (default or yarn)")
+        theta, scaling, rope_type = rope_of(cfg, ("default", "yarn"), "GPT-OSS")
         if scaling.get("attention_factor") is not None or scaling.get("mscale") or scaling.get("mscale_all_dim"):
             raise HFConversionError("GPT-OSS YaRN with attention_factor / mscale overrides is not supported")
         n_layers = int(cfg["num_hidden_layers"])
@@ -158,17 +87,9 @@ class GptOssHFAdapter(HFAdapter):
         window = cfg.get("sliding_window")
         if window is None and "sliding_attention" in kinds:
             raise HFConversionError("config.json has sliding_attention layers but no sliding_window")
-        heads = int(cfg["num_attention_heads"])
         yarn = rope_type == "yarn"
         return GptOssArgs(
-            dim=int(cfg["hidden_size"]),
-            n_layers=n_layers,
-            n_heads=heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-            vocab_size=int(cfg["vocab_size"]),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            max_seq_len=int(cfg.get("max_position_embeddings", 131072)),
+            **decoder_args_of(cfg, norm_eps=1e-5, max_seq_len=131072),
             attention_bias=bool(cfg.get("attention_bias", True)),
             sliding_window=int(window or 128),
             layer_types=None if kinds == alternating_layer_types(n_layers) else kinds,
@@ -181,7 +102,6 @@ class GptOssHFAdapter(HFAdapter):
             rope_truncate=bool(scaling.get("truncate", True)) if yarn else False,
             swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
             swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             moe=MoEArgs(num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
                         expert_dim=int(cfg["intermediate_size"]), route_norm=True, load_balance_coeff=0.0,
                         aux_loss_coeff=0.0),

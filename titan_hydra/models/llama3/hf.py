@@ -19,11 +19,11 @@ from typing import Any
 import torch
 
 from titan_hydra.models.common.hf_decoder import (
-    HFConversionError, check_model_type, decoder_hf_config, from_hf_name, rope_theta_of, to_hf_name,
+    DecoderHFAdapter, HFConversionError, check_model_type, decoder_hf_config, rope_of,
 )
 from titan_hydra.models.common.rotary import LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT
 from titan_hydra.models.llama3.model import LlamaArgs
-from titan_hydra.models.protocol import HFAdapter
+
 
 def to_hf_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Interleaved (Meta) -> half-split (HF) rows of a q/k projection [n_heads*hd, dim]."""
@@ -39,12 +39,7 @@ def from_hf_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, 2, hd // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim).contiguous()
 
 
-def _heads_for(fqn: str, args: LlamaArgs) -> int | None:
-    if fqn.endswith("attention.wq.weight"):
-        return args.n_heads
-    if fqn.endswith("attention.wk.weight"):
-        return args.kv_heads
-    return None
+_HEADS = {"attention.wq.weight": "n_heads", "attention.wk.weight": "kv_heads"}  # rows permuted per head
 
 
 def _ffn_fields(dim: int, intermediate: int) -> dict[str, Any]:
@@ -55,31 +50,14 @@ def _ffn_fields(dim: int, intermediate: int) -> dict[str, Any]:
     return {"multiple_of": 1, "ffn_dim_multiplier": (intermediate + 0.5) / base}
 
 
-class LlamaHFAdapter(HFAdapter):
+class LlamaHFAdapter(DecoderHFAdapter):
     model_type = "llama"
 
-    def to_hf_state(self, sd: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
-        out = {}
-        for fqn, t in sd.items():
-            if fqn == "output.weight" and args.tie_word_embeddings:
-                continue
-            heads = _heads_for(fqn, args)
-            out[to_hf_name(fqn)] = to_hf_rows(t, heads) if heads else t.contiguous()
-        return out
+    def to_hf_tensor(self, suffix: str, t: torch.Tensor, args: LlamaArgs) -> torch.Tensor:
+        return to_hf_rows(t, getattr(args, _HEADS[suffix])) if suffix in _HEADS else t.contiguous()
 
-    def from_hf_state(self, sd: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, t in sd.items():
-            if name.endswith("rotary_emb.inv_freq"):
-                continue  # old HF checkpoints carry the (recomputable) rope buffer
-            if name == "lm_head.weight" and args.tie_word_embeddings:
-                continue
-            fqn = from_hf_name(name)
-            heads = _heads_for(fqn, args)
-            out[fqn] = from_hf_rows(t, heads) if heads else t
-        if args.tie_word_embeddings and "tok_embeddings.weight" in out:
-            out["output.weight"] = out["tok_embeddings.weight"]
-        return out
+    def from_hf_tensor(self, suffix: str, t: torch.Tensor, args: LlamaArgs) -> torch.Tensor:
+        return from_hf_rows(t, getattr(args, _HEADS[suffix])) if suffix in _HEADS else t
 
     def hf_config(self, args: LlamaArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(args.rope_theta)}
@@ -96,10 +74,7 @@ class LlamaHFAdapter(HFAdapter):
         dim, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         if int(cfg.get("head_dim") or dim // heads) != dim // heads:
             raise HFConversionError(f"config.json head_dim={cfg['head_dim']} != hidden_size/num_attention_heads")
-        theta, scaling = rope_theta_of(cfg)
-        rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
-        if rope_type not in ("default", "llama3"):
-            raise HFConversionError(f"rope type {rope_type!r} is not supported (default or llama3)")
+        theta, scaling, rope_type = rope_of(cfg, ("default", "llama3"))
         if rope_type == "llama3":
             expected = (LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT)
             got = (scaling.get("low_freq_factor"), scaling.get("high_freq_factor"),

@@ -19,44 +19,16 @@ has no HF counterpart and is refused with one line. Meta's multimodal checkpoint
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 
 from titan_hydra.models.common.hf_decoder import (
-    HFConversionError, check_model_type, decoder_hf_config, from_hf_name, refuse_moved_expert_bias, rope_theta_of,
-    to_hf_name,
+    DecoderHFAdapter, ExpertLayout, HFConversionError, check_model_type, decoder_args_of, decoder_hf_config,
+    rope_of,
 )
 from titan_hydra.models.common.moe import MoEArgs
 from titan_hydra.models.llama4.model import Llama4Args
-from titan_hydra.models.protocol import HFAdapter
-
-# our suffix within a block -> HF suffix, where it differs from hf_decoder's table
-FFN_NAMES = {
-    "feed_forward.w1.weight": "feed_forward.gate_proj.weight",
-    "feed_forward.w3.weight": "feed_forward.up_proj.weight",
-    "feed_forward.w2.weight": "feed_forward.down_proj.weight",
-    "feed_forward.shared_experts.w1.weight": "feed_forward.shared_expert.gate_proj.weight",
-    "feed_forward.shared_experts.w3.weight": "feed_forward.shared_expert.up_proj.weight",
-    "feed_forward.shared_experts.w2.weight": "feed_forward.shared_expert.down_proj.weight",
-    "feed_forward.router.gate.weight": "feed_forward.router.weight",
-    "feed_forward.experts.w2": "feed_forward.experts.down_proj",
-}
-_FFN_INV = {v: k for k, v in FFN_NAMES.items()}
-_BLOCK = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-
-
-def _check_representable(moe: MoEArgs) -> None:
-    if (moe.score_func != "sigmoid" or moe.route_norm or moe.route_scale != 1.0 or moe.num_shared_experts != 1
-            or moe.num_expert_groups > 1 or not moe.score_before_experts):
-        raise HFConversionError(
-            "HF Llama 4 routes by sigmoid gates on the expert input with one shared expert (score_func=sigmoid, "
-            "route_norm=false, score_before_experts=true, num_shared_experts=1) only; this model has "
-            f"score_func={moe.score_func}, route_norm={moe.route_norm}, route_scale={moe.route_scale}, "
-            f"num_shared_experts={moe.num_shared_experts}, num_expert_groups={moe.num_expert_groups}, "
-            f"score_before_experts={moe.score_before_experts}")
 
 
 def _flags(ids: list[int], n_layers: int, value: int) -> list[int]:
@@ -65,64 +37,38 @@ def _flags(ids: list[int], n_layers: int, value: int) -> list[int]:
     return [value if i in chosen else 1 - value for i in range(n_layers)]
 
 
-class Llama4HFAdapter(HFAdapter):
+class Llama4HFAdapter(DecoderHFAdapter):
     model_type = "llama4_text"
+    # our suffix within a block -> HF suffix, where it differs from hf_decoder's table
+    extra_names = {
+        "feed_forward.w1.weight": "feed_forward.gate_proj.weight",
+        "feed_forward.w3.weight": "feed_forward.up_proj.weight",
+        "feed_forward.w2.weight": "feed_forward.down_proj.weight",
+        "feed_forward.shared_experts.w1.weight": "feed_forward.shared_expert.gate_proj.weight",
+        "feed_forward.shared_experts.w3.weight": "feed_forward.shared_expert.up_proj.weight",
+        "feed_forward.shared_experts.w2.weight": "feed_forward.shared_expert.down_proj.weight",
+        "feed_forward.router.gate.weight": "feed_forward.router.weight",
+    }
+    experts = ExpertLayout(module="feed_forward", per_expert=False, gate_up="concat", transposed=True)
+    no_routing_bias = "HF Llama 4 has no selection-only routing bias"
 
-    def to_hf_state(self, sd: dict[str, torch.Tensor], args: Llama4Args) -> dict[str, torch.Tensor]:
-        _check_representable(args.moe)
-        out: dict[str, torch.Tensor] = {}
-        for fqn, t in sd.items():
-            if fqn == "output.weight" and args.tie_word_embeddings:
-                continue
-            m = _BLOCK.match(fqn)
-            if m is None:
-                out[to_hf_name(fqn)] = t.contiguous()
-                continue
-            layer, suffix = m.groups()
-            prefix = f"model.layers.{layer}"
-            if suffix == "feed_forward.expert_bias":
-                refuse_moved_expert_bias(fqn, t, "HF Llama 4")
-            elif suffix == "feed_forward.experts.w1":  # [E, h, dim] x 2 -> [E, dim, 2h], gate first
-                up = sd[f"layers.{layer}.feed_forward.experts.w3"]
-                out[f"{prefix}.feed_forward.experts.gate_up_proj"] = torch.cat(
-                    (t.transpose(1, 2), up.transpose(1, 2)), dim=-1).contiguous()
-            elif suffix == "feed_forward.experts.w3":
-                continue  # written with w1
-            elif suffix == "feed_forward.experts.w2":
-                out[f"{prefix}.feed_forward.experts.down_proj"] = t.transpose(1, 2).contiguous()
-            elif suffix in FFN_NAMES:
-                out[f"{prefix}.{FFN_NAMES[suffix]}"] = t.contiguous()
-            else:
-                out[to_hf_name(fqn)] = t.contiguous()
-        return out
+    def check_export(self, args: Llama4Args) -> None:
+        moe = args.moe
+        if (moe.score_func != "sigmoid" or moe.route_norm or moe.route_scale != 1.0 or moe.num_shared_experts != 1
+                or moe.num_expert_groups > 1 or not moe.score_before_experts):
+            raise HFConversionError(
+                "HF Llama 4 routes by sigmoid gates on the expert input with one shared expert (score_func=sigmoid, "
+                "route_norm=false, score_before_experts=true, num_shared_experts=1) only; this model has "
+                f"score_func={moe.score_func}, route_norm={moe.route_norm}, route_scale={moe.route_scale}, "
+                f"num_shared_experts={moe.num_shared_experts}, num_expert_groups={moe.num_expert_groups}, "
+                f"score_before_experts={moe.score_before_experts}")
 
-    def from_hf_state(self, sd: dict[str, torch.Tensor], args: Llama4Args) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for name, t in sd.items():
-            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and args.tie_word_embeddings):
-                continue
-            m = _HF_BLOCK.match(name)
-            suffix = m.group(2) if m else None
-            if suffix == "feed_forward.experts.gate_up_proj":
-                ours = f"layers.{m.group(1)}.feed_forward.experts"
-                gate, up = t.chunk(2, dim=-1)
-                out[f"{ours}.w1"] = gate.transpose(1, 2).contiguous()
-                out[f"{ours}.w3"] = up.transpose(1, 2).contiguous()
-            elif suffix == "feed_forward.experts.down_proj":
-                out[f"layers.{m.group(1)}.feed_forward.experts.w2"] = t.transpose(1, 2).contiguous()
-            elif suffix in _FFN_INV:
-                out[f"layers.{m.group(1)}.{_FFN_INV[suffix]}"] = t
-            else:
-                out[from_hf_name(name)] = t
-        for i in args.moe_layer_ids:  # HF has no selection-only bias: ours starts at 0
-            out[f"layers.{i}.feed_forward.expert_bias"] = torch.zeros(args.moe.num_experts, dtype=torch.float32)
-        if args.tie_word_embeddings and "tok_embeddings.weight" in out:
-            out["output.weight"] = out["tok_embeddings.weight"]
-        return out
+    def moe_layer_ids(self, args: Llama4Args) -> list[int]:
+        return args.moe_layer_ids
 
     def hf_config(self, args: Llama4Args, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+        self.check_export(args)
         moe = args.moe
-        _check_representable(moe)
         if args.rope_scaling == "llama3":
             rope = {"rope_type": "llama3", "rope_theta": float(args.rope_theta), "factor": float(args.rope_factor),
                     "low_freq_factor": float(args.rope_low_freq_factor),
@@ -152,28 +98,17 @@ class Llama4HFAdapter(HFAdapter):
         check_model_type(cfg, "llama4_text")
         if cfg.get("attention_bias"):
             raise HFConversionError("config.json has attention_bias=true; Llama 4 here has no attention biases")
-        theta, scaling = rope_theta_of(cfg)
-        rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
-        if rope_type not in ("default", "llama3"):
-            raise HFConversionError(f"rope type {rope_type!r} is not supported for Llama 4 (default or llama3)")
+        theta, scaling, rope_type = rope_of(cfg, ("default", "llama3"), "Llama 4")
         n_layers = int(cfg["num_hidden_layers"])
         uses_rope = cfg.get("no_rope_layers") or [int((i + 1) % int(cfg.get("no_rope_layer_interval", 4)) != 0)
                                                   for i in range(n_layers)]
         step = int(cfg.get("interleave_moe_layer_step", 1) or 1)
         moe_layers = cfg.get("moe_layers")
         moe_layers = list(range(step - 1, n_layers, step)) if moe_layers is None else [int(i) for i in moe_layers]
-        heads = int(cfg["num_attention_heads"])
         llama3 = rope_type == "llama3"
         return Llama4Args(
-            dim=int(cfg["hidden_size"]),
-            n_layers=n_layers,
-            n_heads=heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-            vocab_size=int(cfg["vocab_size"]),
+            **decoder_args_of(cfg, norm_eps=1e-5, max_seq_len=131072),
             ffn_hidden_dim=int(cfg.get("intermediate_size_mlp") or cfg["intermediate_size"]),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            max_seq_len=int(cfg.get("max_position_embeddings", 131072)),
             rope_theta=theta,
             rope_scaling="llama3" if llama3 else "none",
             rope_factor=float(scaling.get("factor") or 16.0),
@@ -187,7 +122,6 @@ class Llama4HFAdapter(HFAdapter):
             floor_scale=float(cfg.get("floor_scale", 8192)),
             attn_scale=float(cfg.get("attn_scale", 0.1)),
             moe_layers=moe_layers,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             moe=MoEArgs(num_experts=int(cfg["num_local_experts"]), top_k=int(cfg.get("num_experts_per_tok", 1)),
                         expert_dim=int(cfg["intermediate_size"]), num_shared_experts=1, score_func="sigmoid",
                         score_before_experts=True, load_balance_coeff=0.0, aux_loss_coeff=0.0),

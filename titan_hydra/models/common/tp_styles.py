@@ -1,0 +1,62 @@
+"""ParallelStyles that torch does not ship, used by the families' tensor-parallel plans.
+
+A plan (which module is sharded how) is model knowledge, so these live beside
+``decoder_family.DecoderFamily.tp_plan``; ``titan_hydra.parallel.styles`` re-exports them for
+models defined outside this package. Importing this module imports ``torch.distributed.tensor``.
+
+* ``ReplicateParallel``: a module kept whole whose parameters must still be DTensors on the TP
+  mesh (norms without sequence parallel). Gradient clipping's foreach norm and FSDP's 2-D
+  sharding refuse a mix of plain tensors and DTensors.
+* ``HeadShardedNorm``: a per-head norm (Qwen3's QK-norm) applied to the local heads after a
+  column-wise projection. Its input is marked ``Shard(2)`` (heads of [B, S, H, D]) and its weight
+  ``Replicate``, so the weight's gradient, a sum over every head, is all-reduced across TP ranks
+  by DTensor. Marking the input ``Replicate`` would compute the right forward but keep each rank's
+  partial weight gradient, silently wrong.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+
+def _replicate_params(_name: str, module: nn.Module, mesh) -> None:
+    for name, param in list(module.named_parameters(recurse=False)):
+        if isinstance(param, DTensor):
+            continue
+        dt = DTensor.from_local(param, mesh, [Replicate()], run_check=False)
+        module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+
+def _to_local(_mod, out, _mesh):
+    return out.to_local() if isinstance(out, DTensor) else out
+
+
+def _inputs_as(placement):
+    def fn(_mod: nn.Module, inputs: tuple, mesh) -> tuple:
+        return tuple(
+            DTensor.from_local(x, mesh, [placement], run_check=False)
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+            else x
+            for x in inputs
+        )
+
+    return fn
+
+
+class ReplicateParallel(ParallelStyle):
+    """Keep a module unsharded with Replicate DTensor parameters; plain tensors in and out."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return distribute_module(module, device_mesh, partition_fn=_replicate_params,
+                                 input_fn=_inputs_as(Replicate()), output_fn=_to_local)
+
+
+class HeadShardedNorm(ParallelStyle):
+    """A norm over head_dim applied to this rank's heads (input [B, S, H_local, D])."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return distribute_module(module, device_mesh, partition_fn=_replicate_params,
+                                 input_fn=_inputs_as(Shard(2)), output_fn=_to_local)
