@@ -15,6 +15,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from titan_hydra.errors import ConfigError
+from titan_hydra.errors import instantiate_checked as instantiate
+from titan_hydra.models.common.hf_decoder import HFConversionError
 from titan_hydra.models.protocol import ModelFamily
 
 # family name -> (module holding FAMILY, module holding its config schema, schema class name)
@@ -56,8 +58,6 @@ def family_for_hf_type(model_type: str | None) -> ModelFamily:
         family = get_family(name)
         if family.hf is not None and family.hf.model_type == model_type:
             return family
-    from titan_hydra.models.common.hf_decoder import HFConversionError
-
     known = ", ".join(t for t in (get_family(n).hf.model_type for n in BUILTIN if get_family(n).hf) if t)
     raise HFConversionError(f"config.json model_type={model_type!r} is not supported (known: {known})")
 
@@ -90,8 +90,6 @@ def args_of(model_cfg: Any) -> tuple[ModelFamily, Any]:
 
 def build_model(model_cfg: Any) -> tuple[ModelFamily, Any]:
     """Instantiate ``model._target_`` with the node's fields (on the current default device)."""
-    from titan_hydra.errors import instantiate_checked as instantiate
-
     family = family_of(model_cfg)
     node = {k: v for k, v in model_node(model_cfg).items() if k not in ("family", "flavor")}
     return family, instantiate(node, _convert_="all")

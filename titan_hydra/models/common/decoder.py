@@ -25,6 +25,7 @@ from torch import nn
 
 from titan_hydra.models.common.layers import RMSNorm, trunc_normal_
 from titan_hydra.models.common.masking import positions_in_documents
+from titan_hydra.models.common.rotary import tables_from_frequencies
 
 
 class TransformerBlock(nn.Module):
@@ -92,8 +93,6 @@ class Decoder(nn.Module):
         return 1.0
 
     def rope_tables(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        from titan_hydra.models.common.rotary import tables_from_frequencies
-
         cos, sin = tables_from_frequencies(self.rope_frequencies(device), self.args.max_seq_len, device)
         magnitude = self.rope_magnitude()
         if magnitude != 1.0:

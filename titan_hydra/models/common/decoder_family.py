@@ -147,7 +147,7 @@ class DecoderFamily(ModelFamily):
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-        from titan_hydra.models.common.tp_styles import HeadShardedNorm, ReplicateParallel
+        from titan_hydra.models.common.tp_styles import HeadShardedNorm, ReplicateParallel  # lazy: see above
 
         seq = Shard(1) if sequence_parallel else Replicate()
 
