@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers import compose_cfg, run_launch
 
+from titan_hydra.config import mixed_precision_of
 from titan_hydra.estimate import plan
 from titan_hydra.models.registry import build_model
 from titan_hydra.parallel.ac import apply_ac
