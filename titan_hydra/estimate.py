@@ -280,11 +280,11 @@ def saved_block_bytes_cuda(args: ModelShape, mode: str, tokens: float, tp: int, 
 
 def stage_layer_counts(dims, n_layers: int, runtime: Runtime) -> list[int]:
     """Layers of every pipeline stage, in stage order (titan_hydra's split or torchtitan's)."""
-    from titan_hydra.parallel.pp import _default_stages_per_rank, stage_layer_ranges
+    from titan_hydra.parallel.pp import default_stages_per_rank, stage_layer_ranges
 
     if runtime.pp_split == "front" or dims.pp_split_points or dims.pp_layers_per_stage:
         return [len(r) for r in stage_layer_ranges(dims, n_layers)]
-    n_stages = dims.pp * _default_stages_per_rank(dims.pp_schedule)
+    n_stages = dims.pp * default_stages_per_rank(dims.pp_schedule)
     base, extra = divmod(n_layers, n_stages)  # torchtitan: first stage base, middle ones +1 first
     sizes = [base] + [base + (1 if s <= extra else 0) for s in range(1, n_stages - 1)]
     return sizes + [n_layers - sum(sizes)] if n_stages > 1 else [n_layers]

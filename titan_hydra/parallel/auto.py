@@ -151,14 +151,14 @@ def set_degrees(cfg: DictConfig, c: Candidate) -> None:
 
 def check_rules(cfg: DictConfig, dims) -> str:
     """The launch's own parallelism rules for this layout; returns why it fails ("" = passes)."""
-    from titan_hydra.validate import _validate_parallel_modules
+    from titan_hydra.validate import validate_parallel_modules
 
     t = cfg.training
     try:
         dims.batch_plan(t.local_batch_size, t.global_batch_size)
         if dims.cp > 1 and t.seq_len % (2 * dims.cp):
             raise ConfigError(f"seq_len {t.seq_len} not divisible by 2*cp")
-        _validate_parallel_modules(cfg, dims)
+        validate_parallel_modules(cfg, dims)
         from titan_hydra.models.registry import args_of
 
         family, args = args_of(cfg.model)
