@@ -12,7 +12,7 @@ data / metrics imports it; launch/ and recipes/ call it.
   runtime.py      behaviours of the training code that are not config keys (titan_hydra, torchtitan)
   pipeline.py     pipeline stage split and per-rank F/B order (schedule simulator)
   cuda_memory.py  the CUDA step's dynamic peak and the caching allocator's reserve
-  devices.py      device memory by GPU name
+  devices.py      device memory and peak TFLOP/s by GPU name
   plan.py         ``plan()``: the per-rank plan of a run, and its report
   auto.py         ``parallelism=auto``: candidate layouts, ranked by the plan
 """

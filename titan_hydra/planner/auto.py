@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from titan_hydra.errors import ConfigError, UserError
 from titan_hydra.models.registry import args_of
-from titan_hydra.planner.devices import device_memory_of
+from titan_hydra.planner.devices import device_memory_of, peak_tflops_of
 from titan_hydra.planner.plan import ASSUMED_MFU, plan
 from titan_hydra.planner.shape import model_shape, stage_params
 from titan_hydra.validate import build_dims, validate_parallel_modules, world_size_of
@@ -275,7 +275,7 @@ def resolve_auto(cfg: DictConfig) -> DictConfig:
         raise ConfigError(no_fit_message(cfg, cands, device_gib))
     if is_launcher_rank():
         print(f"parallelism=auto candidates ({len(cands)}):\n{table(cands, device_gib)}", flush=True)
-        peak = OmegaConf.select(cfg, "cluster.peak_tflops") is not None
+        peak = peak_tflops_of(cfg) is not None
         print(f"parallelism=auto chose {chosen.describe()}: {reason(chosen, cands, peak)}", flush=True)
     set_degrees(cfg, chosen)
     return cfg

@@ -30,7 +30,7 @@ from titan_hydra.planner.cuda_memory import (
     ALLOCATOR_RESERVE_EAGER,
     cuda_dynamic_peak,
 )
-from titan_hydra.planner.devices import device_memory_of
+from titan_hydra.planner.devices import device_memory_of, peak_tflops_of
 from titan_hydra.planner.runtime import TITAN_HYDRA, Runtime
 from titan_hydra.planner.shape import largest_block_params, stage_params
 
@@ -182,7 +182,7 @@ def plan(cfg: DictConfig, dims, runtime: Runtime = TITAN_HYDRA) -> Plan:
     if ep > 1:
         layout += f" ep={ep}"
     a2a = alltoall_bytes(args, kind, local_bs * t.seq_len / dims.cp * accum, moe_layers, ep)
-    peak_tflops = OmegaConf.select(cfg, "cluster.peak_tflops")
+    peak_tflops = peak_tflops_of(cfg)
     flops_rank = fpt * tokens / dims.world_size
     step_time = flops_rank / (ASSUMED_MFU * peak_tflops * 1e12) if peak_tflops else None
     return Plan(
