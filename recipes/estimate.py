@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import titan_hydra.config  # noqa: F401  (registers schemas)
     from titan_hydra.errors import UserError
-    from titan_hydra.estimate import plan
+    from titan_hydra.planner.plan import plan
     from titan_hydra.validate import build_dims
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):

@@ -67,8 +67,9 @@ def compose(overrides_: list[str]):
 
 def evaluate_row(row: dict) -> dict:
     """Estimated peak GiB and tokens/s per GPU of one row, with the published numbers beside."""
-    from titan_hydra.estimate import TORCHTITAN_2024_12, plan
-    from titan_hydra.parallel.auto import ASSUMED_MFU, estimated_step_time
+    from titan_hydra.planner.auto import estimated_step_time
+    from titan_hydra.planner.plan import ASSUMED_MFU, plan
+    from titan_hydra.planner.runtime import TORCHTITAN_2024_12
     from titan_hydra.validate import build_dims
 
     cfg = compose(overrides(row))

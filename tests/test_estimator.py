@@ -15,7 +15,8 @@ import pytest
 import torch
 from helpers import compose_cfg, run_launch
 
-from titan_hydra.estimate import plan
+from titan_hydra.config import mixed_precision_of
+from titan_hydra.planner.plan import plan
 from titan_hydra.models.registry import build_model
 from titan_hydra.parallel.ac import apply_ac
 from titan_hydra.train.loss import cross_entropy_loss
@@ -208,7 +209,7 @@ def test_loss_backward_bytes_per_logit_match_measured(tmp_path):
     backward keeps three fp32 temporaries beside the saved log-probs)."""
     from helpers import spawn_gloo
 
-    from titan_hydra.estimate import LOSS_BACKWARD_BYTES_PER_LOGIT, LOSS_PARALLEL_BACKWARD_BYTES_PER_LOGIT
+    from titan_hydra.planner.activations import LOSS_BACKWARD_BYTES_PER_LOGIT, LOSS_PARALLEL_BACKWARD_BYTES_PER_LOGIT
 
     out = tmp_path / "loss_bytes.json"
     spawn_gloo(_loss_bytes_worker, 2, str(out))

@@ -82,7 +82,9 @@ def test_schedule_effect_has_the_published_sign():
 def test_first_pipeline_rank_holds_less_under_interleaved_1f1b():
     """Where the schedules differ, on the first rank (all its microbatches in flight before the
     first backward), interleaving halves the layers whose inputs wait on it after that backward."""
-    from titan_hydra.estimate import TORCHTITAN_2024_12, cuda_dynamic_peak, model_shape
+    from titan_hydra.planner.cuda_memory import cuda_dynamic_peak
+    from titan_hydra.planner.runtime import TORCHTITAN_2024_12
+    from titan_hydra.planner.shape import model_shape
     from titan_hydra.validate import build_dims
 
     peaks = {}
@@ -115,7 +117,7 @@ AUTO_XFAIL: dict[str, str] = {}
 @pytest.mark.parametrize("row", [pytest.param(r, id=r["id"], marks=[pytest.mark.xfail(strict=True, reason=AUTO_XFAIL[r["id"]])]
                                               if r["id"] in AUTO_XFAIL else []) for r in _groups()])
 def test_auto_picks_a_fitting_layout_no_more_parallel_than_published(row):
-    from titan_hydra.parallel import auto
+    from titan_hydra.planner import auto
 
     ov = [o for o in ep.overrides(row) if not o.startswith("parallelism")] + ["parallelism=auto"]
     if row["tp"] > 1:

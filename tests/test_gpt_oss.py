@@ -275,7 +275,7 @@ def test_hf_refusals_are_one_line():
 
 
 def test_dry_run_plans_gpt_oss_120b():
-    from titan_hydra.estimate import plan
+    from titan_hydra.planner.plan import plan
     from titan_hydra.launch.entry import build_dims
     from titan_hydra.validate import validate
 

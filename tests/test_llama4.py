@@ -214,7 +214,7 @@ def test_hf_export_refusals_are_one_line():
 
 
 def test_dry_run_plans_llama4_scout():
-    from titan_hydra.estimate import plan
+    from titan_hydra.planner.plan import plan
     from titan_hydra.launch.entry import build_dims
     from titan_hydra.validate import validate
 

@@ -12,8 +12,8 @@ import pytest
 from helpers import BASE, GLOBAL_BATCH, STEPS, assert_parity, compose_cfg, reference_losses, run_launch, series
 
 from titan_hydra.errors import ConfigError
-from titan_hydra.estimate import plan
-from titan_hydra.parallel import auto
+from titan_hydra.planner import auto
+from titan_hydra.planner.plan import plan
 from titan_hydra.validate import build_dims
 
 H100 = ["cluster=slurm_h100", "parallelism=auto", "training.seq_len=8192"]

@@ -79,7 +79,7 @@ def validate(cfg: DictConfig) -> None:
 
     if not OmegaConf.select(cfg, "dry_run"):  # a dry run sizes a GPU cluster from any machine
         _validate_environment(cfg)
-    _validate_parallel_modules(cfg, dims)
+    validate_parallel_modules(cfg, dims)
     _validate_data(cfg)
     if OmegaConf.select(cfg, "eval.freq", default=0):
         instantiate(cfg.eval).check()  # lm-eval installed, tasks known: before any model is built
@@ -100,7 +100,7 @@ def _validate_document_mask(family, dims) -> None:
 PARALLEL_MODULES = ("fsdp", "tp", "pp", "cp", "ep", "ac", "compile")
 
 
-def _validate_parallel_modules(cfg: DictConfig, dims) -> None:
+def validate_parallel_modules(cfg: DictConfig, dims) -> None:
     """Each parallelism module may define ``check_config(cfg, dims)`` for its own rules."""
     import importlib
 

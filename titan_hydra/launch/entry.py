@@ -40,7 +40,7 @@ def launch(cfg: DictConfig) -> float | None:
     submit_to_slurm = cfg.cluster.launcher == "slurm" and not (in_slurm_step() or in_submitit_job())
     try:
         from titan_hydra.launch.sweep_check import submit_host_view
-        from titan_hydra.parallel.auto import resolve_auto
+        from titan_hydra.planner.auto import resolve_auto
 
         resolve_auto(cfg)  # parallelism=auto -> concrete degrees, before anything checks them
         validate(submit_host_view(cfg) if submit_to_slurm else cfg)
@@ -48,7 +48,7 @@ def launch(cfg: DictConfig) -> float | None:
     except UserError as e:
         fail(str(e))
     if cfg.dry_run:
-        from titan_hydra.estimate import plan
+        from titan_hydra.planner.plan import plan
 
         print(plan(cfg, dims).format(), flush=True)
         return None

@@ -86,7 +86,7 @@ def point_problem(config_loader: Any, config: DictConfig, overrides: Sequence[st
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from titan_hydra.parallel.auto import resolve_auto
+    from titan_hydra.planner.auto import resolve_auto
     from titan_hydra.validate import validate
 
     try:

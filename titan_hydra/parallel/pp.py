@@ -51,7 +51,7 @@ SPLIT_POINT = re.compile(r"^layers\.(\d+)$")
 # --------------------------------------------------------------------------- the plan
 
 
-def _default_stages_per_rank(schedule: str) -> int:
+def default_stages_per_rank(schedule: str) -> int:
     return 1 if schedule in SINGLE_STAGE_SCHEDULES else 2
 
 
@@ -85,7 +85,7 @@ def stage_layer_ranges(dims, n_layers: int) -> list[range]:
                 f"parallelism.pp_layers_per_stage={lps} must be >= 1 and divide model.n_layers={n_layers}"
             )
         return [range(a, a + lps) for a in range(0, n_layers, lps)]
-    n_stages = dims.pp * _default_stages_per_rank(dims.pp_schedule)
+    n_stages = dims.pp * default_stages_per_rank(dims.pp_schedule)
     if n_stages > n_layers:
         raise ConfigError(
             f"model.n_layers={n_layers} is fewer than the {n_stages} pipeline stages that "

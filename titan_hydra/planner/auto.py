@@ -1,8 +1,9 @@
 """``parallelism=auto``: pick the parallel degrees from the model and the cluster.
 
-Why here, and why before validation: the degrees decide everything downstream (mesh, memory,
-checks), so ``launch()`` resolves them once, in the launching process, before ``validate``;
-every later step sees an ordinary layout. Under torchrun / SLURM each rank composes its own
+Why in the planner: the choice is a ranking of plans (planner/plan.py) and builds nothing.
+Why before validation: the degrees decide everything downstream (mesh, memory, checks), so
+``launch()`` resolves them once, in the launching process, before ``validate``; every later
+step sees an ordinary layout. Under torchrun / SLURM each rank composes its own
 config and resolves it the same way: the choice is a pure function of the config and the
 world size (no timing, no randomness), so all ranks agree.
 
@@ -13,14 +14,14 @@ How the choice is made:
     the rest is data parallel: FSDP over all of it, or HSDP (shard inside a node, replicate
     across nodes) when there are several nodes per pipeline stage;
   * each candidate must pass the same pre-launch rules the launch will apply (the parallel
-    modules' ``check_config``) and fit the device memory by ``estimate.plan`` (the estimator's
+    modules' ``check_config``) and fit the device memory by ``plan()`` (planner/plan.py's
     own fit check: peak per rank <= device memory; CPU has no limit);
-  * among those, the highest estimated tokens/s wins. ``plan`` gives compute time at 40% MFU,
-    which is the same for every layout of one world size, so the ranking adds what differs
-    between layouts: the pipeline bubble and stage imbalance, exposed TP/CP collectives on
-    the intra-node link, and FSDP/HSDP traffic (overlapped with compute) on the link its
-    group spans. Within ``TIE_TOLERANCE`` of the best, fewer model-parallel dimensions win
-    (the model is rough; a simpler layout is the safer bet).
+  * among those, the highest estimated tokens/s wins. ``plan`` gives compute time at
+    ``ASSUMED_MFU`` (40%), which is the same for every layout of one world size, so the ranking
+    adds what differs between layouts: the pipeline bubble and stage imbalance, exposed TP/CP
+    collectives on the intra-node link, and FSDP/HSDP traffic (overlapped with compute) on the
+    link its group spans. Within ``TIE_TOLERANCE`` of the best, fewer model-parallel
+    dimensions win (the model is rough; a simpler layout is the safer bet).
 
 The chosen degrees are written into ``cfg.parallelism`` and its ``name`` becomes
 ``auto:<degrees>``, which records the choice in the run's logged config and makes a second
@@ -37,10 +38,14 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from titan_hydra.errors import ConfigError, UserError
+from titan_hydra.models.registry import args_of
+from titan_hydra.planner.devices import device_memory_of, peak_tflops_of
+from titan_hydra.planner.plan import ASSUMED_MFU, plan
+from titan_hydra.planner.shape import model_shape, stage_params
+from titan_hydra.validate import build_dims, validate_parallel_modules, world_size_of
 
 CP_MIN_SEQ_LEN = 32768  # consider context parallel only above this sequence length
 TIE_TOLERANCE = 0.02  # candidates within 2% of the best estimate count as tied
-ASSUMED_MFU = 0.4  # the model FLOP utilization compute time assumes (estimate.plan's step_time_s_at_mfu40)
 NOMINAL_PEAK_TFLOPS = 1.0  # ranking only, when the cluster gives no peak (CPU)
 # Effective per-device collective bandwidth (bytes/s): inside a node, across nodes.
 # cuda: NVLink4 (~450 GB/s per direction, ~350 achieved) and 8x400 Gb/s IB per node (~40 per GPU).
@@ -79,8 +84,6 @@ def divisors(n: int) -> list[int]:
 
 def topology(cfg: DictConfig) -> tuple[int, int]:
     """(nodes, ranks per node) of this run; the world size comes from the environment under torchrun."""
-    from titan_hydra.validate import world_size_of
-
     world, per_node = world_size_of(cfg), int(cfg.cluster.nproc_per_node)
     if per_node < 1 or world % per_node:
         return 1, world
@@ -99,8 +102,6 @@ def pp_microbatches_for(cfg: DictConfig, pp: int) -> int | None:
 def enumerate_candidates(cfg: DictConfig) -> list[Candidate]:
     """Every layout that respects the topology rules (TP in a node, PP across nodes)."""
     nodes, per_node = topology(cfg)
-    from titan_hydra.models.registry import args_of
-
     family, args = args_of(cfg.model)
     m = family.shape(args)
     heads = math.gcd(m.n_heads, m.n_kv_heads)
@@ -151,16 +152,12 @@ def set_degrees(cfg: DictConfig, c: Candidate) -> None:
 
 def check_rules(cfg: DictConfig, dims) -> str:
     """The launch's own parallelism rules for this layout; returns why it fails ("" = passes)."""
-    from titan_hydra.validate import _validate_parallel_modules
-
     t = cfg.training
     try:
         dims.batch_plan(t.local_batch_size, t.global_batch_size)
         if dims.cp > 1 and t.seq_len % (2 * dims.cp):
             raise ConfigError(f"seq_len {t.seq_len} not divisible by 2*cp")
-        _validate_parallel_modules(cfg, dims)
-        from titan_hydra.models.registry import args_of
-
+        validate_parallel_modules(cfg, dims)
         family, args = args_of(cfg.model)
         family.check(args, dims, int(t.seq_len))
     except UserError as e:
@@ -169,9 +166,7 @@ def check_rules(cfg: DictConfig, dims) -> str:
 
 
 def estimated_step_time(cfg: DictConfig, dims, p) -> float:
-    """Seconds per step: compute at 40% MFU (``plan``) + what the layout adds."""
-    from titan_hydra.estimate import model_shape, stage_params
-
+    """Seconds per step: compute at ``ASSUMED_MFU`` (``plan``) + what the layout adds."""
     args = model_shape(cfg)
     t = cfg.training
     compute = p.flops_per_step / dims.world_size / (ASSUMED_MFU * NOMINAL_PEAK_TFLOPS * 1e12)
@@ -214,9 +209,6 @@ def estimated_step_time(cfg: DictConfig, dims, p) -> float:
 
 def evaluate(cfg: DictConfig, c: Candidate) -> Candidate:
     """Fill memory, fit and estimated tokens/s of one candidate (or why it is invalid)."""
-    from titan_hydra.estimate import plan
-    from titan_hydra.validate import build_dims
-
     ccfg = candidate_cfg(cfg, c)
     try:
         dims = build_dims(ccfg)
@@ -276,8 +268,6 @@ def resolve_auto(cfg: DictConfig) -> DictConfig:
     """Replace ``parallelism=auto`` by concrete degrees (in place); other layouts pass through."""
     if OmegaConf.select(cfg, "parallelism.name") != "auto":
         return cfg
-    from titan_hydra.estimate import device_memory_of
-
     cands = [evaluate(cfg, c) for c in enumerate_candidates(cfg)]
     device_gib = device_memory_of(cfg)
     chosen = choose(cands)
@@ -285,7 +275,7 @@ def resolve_auto(cfg: DictConfig) -> DictConfig:
         raise ConfigError(no_fit_message(cfg, cands, device_gib))
     if is_launcher_rank():
         print(f"parallelism=auto candidates ({len(cands)}):\n{table(cands, device_gib)}", flush=True)
-        peak = OmegaConf.select(cfg, "cluster.peak_tflops") is not None
+        peak = peak_tflops_of(cfg) is not None
         print(f"parallelism=auto chose {chosen.describe()}: {reason(chosen, cands, peak)}", flush=True)
     set_degrees(cfg, chosen)
     return cfg

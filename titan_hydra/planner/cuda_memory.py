@@ -1,0 +1,170 @@
+"""CUDA memory model: the dynamic peak of a step and the caching allocator's reserve over it.
+
+On a GPU the peak that matters is the caching allocator's reserved memory (what torchtitan logs
+and what an OOM is measured against); the terms here are derived from what the code holds, op by
+op, and checked against torchtitan's published H100 runs (tests/test_estimator_published.py,
+tests/data/torchtitan_h100_202412.yaml). Kept apart from the measured CPU coefficients
+(activations.py), which it reuses only for the eager no-AC block and the loss.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+from titan_hydra.models.protocol import ModelShape
+from titan_hydra.planner.activations import block_activation_bytes, loss_bytes_per_token
+from titan_hydra.planner.pipeline import pipeline_order, stage_layer_counts
+from titan_hydra.planner.runtime import Runtime
+from titan_hydra.planner.shape import largest_block_params
+
+
+# Reserved / allocated memory of the CUDA caching allocator at the peak. Blocks freed in one size
+# class are not reusable by a larger request, so the reserved pool exceeds the live tensors.
+# Compiled blocks allocate a few fixed-size fused buffers; eager blocks also allocate and free
+# RMSNorm's fp32 upcasts and RoPE's fp32 complex copies (2-4x a bf16 activation) in every forward
+# and recompute, which splits cached segments further. One constant for each, calibrated on the
+# published ratio of eager to compiled 8B runs (82.4/77.0 = 1.07 and 67.0/62.0 = 1.08) and on
+# the usual 5-10% fragmentation of compiled steady-state training; not fitted per row.
+ALLOCATOR_RESERVE_COMPILED = 1.08
+ALLOCATOR_RESERVE_EAGER = 1.155
+
+
+def sac_saved_bytes_per_token(args: ModelShape, policy: str, tp: int) -> float:
+    """Bytes one block keeps per token under selective op AC on CUDA (bf16 activations).
+
+    Always: the block input (the checkpoint's argument, 2d) and the attention output (2d) plus its
+    fp32 logsumexp per head. ``all_mm`` adds all seven matmul outputs (wq, wo, w2: 2d each; wk, wv:
+    2kv each; w1, w3: 2f each); ``every_second_mm`` adds wq (2d), wv (2kv), w1 (2f), w2 (2d).
+    Head-parallel parts are split by tp (the residual stream too, under sequence parallel).
+    """
+    d, kv, f = args.dim, args.kv_dim, args.ffn_dim
+    base = 2 * d + 2 * d + 4 * args.n_heads
+    if policy == "every_second_mm":
+        mm = 2 * d + 2 * kv + 2 * f + 2 * d
+    elif policy == "all_mm":
+        mm = 3 * 2 * d + 2 * 2 * kv + 2 * 2 * f
+    else:
+        raise ValueError(f"unknown selective AC policy {policy!r}")
+    return (base + mm) / tp
+
+
+# One block's forward intermediates while it is recomputed in backward (bytes per token, x dim /
+# x ffn): eager = ACT_COEF's measured bf16_params/none (28 d + 8 f: RMSNorm and RoPE fp32
+# copies, q/k/v, SiLU and product); compiled = the fused kernels' bf16 outputs only (norm outputs,
+# q/k/v, attention output, residual: ~12 d; w1, w3 and the SiLU product: 6 f).
+RECOMPUTE_COEF = {"eager": (28, 8), "compiled": (12, 6)}
+
+
+def recompute_bytes(args: ModelShape, tokens: float, tp: int, compiled: bool) -> float:
+    """Transient of rebuilding one block in backward under AC (full or selective), for ``tokens``.
+    Under sequence parallel the two all-gathered norm outputs (2d each) are full-sequence."""
+    cd, cf = RECOMPUTE_COEF["compiled" if compiled else "eager"]
+    per_token = (cd * args.dim + cf * args.ffn_dim) / tp
+    if tp > 1:
+        per_token += 2 * 2 * args.dim * (tp - 1) / tp
+    return tokens * per_token
+
+
+def loss_peak_bytes(args: ModelShape, tokens: float, dims) -> float:
+    """The loss backward's peak for ``tokens`` (logits vocab-sharded by tp under loss parallel):
+    fp32 log-softmax saved + its two gradients (the bf16 logits are dropped before backward), and
+    the final norm's output the output projection saved (all-gathered: 2d per token)."""
+    return tokens * (loss_bytes_per_token(args, dims) + 2 * args.dim)
+
+
+def saved_block_bytes_cuda(args: ModelShape, mode: str, tokens: float, tp: int, policy: str) -> float:
+    """What one block keeps for backward on CUDA for ``tokens`` (bf16 activations, FSDP bf16 params)."""
+    if mode == "full":
+        return tokens * 2 * args.dim / tp  # the block input (sequence-sharded under SP)
+    if mode == "selective_op":
+        return tokens * sac_saved_bytes_per_token(args, policy, tp)
+    return block_activation_bytes(args, "bf16_params", "none", tokens, tp)
+
+
+def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime,
+                      pp_rank: int | None = None) -> tuple[float, float]:
+    """(peak bytes above the sharded fp32 state, unsharded parameter bytes within it) on the
+    worst rank (or on pipeline rank ``pp_rank``), on CUDA with bf16 FSDP params.
+
+    Without PP: the saved activations of every block, plus the larger of the loss backward's
+    peak and one block's recompute with its unsharded gradients (bf16, + fp32 reduce-scatter input);
+    FSDP keeps the root (embedding, output) and the last block unsharded through it.
+    With PP (FSDP does not reshard after forward and does not reduce-scatter until the last
+    microbatch, as torchtitan and titan_hydra do): the whole stage's parameters stay unsharded, and
+    after a stage's first backward its gradients accumulate unsharded in fp32 (FSDP2's
+    reduce_dtype); the schedule (``pipeline_order``) decides how many microbatches' activations
+    are alive at each moment; the worst moment of the worst rank counts.
+    """
+    t, ac = cfg.training, cfg.activation_checkpoint
+    tp = dims.tp
+    compiled = str(OmegaConf.select(cfg, "compile.mode", default="none")) != "none"
+    f8 = OmegaConf.select(cfg, "float8", default=None)
+    fp8_gather = bool(f8 is not None and str(f8.recipe) != "none" and f8.enable_fsdp_float8_all_gather)
+    # One block as FSDP unshards it: for MoE the largest (a MoE block with its 1/ep of the routed
+    # experts); per layer on average for what a pipeline stage holds unsharded.
+    ep = int(getattr(dims, "ep", 1))
+    blk = largest_block_params(args, ep)
+    avg_blk = args.block_params - (args.expert_params / args.n_layers) * (1 - 1 / max(ep, 1)) \
+        if args.moe_layers else args.block_params
+    # Unsharded block weights: the Linear weights travel (and stay) as float8 under fp8 all-gather.
+    w_bytes = 1 if fp8_gather and dims.fsdp_enabled else 2
+    block_w = blk / tp * w_bytes
+    if not dims.fsdp_enabled:
+        block_w = 0.0  # the local params are already whole; counted in the static state
+    root_w = (args.embedding_params + args.head_params) / tp * 2 if dims.fsdp_enabled else 0.0
+    block_grad = blk / tp * (2 + 4)  # bf16 unsharded grads + fp32 reduce-scatter input
+    mode = str(ac.mode)
+    policy = str(ac.get("selective_op_policy", "all_mm"))
+    if mode == "selective_layer":
+        mode = "none"  # not modeled separately on CUDA: the upper bound
+    if dims.pp == 1:
+        tokens = t.local_batch_size * t.seq_len / dims.cp
+        saved = args.n_layers * saved_block_bytes_cuda(args, mode, tokens, tp, policy)
+        rebuild = recompute_bytes(args, tokens, tp, compiled) if mode != "none" else 0.0
+        dyn = saved + max(loss_peak_bytes(args, tokens, dims), rebuild + block_grad)
+        unsharded = root_w + 2 * block_w  # root + the last block (kept) + the one in use
+        return dyn + unsharded, unsharded
+    n_mb = int(dims.pp_microbatches or dims.pp)
+    mb_tokens = t.local_batch_size * t.seq_len / dims.cp / n_mb
+    sizes = stage_layer_counts(dims, args.n_layers, runtime)
+    n_local = len(sizes) // dims.pp
+    per_block = saved_block_bytes_cuda(args, mode, mb_tokens, tp, policy)
+    rebuild = recompute_bytes(args, mb_tokens, tp, compiled) if mode != "none" else 0.0
+    # torch.distributed.pipelining's buffers (stage.py): a stage that receives activations has a
+    # recv buffer per microbatch, one that receives gradients a grad buffer per microbatch, both
+    # allocated once and kept; fwd_cache keeps each in-flight microbatch's stage output until its
+    # backward. Stage I/O is the residual stream, sequence-sharded under TP's sequence parallel;
+    # the last stage's output is its logits (vocab-sharded under loss parallel). A received input
+    # is also the first block's saved input (counted in per_block), hence ``io`` is taken back.
+    io = mb_tokens * 2 * args.dim / (tp if dims.tp_sequence_parallel else 1)
+    logits_out = mb_tokens * 2 * args.vocab_size / (tp if dims.loss_parallel_enabled else 1)
+    worst = (0.0, 0.0)
+    for rank in range(dims.pp) if pp_rank is None else [pp_rank]:
+        stages = [rank + k * dims.pp for k in range(n_local)]
+        last = len(sizes) - 1
+        p2p = sum(n_mb * io * ((s != 0) + (s != last)) for s in stages)
+        unsharded = sum(sizes[s] * avg_blk / tp * w_bytes for s in stages) if dims.fsdp_enabled else 0.0
+        unsharded += (args.embedding_params / tp * 2 if 0 in stages and dims.fsdp_enabled else 0.0)
+        unsharded += (args.head_params / tp * 2 if last in stages and dims.fsdp_enabled else 0.0)
+        live = [0] * n_local
+        done = [0] * n_local  # microbatches whose backward has run, per local stage
+        peak = 0.0
+        for op, k in pipeline_order(str(dims.pp_schedule), dims.pp, rank, n_mb, n_local):
+            if op == "F":
+                live[k] += 1
+                continue
+            held = sum(n * (sizes[s] * per_block + (logits_out if s == last else io) - (io if s else 0))
+                       for n, s in zip(live, stages)) + p2p
+            if runtime.pp_keeps_outputs and last in stages:  # outputs kept past their backward
+                held += done[stages.index(last)] * logits_out
+            grads_done = [d > 0 and n_mb > 1 for d in done]
+            acc = sum(sizes[s] * avg_blk / tp * 4 for g, s in zip(grads_done, stages) if g)
+            extra = rebuild + block_grad
+            if stages[k] == last:
+                extra = max(extra, loss_peak_bytes(args, mb_tokens, dims))
+            peak = max(peak, held + acc + extra)
+            live[k] -= 1
+            done[k] += 1
+        if peak + unsharded > sum(worst):
+            worst = (peak, unsharded)
+    return worst[0] + worst[1], worst[1]

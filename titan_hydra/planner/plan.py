@@ -1,0 +1,198 @@
+"""The plan of a run: parameters, FLOPs and per-rank memory, without allocating; and its report.
+
+Used by ``dry_run=true``, ``recipes/estimate.py`` and ``parallelism=auto``. Per-rank peak memory =
+parameters + AdamW state + the larger of (activations saved for backward, gradients + optimizer
+temporaries), split by the layout (FSDP shards, TP splits, PP stages, CP sequence chunks), by
+mixed precision and by activation-checkpoint mode. This module only combines the terms: the
+measured activation coefficients are in activations.py, the CUDA allocator model in
+cuda_memory.py, the pipeline schedule in pipeline.py, device facts in devices.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from omegaconf import DictConfig, OmegaConf
+
+from titan_hydra.config import mixed_precision_of
+from titan_hydra.models.protocol import ModelShape
+from titan_hydra.models.registry import args_of
+from titan_hydra.planner.activations import (
+    activation_bytes,
+    head_activation_bytes,
+    moe_activation_bytes,
+    precision_kind,
+)
+from titan_hydra.planner.attention import fp32_attention_bytes
+from titan_hydra.planner.cuda_memory import (
+    ALLOCATOR_RESERVE_COMPILED,
+    ALLOCATOR_RESERVE_EAGER,
+    cuda_dynamic_peak,
+)
+from titan_hydra.planner.devices import device_memory_of, peak_tflops_of
+from titan_hydra.planner.runtime import TITAN_HYDRA, Runtime
+from titan_hydra.planner.shape import largest_block_params, stage_params
+
+GIB = 1024**3
+ASSUMED_MFU = 0.4  # the model FLOP utilization a plan's step time assumes (Plan.step_time_s_at_mfu40)
+
+
+def alltoall_bytes(args: ModelShape, kind: str, tokens: float, moe_layers: float, ep: int) -> float:
+    """Bytes one rank sends per step through expert parallelism's all-to-all: each MoE layer
+    dispatches and combines top_k copies of every token, forward and backward (4 passes); the
+    share that stays on the rank ((ep-1)/ep leaves it) is free."""
+    if ep <= 1 or not args.n_experts:
+        return 0.0
+    elem = 4 if kind == "fp32" else 2
+    return 4 * moe_layers * args.top_k * tokens * args.dim * elem * (ep - 1) / ep
+
+
+@dataclass
+class Plan:
+    """What ``plan`` returns (memory in GiB per rank); ``format`` is the report a dry run prints."""
+
+    flavor: str
+    params: int
+    non_embedding_params: int
+    flops_per_token: float
+    tokens_per_step: int
+    flops_per_step: float
+    world_size: int
+    layout: str
+    grad_accum_steps: int
+    mem_params_gib: float
+    mem_grads_gib: float
+    mem_optimizer_gib: float
+    mem_activations_gib: float
+    mem_total_gib: float
+    mixed_precision: str = "fp32"
+    active_params: int = 0
+    ac_mode: str = "none"
+    mem_transient_gib: float = 0.0
+    device_memory_gib: float | None = None
+    tflops_per_rank_at_mfu40: float = 0.0
+    step_time_s_at_mfu40: float | None = None
+    expert_parallel: int = 1
+    alltoall_gib_per_step: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def format(self) -> str:
+        fits = ""
+        if self.device_memory_gib:
+            fits = " (fits)" if self.mem_total_gib <= self.device_memory_gib else f" (exceeds {self.device_memory_gib:.0f} GiB)"
+        rows = [
+            ("model", self.flavor),
+            ("parameters", f"{self.params:,} ({self.params / 1e9:.3f}B)"),
+            ("non-embedding parameters", f"{self.non_embedding_params:,}"),
+            *([("active parameters per token", f"{self.active_params:,}")]
+              if self.active_params and self.active_params != self.params else []),
+            ("FLOPs per token", f"{self.flops_per_token:.4g}"
+             + (" (active parameters + attention)" if self.active_params and self.active_params != self.params else "")),
+            ("tokens per step (global)", f"{self.tokens_per_step:,}"),
+            ("FLOPs per step (global)", f"{self.flops_per_step:.4g}"),
+            ("world size / layout", f"{self.world_size} / {self.layout}"),
+            ("precision / activation ckpt", f"{self.mixed_precision} / {self.ac_mode}"),
+            ("gradient accumulation", str(self.grad_accum_steps)),
+            ("memory per rank: params", f"{self.mem_params_gib:.3f} GiB"),
+            ("memory per rank: grads", f"{self.mem_grads_gib:.3f} GiB"),
+            ("memory per rank: optimizer", f"{self.mem_optimizer_gib:.3f} GiB"),
+            ("memory per rank: activations", f"{self.mem_activations_gib:.3f} GiB"),
+            ("memory per rank: transient", f"{self.mem_transient_gib:.3f} GiB"),
+            ("memory per rank: peak", f"{self.mem_total_gib:.3f} GiB{fits}"),
+        ]
+        if self.expert_parallel > 1:
+            rows.append(("expert all-to-all per rank", f"{self.alltoall_gib_per_step:.3g} GiB/step"))
+        if self.step_time_s_at_mfu40 is not None:
+            rows.append((f"step time at {ASSUMED_MFU:.0%} MFU", f"{self.step_time_s_at_mfu40:.3g} s"))
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def plan(cfg: DictConfig, dims, runtime: Runtime = TITAN_HYDRA) -> Plan:
+    """Parameters, FLOPs and per-rank peak memory of ``cfg`` on ``dims``, without allocating.
+
+    Peak = fp32 params + AdamW state (8 B/param) + max(saved activations at the start of
+    backward, full gradients + optimizer-step temporaries), each divided by how the layout splits
+    it: FSDP shards params/grads/state over dp_shard*cp, TP splits weights and heads, PP keeps
+    one stage (with the pipeline's in-flight microbatches), CP splits the sequence. FSDP adds the
+    unsharded parameters/gradients of the groups being computed (the output group and last block
+    at the start of backward), and a third candidate peak at the end of backward (sharded grads
+    + one unsharded group being reduce-scattered).
+    """
+    family, margs = args_of(cfg.model)
+    args = family.shape(margs)
+    t = cfg.training
+    mp = mixed_precision_of(cfg)
+    ac = cfg.activation_checkpoint
+    n = args.params
+    n_emb = args.embedding_params
+    fpt = family.flops_per_token(margs, t.seq_len)
+    local_bs = t.local_batch_size
+    global_bs, accum = dims.batch_plan(local_bs, t.global_batch_size)
+    tokens = global_bs * t.seq_len
+    fsdp_shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
+    params_local = stage_params(args, dims.pp) / dims.tp / fsdp_shard
+    mem_params = params_local * 4  # fp32 master weights
+    mem_grads = params_local * 4
+    mem_optim = params_local * 8  # AdamW exp_avg + exp_avg_sq
+    kind = precision_kind(mp, dims.fsdp_enabled)
+    local_tokens = local_bs * t.seq_len / dims.cp
+    if dims.pp > 1:  # microbatches in flight on the first stage: up to pp of them
+        micro = dims.pp_microbatches or dims.pp
+        local_tokens = local_tokens / micro * min(micro, dims.pp)
+    layers = math.ceil(args.n_layers / dims.pp)
+    moe_layers = math.ceil(args.moe_layers / dims.pp)
+    ep = int(getattr(dims, "ep", 1))
+    act = activation_bytes(args, kind, ac.mode, local_tokens, layers, int(ac.selective_layer_freq), dims.tp,
+                           str(ac.get("selective_op_policy", "all_mm")))
+    act += moe_layers * moe_activation_bytes(args, kind, ac.mode, local_tokens)
+    act += head_activation_bytes(args, local_tokens, dims)
+    act += fp32_attention_bytes(cfg, args, mp, ac, local_tokens, layers, dims.tp)
+    if kind == "bf16":  # autocast's bf16 copies of the weights live until backward ends
+        act += params_local * 2
+    transient = end_of_backward = 0.0
+    if dims.fsdp_enabled:
+        block = largest_block_params(args, ep) / dims.tp
+        head = args.head_params / dims.tp
+        pbytes = 2 if kind == "bf16_params" else 4
+        transient = (head + block) * (pbytes + 4)  # unsharded params + their unsharded grads
+        # Last groups of backward: (almost) every sharded gradient already exists while a group
+        # is still unsharded: its params, its unsharded grads and reduce-scatter's fp32 copy-in.
+        # This is the peak when parameters outweigh activations (the ~100M model at 128 tokens).
+        end_of_backward = mem_grads + max(head, block) * (2 * pbytes + 4)
+    # AdamW on CUDA is foreach (a temporary as large as all local params); on CPU it loops
+    # per tensor (a temporary as large as the largest one: embedding/output or an FFN weight).
+    expert_tensor = args.expert_params / max(3 * args.moe_layers, 1)  # one of w1/w2/w3 of a layer
+    largest = max(n_emb, args.dim * args.ffn_dim, expert_tensor) / dims.tp / fsdp_shard
+    optimizer_step = mem_grads + 4 * (params_local if cfg.cluster.device == "cuda" else largest)
+    if cfg.cluster.device == "cuda" and kind == "bf16_params":
+        # CUDA: what the run holds (cuda_dynamic_peak) times the caching allocator's reserve.
+        dyn, unsharded = cuda_dynamic_peak(cfg, dims, args, runtime)
+        dyn += moe_layers * moe_activation_bytes(args, kind, ac.mode, local_tokens)
+        act, transient = dyn - unsharded, unsharded
+        compiled = str(OmegaConf.select(cfg, "compile.mode", default="none")) != "none"
+        reserve = ALLOCATOR_RESERVE_COMPILED if compiled else ALLOCATOR_RESERVE_EAGER
+        peak = mem_params + mem_optim + reserve * max(dyn, optimizer_step, end_of_backward)
+    else:
+        peak = mem_params + mem_optim + max(act + transient, optimizer_step, end_of_backward)
+    layout = f"dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp} pp={dims.pp} cp={dims.cp}"
+    if ep > 1:
+        layout += f" ep={ep}"
+    a2a = alltoall_bytes(args, kind, local_bs * t.seq_len / dims.cp * accum, moe_layers, ep)
+    peak_tflops = peak_tflops_of(cfg)
+    flops_rank = fpt * tokens / dims.world_size
+    step_time = flops_rank / (ASSUMED_MFU * peak_tflops * 1e12) if peak_tflops else None
+    return Plan(
+        flavor=str(OmegaConf.select(cfg, "model.flavor", default=None) or "custom"), params=n,
+        active_params=args.active_params, non_embedding_params=n - n_emb, flops_per_token=fpt,
+        tokens_per_step=tokens, flops_per_step=fpt * tokens, world_size=dims.world_size, layout=layout,
+        grad_accum_steps=accum, mem_params_gib=mem_params / GIB, mem_grads_gib=mem_grads / GIB,
+        mem_optimizer_gib=mem_optim / GIB, mem_activations_gib=act / GIB, mem_total_gib=peak / GIB,
+        mixed_precision=mp, ac_mode=str(ac.mode), mem_transient_gib=transient / GIB,
+        device_memory_gib=device_memory_of(cfg),
+        tflops_per_rank_at_mfu40=ASSUMED_MFU * peak_tflops if peak_tflops else 0.0, step_time_s_at_mfu40=step_time,
+        expert_parallel=ep, alltoall_gib_per_step=a2a / GIB,
+    )
