@@ -15,6 +15,15 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from titan_hydra.errors import UserError
+from titan_hydra.launch.local import run_local
+from titan_hydra.launch.run_lock import RunDirLock, owns_run
+from titan_hydra.launch.slurm import export_dist_env, in_slurm_step, in_submitit_job, submit
+from titan_hydra.launch.submitit_jobs import JobFailed
+from titan_hydra.launch.sweep import apply_sweep_identity
+from titan_hydra.launch.sweep_check import submit_host_view
+from titan_hydra.planner.auto import resolve_auto
+from titan_hydra.planner.plan import plan
+from titan_hydra.train.pretrain import run
 from titan_hydra.validate import build_dims, validate, world_size_of
 
 
@@ -32,46 +41,29 @@ def run_dir_of(cfg: DictConfig) -> str:
 
 def launch(cfg: DictConfig) -> float | None:
     """Validate, then dry-run or train. Returns the final validation loss (for sweepers)."""
-    from titan_hydra.launch.slurm import export_dist_env, in_slurm_step, in_submitit_job
-    from titan_hydra.launch.submitit_jobs import JobFailed
-    from titan_hydra.launch.sweep import apply_sweep_identity
-
     export_dist_env(cfg)  # a SLURM / submitit task becomes its rank
     submit_to_slurm = cfg.cluster.launcher == "slurm" and not (in_slurm_step() or in_submitit_job())
     try:
-        from titan_hydra.launch.sweep_check import submit_host_view
-        from titan_hydra.planner.auto import resolve_auto
-
         resolve_auto(cfg)  # parallelism=auto -> concrete degrees, before anything checks them
         validate(submit_host_view(cfg) if submit_to_slurm else cfg)
         dims = build_dims(cfg)
     except UserError as e:
         fail(str(e))
     if cfg.dry_run:
-        from titan_hydra.planner.plan import plan
-
         print(plan(cfg, dims).format(), flush=True)
         return None
     run_dir = run_dir_of(cfg)
     apply_sweep_identity(cfg)  # W&B group / name of a multirun job
     inside_rank = "LOCAL_RANK" in os.environ or world_size_of(cfg) == 1
-    from titan_hydra.launch.run_lock import RunDirLock, owns_run
-
     lock = RunDirLock(run_dir)
     try:
         if owns_run(submit_to_slurm):
             lock.acquire()  # one run per run dir; released when this process ends, however
         if submit_to_slurm:
-            from titan_hydra.launch.slurm import submit
-
             summary = submit(cfg, run_dir)
         elif inside_rank:
-            from titan_hydra.train.pretrain import run
-
             summary = run(cfg, run_dir)
         else:
-            from titan_hydra.launch.local import run_local
-
             summary = run_local(cfg, run_dir)
     except UserError as e:
         fail(str(e))

@@ -33,6 +33,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from titan_hydra.errors import UserError
 from titan_hydra.launch.slurm_check import check_slurm
+from titan_hydra.planner.auto import resolve_auto
+from titan_hydra.validate import validate
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 _STOCK = "hydra_plugins.hydra_submitit_launcher.submitit_launcher."
@@ -85,9 +87,6 @@ def point_problem(config_loader: Any, config: DictConfig, overrides: Sequence[st
     """Compose one sweep point as its job will, validate it; the problem in one line, or None."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
-
-    from titan_hydra.planner.auto import resolve_auto
-    from titan_hydra.validate import validate
 
     try:
         job_cfg = config_loader.load_sweep_config(config, list(overrides))
