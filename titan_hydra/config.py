@@ -160,7 +160,7 @@ class ClusterConfig:
     # past it the rank fails with one line naming the address it could not reach (runtime/rendezvous.py).
     init_timeout_s: int = 300
     peak_tflops: Optional[float] = None  # per-device peak for MFU; None = table or measured
-    # Memory of one device in GiB for the estimator's fit check (estimate.device_memory_of);
+    # Memory of one device in GiB for the estimator's fit check (planner/devices.py);
     # None = looked up from the GPU name in cluster.name / cluster.constraint.
     gpu_mem_gib: Optional[float] = None
     # SLURM (used by slurm clusters through hydra/launcher=titan_slurm; see launch/slurm.py)

@@ -1,6 +1,6 @@
 """The model protocol: everything the engine may ask of a model family, and nothing more.
 
-The engine (``parallel/``, ``train/``, ``checkpoint/``, ``estimate.py``, ``recipes/convert.py``)
+The engine (``parallel/``, ``train/``, ``checkpoint/``, ``planner/``, ``recipes/convert.py``)
 never names a family. It gets a ``ModelFamily`` from the ``model.family`` config key (see
 ``registry.py``) and asks it:
 
