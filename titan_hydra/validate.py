@@ -190,7 +190,7 @@ def _validate_ranges(cfg: DictConfig) -> None:
 
 
 def _validate_checkpoint(cfg: DictConfig, world_size: int) -> None:
-    from titan_hydra.checkpoint.manager import CATEGORIES
+    from titan_hydra.checkpoint.state import CATEGORIES
 
     c = cfg.checkpoint
     unknown = sorted(set(c.exclude_from_loading or []) - set(CATEGORIES))

@@ -44,12 +44,15 @@ import torch.distributed.checkpoint.filesystem as dcp_fs
 import torch.distributed.checkpoint.metadata as dcp_md
 from torch import serialization
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from titan_hydra.errors import UserError, first_line
 
 MARKER = "COMPLETE.json"
 STEP_RE = re.compile(r"^step-(\d+)$")
+# DCP reports a rank's failed read or write as CheckpointException, a BaseException (not an Exception).
+DCP_ERRORS = (Exception, CheckpointException)
 
 
 class CheckpointError(UserError):
