@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titan_hydra.checkpoint.manager import DTYPES, FORMAT_VERSION  # noqa: E402
+from titan_hydra.checkpoint.state import DTYPES, FORMAT_VERSION  # noqa: E402
 from titan_hydra.checkpoint.storage import CheckpointError, load_plain, read_marker, read_metadata, save_plain, tensor_entries  # noqa: E402
 from titan_hydra.errors import ConfigError  # noqa: E402
 from titan_hydra.models.hf_io import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402

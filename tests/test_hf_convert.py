@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 
 import convert  # noqa: E402
 from titan_hydra.checkpoint import CheckpointError  # noqa: E402
-from titan_hydra.checkpoint.manager import FORMAT_VERSION  # noqa: E402
+from titan_hydra.checkpoint.state import FORMAT_VERSION  # noqa: E402
 from titan_hydra.checkpoint.storage import save_plain  # noqa: E402
 from titan_hydra.models.hf_io import load_hf_checkpoint  # noqa: E402
 from titan_hydra.models.llama3 import FAMILY as LLAMA  # noqa: E402

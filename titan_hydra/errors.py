@@ -2,7 +2,16 @@
 
 launch.py prints them as one line ``error: ...`` and exits non-zero; anything else is a bug
 and keeps its traceback.
+
+``check_writable_dir`` lives here, beside ``ConfigError``, because both the config checks
+(validate.py) and the checkpoint package (which may not import validate.py) need it.
 """
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
 
 
 class UserError(ValueError):
@@ -29,6 +38,20 @@ def first_line(error: BaseException) -> str:
         if line.strip():
             return line.strip()
     return type(error).__name__
+
+
+def check_writable_dir(path: str | os.PathLike, what: str) -> None:
+    """Create ``path`` if needed and prove a file can be written there; ConfigError if not.
+
+    Root ignores permission bits, so "writable" is tested by writing, not by os.access.
+    """
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        raise ConfigError(f"{what}={path} is not a writable directory ({reason}); point it elsewhere") from None
 
 
 class TrainingDiverged(RuntimeError):

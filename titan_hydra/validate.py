@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from titan_hydra.errors import instantiate_checked as instantiate
 
-from titan_hydra.errors import ConfigError
+from titan_hydra.errors import ConfigError, check_writable_dir  # check_writable_dir: also imported from here
 
 
 def _positive(cfg: DictConfig, key: str, allow_zero: bool = False) -> None:
@@ -190,7 +190,7 @@ def _validate_ranges(cfg: DictConfig) -> None:
 
 
 def _validate_checkpoint(cfg: DictConfig, world_size: int) -> None:
-    from titan_hydra.checkpoint.manager import CATEGORIES
+    from titan_hydra.checkpoint.state import CATEGORIES
 
     c = cfg.checkpoint
     unknown = sorted(set(c.exclude_from_loading or []) - set(CATEGORIES))
@@ -205,22 +205,6 @@ def _validate_checkpoint(cfg: DictConfig, world_size: int) -> None:
         raise ConfigError(f"checkpoint.initial_load_path={c.initial_load_path} does not exist")
     if c.enable and Path(c.folder).is_absolute():
         check_writable_dir(c.folder, "checkpoint.folder")
-
-
-def check_writable_dir(path: str | os.PathLike, what: str) -> None:
-    """Create ``path`` if needed and prove a file can be written there; ConfigError if not.
-
-    Root ignores permission bits, so "writable" is tested by writing, not by os.access.
-    """
-    import tempfile
-
-    try:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        reason = e.strerror or type(e).__name__
-        raise ConfigError(f"{what}={path} is not a writable directory ({reason}); point it elsewhere") from None
 
 
 def check_run_dir(config: DictConfig, key: str = "hydra.run.dir") -> None:

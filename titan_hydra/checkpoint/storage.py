@@ -8,7 +8,7 @@ that was interrupted (killed, crashed): it is never loaded.
 DCP stores its ``.metadata`` as a pickle and reads non-tensor entries with
 ``torch.load(weights_only=False)``. A checkpoint may come from anywhere (``initial_load_path``),
 so this module (1) reads ``.metadata`` with an unpickler that only admits DCP's own metadata
-classes and a few torch value types, and (2) the manager stores no non-tensor entries at all
+classes and a few torch value types, and (2) this package stores no non-tensor entries at all
 (small state is JSON inside uint8 tensors, see ``json_tensor``), so DCP's tensor path, which
 uses ``weights_only=True``, is the only one ever taken. Every file referenced by the metadata
 is checked for existence and length before anything is loaded, so a truncated checkpoint fails
@@ -24,9 +24,11 @@ Markers written before ``files`` existed load as before (lengths checked, no che
 
 from __future__ import annotations
 
+import collections
 import io
 import json
 import os
+import pathlib
 import pickle
 import re
 import shutil
@@ -37,12 +39,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.filesystem as dcp_fs
+import torch.distributed.checkpoint.metadata as dcp_md
+from torch import serialization
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from titan_hydra.errors import first_line
 from titan_hydra.models.hf_io import CheckpointError  # defined in models so that HF loading can raise it
 
 MARKER = "COMPLETE.json"
 STEP_RE = re.compile(r"^step-(\d+)$")
+# DCP reports a rank's failed read or write as CheckpointException, a BaseException (not an Exception).
+DCP_ERRORS = (Exception, CheckpointException)
 
 
 # --------------------------------------------------------------------------- step dirs
@@ -174,11 +185,8 @@ def tensor_json(t: torch.Tensor) -> Any:
 
 
 def _allowed_globals() -> dict[tuple[str, str], Any]:
-    import torch.distributed.checkpoint.filesystem as fs
-    import torch.distributed.checkpoint.metadata as md
-
     allowed: dict[tuple[str, str], Any] = {}
-    for mod in (md, fs):
+    for mod in (dcp_md, dcp_fs):
         for name in dir(mod):
             obj = getattr(mod, name)
             if isinstance(obj, type) and obj.__module__ == mod.__name__:
@@ -188,13 +196,10 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
         obj = getattr(torch, name)
         if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
             allowed[("torch", name)] = obj
-    import pathlib
-    from torch import serialization
-
     allowed[("torch.serialization", "_get_layout")] = serialization._get_layout  # str -> torch.layout
     allowed[("pathlib", "PosixPath")] = pathlib.PurePosixPath
     allowed[("pathlib", "WindowsPath")] = pathlib.PureWindowsPath
-    allowed[("collections", "OrderedDict")] = __import__("collections").OrderedDict
+    allowed[("collections", "OrderedDict")] = collections.OrderedDict
     allowed[("builtins", "set")] = set
     allowed[("builtins", "frozenset")] = frozenset
     allowed[("builtins", "getattr")] = None  # placeholder: only torch.<dtype> lookups, see below
@@ -225,8 +230,6 @@ def _safe_getattr(obj: Any, name: str) -> Any:
 
 def read_metadata(path: str | Path):
     """DCP ``Metadata`` of the checkpoint at ``path``, read with the restricted unpickler."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
     path = Path(path)
     meta_file = path / ".metadata"
     if not meta_file.is_file():
@@ -242,14 +245,10 @@ def read_metadata(path: str | Path):
 
 def safe_reader(path: str | Path):
     """A DCP FileSystemReader whose metadata comes from ``read_metadata``."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     class _SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any):
             md = read_metadata(self.path)
             if getattr(md, "storage_meta", None) is None:
-                from torch.distributed.checkpoint.metadata import StorageMeta
-
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id
             if md.planner_data is None:
@@ -282,15 +281,11 @@ def check_files(path: str | Path, metadata, keys: set[str] | None = None) -> set
 
 def tensor_entries(metadata) -> dict[str, Any]:
     """Tensor entries of a checkpoint: key -> TensorStorageMetadata (bytes entries left out)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     return {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
 def load_plain(path: str | Path, keys: list[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Read whole tensors ``keys`` of a DCP checkpoint in this process (no process group)."""
-    import torch.distributed.checkpoint as dcp
-
     metadata = read_metadata(path)
     entries = tensor_entries(metadata)
     missing = [k for k in keys if k not in entries]
@@ -306,8 +301,6 @@ def load_plain(path: str | Path, keys: list[str], dtype: torch.dtype | None = No
 
 def save_plain(path: str | Path, state: dict[str, torch.Tensor], marker: dict[str, Any]) -> None:
     """Write a flat tensor dict as a DCP checkpoint from one process, then its marker."""
-    import torch.distributed.checkpoint as dcp
-
     path = Path(path)
     if path.exists():
         remove_dir(path)

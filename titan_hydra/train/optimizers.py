@@ -172,7 +172,7 @@ class OptimizerList(torch.optim.Optimizer):
     """Several optimizers (e.g. Muon for matrices, AdamW for the rest) stepped as one."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]):
-        self.optimizers = list(optimizers)
+        self.optimizers = list(optimizers)  # what titan_hydra.checkpoint.state.members hands to DCP
         params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
         self._ready = False
         super().__init__(params, {})  # hooks and bookkeeping of the base class (on a scratch group list)
@@ -215,8 +215,3 @@ class OptimizerList(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for o, sd in zip(self.optimizers, state_dict["optimizers"]):
             o.load_state_dict(sd)
-
-
-def members(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
-    """The torch optimizers behind ``optimizer`` (for DCP's state-dict functions)."""
-    return list(getattr(optimizer, "optimizers", [optimizer]))
