@@ -27,6 +27,12 @@ class DataError(UserError):
     too short for one sample, unreadable, unwritable cache)."""
 
 
+class CheckpointError(UserError):
+    """A checkpoint (a DCP step dir or an HF directory) that cannot be loaded: says which one and
+    what is wrong. Here, at the bottom, because both models (reading HF directories) and the
+    checkpoint package raise it."""
+
+
 class RankFailed(UserError):
     """A rank died without a Python error (a signal: kill -9, the OOM killer). Not bad input, but
     nothing the user can read in a traceback either: the launcher reports the rank and the signal."""

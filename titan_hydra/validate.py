@@ -5,15 +5,19 @@ Each rule raises ConfigError with one line: what is wrong, and which key fixes i
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 
+import torch
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from titan_hydra.errors import instantiate_checked as instantiate
-
+from titan_hydra.checkpoint.state import CATEGORIES
+from titan_hydra.data.tokenizer import Tokenizer
 from titan_hydra.errors import ConfigError, check_writable_dir  # check_writable_dir: also imported from here
+from titan_hydra.errors import instantiate_checked as instantiate
+from titan_hydra.models.registry import args_of
 
 
 def _positive(cfg: DictConfig, key: str, allow_zero: bool = False) -> None:
@@ -63,8 +67,6 @@ def validate(cfg: DictConfig) -> None:
     if not 0.0 <= s.min_lr_factor <= 1.0:
         raise ConfigError(f"lr_scheduler.min_lr_factor={s.min_lr_factor} must be within [0, 1]")
 
-    from titan_hydra.models.registry import args_of
-
     family, args = args_of(cfg.model)  # the family's own shape rules (heads, head dim, ...)
     dims = build_dims(cfg)
     family.check(args, dims, int(t.seq_len))  # layout rules of this family (tp vs heads, pp vs tying, ...)
@@ -102,8 +104,6 @@ PARALLEL_MODULES = ("fsdp", "tp", "pp", "cp", "ep", "ac", "compile")
 
 def validate_parallel_modules(cfg: DictConfig, dims) -> None:
     """Each parallelism module may define ``check_config(cfg, dims)`` for its own rules."""
-    import importlib
-
     for name in PARALLEL_MODULES:
         try:
             module = importlib.import_module(f"titan_hydra.parallel.{name}")
@@ -115,8 +115,6 @@ def validate_parallel_modules(cfg: DictConfig, dims) -> None:
 
 
 def _validate_environment(cfg: DictConfig) -> None:
-    import torch
-
     c = cfg.cluster
     if c.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("cluster.device=cuda but no CUDA device is visible; use cluster=local_cpu")
@@ -125,8 +123,6 @@ def _validate_environment(cfg: DictConfig) -> None:
 
 
 def family_vocab(cfg: DictConfig) -> int:
-    from titan_hydra.models.registry import args_of
-
     family, args = args_of(cfg.model)
     return family.shape(args).vocab_size
 
@@ -145,8 +141,6 @@ def _validate_data(cfg: DictConfig) -> None:
         raise ConfigError(
             f"data.tokenizer={d.tokenizer} does not exist; give a tokenizer.json file or its directory"
         )
-    from titan_hydra.data.tokenizer import Tokenizer
-
     tok = Tokenizer(d.tokenizer)
     vocab = family_vocab(cfg)
     if tok.vocab_size > vocab:
@@ -190,8 +184,6 @@ def _validate_ranges(cfg: DictConfig) -> None:
 
 
 def _validate_checkpoint(cfg: DictConfig, world_size: int) -> None:
-    from titan_hydra.checkpoint.state import CATEGORIES
-
     c = cfg.checkpoint
     unknown = sorted(set(c.exclude_from_loading or []) - set(CATEGORIES))
     if unknown:

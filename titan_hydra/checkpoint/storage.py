@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from titan_hydra.errors import first_line
-from titan_hydra.models.hf_io import CheckpointError  # defined in models so that HF loading can raise it
+from titan_hydra.errors import CheckpointError  # re-exported: titan_hydra.checkpoint.storage.CheckpointError
 
 MARKER = "COMPLETE.json"
 STEP_RE = re.compile(r"^step-(\d+)$")

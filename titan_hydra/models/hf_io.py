@@ -14,18 +14,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from titan_hydra.errors import UserError
+from titan_hydra.errors import CheckpointError
 from titan_hydra.models.common.hf_decoder import HFConversionError
 from titan_hydra.models.protocol import ModelFamily
 from titan_hydra.models.registry import family_for_hf_type
-
-
-class CheckpointError(UserError):
-    """A checkpoint that cannot be loaded: says which one and what is wrong.
-
-    Defined here, below ``titan_hydra.checkpoint`` (which re-exports it from ``checkpoint.storage``),
-    so that reading HF directories can raise it without models importing the checkpoint package.
-    """
 
 
 def is_hf_dir(path: str | Path) -> bool:
