@@ -178,3 +178,21 @@ def test_training_with_the_kernel_tracks_sdpa(tmp_path, run_cache, capsys, caplo
     assert "attention  small_head kernel (set explicitly), in float32" in caplog.text + capsys.readouterr().out
     assert len(kernel) == STEPS
     assert_parity(kernel, sdpa, atol=2e-5, label="small_head kernel vs sdpa")
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, caplog):
+    """A build killed mid-way leaves torch's lock file, on which every later build waits forever."""
+    import os
+    import time
+
+    from titan_hydra.kernels.small_head_attention import STALE_LOCK_S, _clear_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not _clear_stale_lock(str(tmp_path)) and lock.exists()  # a build in progress: wait for it
+    old = time.time() - STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING, logger="titan_hydra"):
+        assert _clear_stale_lock(str(tmp_path)) and not lock.exists()
+    assert "stale build lock" in caplog.text
+    assert not _clear_stale_lock(str(tmp_path))  # nothing there: nothing to do

@@ -19,11 +19,15 @@ request before training starts.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger("titan_hydra")
 
 HEAD_DIM = 16
 SOURCE = Path(__file__).with_name("small_head_attention.cpp")
@@ -33,17 +37,44 @@ class KernelUnavailable(RuntimeError):
     pass
 
 
+NAME = "titan_hydra_small_head_attention"
+# torch's extension loader serializes builds through a lock file in the build directory and
+# waits for it forever; a build killed mid-way (kill -9, a job hitting its time limit) leaves the
+# file behind and every later run of any process hangs at start. A build takes ~20-60 s here, so
+# a lock older than this is such a leftover and is removed (with a warning).
+STALE_LOCK_S = 600
+
+
+def _clear_stale_lock(build_dir: str, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove ``build_dir/lock`` if it is older than ``max_age_s``; True if one was removed."""
+    lock = Path(build_dir) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return False
+    if age < max_age_s:
+        return False
+    log.warning("removing a stale build lock of the small-head kernel (%s, %.0f s old: a build that was "
+                "killed); building again", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 @functools.lru_cache(maxsize=1)
 def load():
     """The compiled extension module (built once per machine and source version)."""
-    from torch.utils import cpp_extension
+    from torch.utils import cpp_extension  # lazy: loads setuptools, only needed to build or load the kernel
 
+    try:
+        _clear_stale_lock(cpp_extension._get_build_directory(NAME, verbose=False))
+    except Exception:  # a torch whose private helper differs: just build as before
+        pass
     # the pip-installed ninja sits next to this interpreter, which need not be on PATH (.venv/bin/python ...)
     bin_dir = os.path.dirname(sys.executable)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     try:
-        return cpp_extension.load(name="titan_hydra_small_head_attention", sources=[str(SOURCE)],
+        return cpp_extension.load(name=NAME, sources=[str(SOURCE)],
                                   extra_cflags=["-O3", "-march=native", "-fno-math-errno"], verbose=False)
     except Exception as e:  # no compiler, no ninja, a build error: one line, the caller decides
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
