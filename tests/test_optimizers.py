@@ -96,7 +96,7 @@ def test_bad_group_specs_are_one_line_errors(groups, message):
 
 # ----------------------------------------------------------------------------- layouts
 # fp32 Newton-Schulz: the layouts feed it gradients equal to fp32 rounding, so updates agree to it too
-MUON = ["optimizer=muon", "optimizer.param_groups.0.ns_dtype=float32", "optimizer.param_groups.0.lr=2e-3",
+MUON = ["optimizer=muon", "optimizer.lr=8e-4", "optimizer.param_groups.0.ns_dtype=float32", "optimizer.param_groups.0.lr=2e-3",
         "checkpoint=default",
         "checkpoint.interval=5", "checkpoint.keep_latest_k=0"]
 

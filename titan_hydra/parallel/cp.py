@@ -27,7 +27,7 @@ import torch
 from omegaconf import DictConfig
 
 from titan_hydra.errors import ConfigError
-from titan_hydra.parallel.cp_cpu_attention import CPShimUnavailable, check_available, configure_ring_attention
+from titan_hydra.parallel import cp_cpu_attention  # its functions through the module: tests replace them
 from titan_hydra.parallel.dims import ParallelDims
 
 # part -> its full-length rope tables, so that a later, longer sequence can be served again.
@@ -58,7 +58,7 @@ def cp_context(parts: list[torch.nn.Module], rope_buffers: tuple[str, ...], dims
     from torch.distributed.tensor.experimental import context_parallel
 
     mesh = dims.submesh("cp")
-    configure_ring_attention(dims.cp_rotate_method, mesh.device_type)
+    cp_cpu_attention.configure_ring_attention(dims.cp_rotate_method, mesh.device_type)
     seq_len = inputs.shape[1]
     buffers, seq_dims = [inputs, labels], [1, 1]
     for part in parts:
@@ -74,6 +74,6 @@ def check_config(cfg: DictConfig, dims: ParallelDims) -> None:
         return
     if cfg.cluster.device == "cpu":
         try:
-            check_available()
-        except CPShimUnavailable as e:
+            cp_cpu_attention.check_available()
+        except cp_cpu_attention.CPShimUnavailable as e:
             raise ConfigError(f"parallelism.cp={dims.cp} on CPU is unavailable: {e}; set parallelism.cp=1") from e
