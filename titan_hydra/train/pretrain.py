@@ -18,13 +18,14 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from titan_hydra.errors import instantiate_checked as instantiate
 from omegaconf import DictConfig, OmegaConf
-
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from titan_hydra.config import mixed_precision_of, precision_choice_of, to_container
 from titan_hydra.errors import UserError
+from titan_hydra.errors import instantiate_checked as instantiate
+from titan_hydra.kernels.attention_policy import KernelChoice, apply_attention_kernel
+from titan_hydra.kernels.attention_precision import apply_attention_precision
 from titan_hydra.metrics.logger import MetricLogger
 from titan_hydra.metrics.memory import MemoryMonitor
 from titan_hydra.metrics.summary import run_footer, run_header
@@ -36,8 +37,6 @@ from titan_hydra.runtime.preemption import watch_for_preemption
 from titan_hydra.runtime.rendezvous import init_process_group  # bounded, one-line failure
 from titan_hydra.train.loss import cross_entropy_loss
 from titan_hydra.train.optimizers import build_optimizer as optimizer_of
-from titan_hydra.kernels.attention_policy import KernelChoice, apply_attention_kernel
-from titan_hydra.kernels.attention_precision import apply_attention_precision
 from titan_hydra.train.trainer import Trainer, TrainState
 
 log = logging.getLogger("titan_hydra")
@@ -75,7 +74,6 @@ def init_distributed(cluster: DictConfig, world_size: int) -> None:
         backend = str(cluster.backend)
         if cluster.device == "cpu" and backend != "gloo":
             raise UserError(f"cluster.backend={backend} cannot run on CPU; use cluster.backend=gloo")
-
         init_process_group(backend, float(cluster.init_timeout_s))
 
 
