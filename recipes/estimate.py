@@ -25,15 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as for launch.py")
     args = p.parse_args(argv)
 
-    from hydra import compose, initialize_config_dir
-
-    import titan_hydra.config  # noqa: F401  (registers schemas)
+    from titan_hydra.config import compose_config
     from titan_hydra.errors import UserError
     from titan_hydra.planner.plan import plan
     from titan_hydra.validate import build_dims
 
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=args.overrides)
+    cfg = compose_config(args.overrides)
     try:
         result = plan(cfg, build_dims(cfg))
     except UserError as e:

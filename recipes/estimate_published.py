@@ -55,24 +55,15 @@ def overrides(row: dict) -> list[str]:
     return out
 
 
-def compose(overrides_: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    import titan_hydra.config  # noqa: F401  (registers schemas)
-
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides_)
-
-
 def evaluate_row(row: dict) -> dict:
     """Estimated peak GiB and tokens/s per GPU of one row, with the published numbers beside."""
+    from titan_hydra.config import compose_config
     from titan_hydra.planner.auto import estimated_step_time
     from titan_hydra.planner.plan import ASSUMED_MFU, plan
     from titan_hydra.planner.runtime import TORCHTITAN_2024_12
     from titan_hydra.validate import build_dims
 
-    cfg = compose(overrides(row))
+    cfg = compose_config(overrides(row))
     dims = build_dims(cfg)
     p = plan(cfg, dims, runtime=TORCHTITAN_2024_12)
     tps = p.tokens_per_step / estimated_step_time(cfg, dims, p) / dims.world_size

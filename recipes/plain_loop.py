@@ -33,16 +33,13 @@ def main() -> None:
 
     import torch
     import torch.nn.functional as F
-    from hydra import compose, initialize_config_dir
-
-    import titan_hydra.config  # noqa: F401  (registers schemas)
+    from titan_hydra.config import compose_config
     from titan_hydra.models.registry import args_of, build_model
     from titan_hydra.train.optimizers import build_optimizer
     from titan_hydra.train.pretrain import build_dataset
 
     torch.set_num_threads(args.threads)
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=args.overrides)
+    cfg = compose_config(args.overrides)
     family, model = build_model(cfg.model)
     torch.manual_seed(cfg.training.seed)  # after construction, as the trainer's init does
     model.init_weights()

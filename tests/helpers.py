@@ -15,9 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
-from hydra import compose, initialize_config_dir
-
-import titan_hydra.config  # noqa: F401  (registers schemas)
+from titan_hydra.config import compose_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -41,8 +39,7 @@ TINY = [
 
 def compose_cfg(overrides: list[str] | None = None):
     """The config launch.py would compose from these overrides (no Hydra run dir, no launch)."""
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides or []))
+    return compose_config(overrides or [])
 
 
 def run_launch(args: list[str], cwd: Path, timeout: int = 600, env: dict | None = None):

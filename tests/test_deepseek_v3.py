@@ -137,7 +137,7 @@ def test_mla_matches_a_naive_reference(q_lora_rank):
     model = DeepSeekV3(dim=64, n_layers=1, n_heads=4, vocab_size=32, max_seq_len=32, q_lora_rank=q_lora_rank,
                        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_dense_layers=1,
                        ffn_hidden_dim=32, rope_factor=factor, rope_original_max_seq_len=8, mscale=mscale,
-                       mscale_all_dim=mscale_all_dim)
+                       mscale_all_dim=mscale_all_dim, moe=dict(num_experts=4, top_k=2, expert_dim=16))
     model.init_weights()
     attn = model.layers["0"].attention
     with torch.no_grad():

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import compose_cfg
+
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("estimate_published", REPO / "recipes" / "estimate_published.py")
 ep = importlib.util.module_from_spec(_spec)
@@ -89,7 +91,7 @@ def test_first_pipeline_rank_holds_less_under_interleaved_1f1b():
 
     peaks = {}
     for rid in ("t5_1f1b", "t5_interleaved_1f1b"):
-        cfg = ep.compose(ep.overrides(next(r for r in ROWS if r["id"] == rid)))
+        cfg = compose_cfg(ep.overrides(next(r for r in ROWS if r["id"] == rid)))
         dims = build_dims(cfg)
         peaks[rid] = cuda_dynamic_peak(cfg, dims, model_shape(cfg), TORCHTITAN_2024_12, pp_rank=0)[0]
     assert peaks["t5_interleaved_1f1b"] < 0.95 * peaks["t5_1f1b"], peaks
@@ -122,7 +124,7 @@ def test_auto_picks_a_fitting_layout_no_more_parallel_than_published(row):
     ov = [o for o in ep.overrides(row) if not o.startswith("parallelism")] + ["parallelism=auto"]
     if row["tp"] > 1:
         ov = [o for o in ov if not o.startswith("compile=")] + ["compile=none"]
-    cfg = ep.compose(ov)
+    cfg = compose_cfg(ov)
     cands = [auto.evaluate(cfg, c) for c in auto.enumerate_candidates(cfg)]
     chosen = auto.choose(cands)
     assert chosen is not None, f"{row['id']}: no layout fits\n{auto.table(cands, DEVICE_GIB)}"

@@ -47,7 +47,8 @@ def test_args_of_reports_bad_nodes_in_one_line():
     with pytest.raises(ConfigError, match="does not fit family 'qwen3'"):
         args_of({"family": "qwen3", "dim": 64, "multiple_of": 256})
     with pytest.raises(ConfigError, match="n_kv_heads=3") as err:
-        args_of({"family": "qwen3", "n_heads": 8, "n_kv_heads": 3})
+        args_of({"family": "qwen3", "dim": 64, "n_layers": 1, "n_heads": 8, "n_kv_heads": 3, "head_dim": 8,
+                 "ffn_hidden_dim": 64, "vocab_size": 64, "max_seq_len": 32})
     assert "\n" not in str(err.value)
     family, args = debug("qwen3_debug")
     assert family is QWEN3 and args.head_dim == 64
@@ -88,8 +89,10 @@ def test_signature_decides_weight_compatibility():
                    {"rope_theta": 10000.0}, {"ffn_hidden_dim": 512}):
         assert QWEN3.signature(dataclasses.replace(args, **change)) != sig, change
     # Llama: two spellings of one FFN width are one shape
-    a = LlamaArgs(dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024)
-    b = LlamaArgs(dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=None, multiple_of=14336)
+    a = LlamaArgs(dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
+                  vocab_size=128, max_seq_len=64)
+    b = LlamaArgs(dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=None, multiple_of=14336,
+                  vocab_size=128, max_seq_len=64)
     assert a.ffn_hidden_dim == b.ffn_hidden_dim == 14336
     assert LLAMA.signature(a) == LLAMA.signature(b)
     assert LLAMA.signature(a)["family"] != QWEN3.signature(args)["family"]

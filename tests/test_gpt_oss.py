@@ -256,7 +256,8 @@ def test_hf_refusals_are_one_line():
     from titan_hydra.models.common.hf_decoder import HFConversionError
 
     moe = dict(num_experts=4, top_k=2, expert_dim=16, route_norm=True, load_balance_coeff=0.0)
-    model = GptOss(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=64, max_seq_len=32, moe=moe)
+    model = GptOss(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=64, max_seq_len=32,
+                   sliding_window=8, moe=moe)
     model.init_weights()
     sd = model.state_dict()
     assert set(FAMILY.hf.from_hf_state(FAMILY.hf.to_hf_state(sd, model.args), model.args)) == set(sd)

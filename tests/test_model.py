@@ -30,6 +30,7 @@ DEBUG_FLAVORS = ["llama3_debug", "qwen3_debug"]
 # against transformers' own model of the published HF config.
 EXPECTED_PARAMS = {
     "llama3_debug": 6_163_712,
+    "llama3_100m": 102_258_432,
     "llama3_1b": 1_235_814_400,
     "llama3_3b": 3_212_749_824,
     "llama3_8b": 8_030_261_248,
@@ -325,13 +326,17 @@ def test_flops_per_token_qwen3_debug_by_hand():
 
 
 def test_args_validation():
+    llama = dict(dim=256, n_layers=2, n_heads=16, vocab_size=128, max_seq_len=64)
+    qwen = dict(dim=128, n_layers=2, n_heads=8, head_dim=16, ffn_hidden_dim=96, vocab_size=128, max_seq_len=64)
     with pytest.raises(ValueError):
-        LlamaArgs(dim=256, n_heads=16, n_kv_heads=5)
+        LlamaArgs(**llama, n_kv_heads=5)
     with pytest.raises(ValueError, match="n_kv_heads"):
-        Qwen3Args(n_heads=8, n_kv_heads=3)
+        Qwen3Args(**qwen, n_kv_heads=3)
     with pytest.raises(ValueError, match="head_dim"):
-        Qwen3Args(head_dim=63)
-    Qwen3Args(dim=100, n_heads=3, n_kv_heads=1, head_dim=32)  # head_dim need not divide dim
+        Qwen3Args(**{**qwen, "head_dim": 63})
+    Qwen3Args(**{**qwen, "dim": 100, "n_heads": 3, "head_dim": 32}, n_kv_heads=1)  # head_dim need not divide dim
+    with pytest.raises(TypeError, match="max_seq_len"):  # no shape in code: the yaml is its one source
+        LlamaArgs(dim=256, n_layers=2, n_heads=16, vocab_size=128)
 
 
 # ------------------------------------------------------------------------------- Qwen3 specifics

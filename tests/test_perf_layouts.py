@@ -85,7 +85,7 @@ def test_compile_composes_with_layouts(tmp_path, eager_single, name, overrides, 
 
 
 def test_compile_with_full_ac_under_tp_is_refused_before_launch():
-    """torch 2.13 fails it inside the compiled forward (see compile.check_config); say so early."""
+    """torch 2.13 fails it inside the compiled forward (see compile.check_settings); say so early."""
     from titan_hydra.errors import ConfigError
     from titan_hydra.validate import validate
 

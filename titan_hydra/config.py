@@ -16,8 +16,10 @@ import os
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, List, Optional
+from pathlib import Path
+from typing import Any, Iterable, List, Optional
 
+from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
@@ -406,6 +408,16 @@ def register_configs() -> None:
 
 
 register_configs()
+
+# The config tree launch.py runs with (``@hydra.main(config_path="conf")`` beside it).
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def compose_config(overrides: Iterable[str] = (), config_dir: Path = CONF_DIR):
+    """The config ``launch.py OVERRIDES`` would run with, composed without a Hydra run (no run
+    dir, no launch, nothing validated yet): the one way recipes and tests build a config."""
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
 
 
 def mixed_precision_of(cfg: Any) -> str:

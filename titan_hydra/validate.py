@@ -5,7 +5,6 @@ Each rule raises ConfigError with one line: what is wrong, and which key fixes i
 
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
 
@@ -18,6 +17,9 @@ from titan_hydra.data.tokenizer import Tokenizer
 from titan_hydra.errors import ConfigError, check_writable_dir  # check_writable_dir: also imported from here
 from titan_hydra.errors import instantiate_checked as instantiate
 from titan_hydra.models.registry import args_of
+from titan_hydra.parallel import ac as activation_checkpoint
+from titan_hydra.parallel import compile as compile_rules
+from titan_hydra.parallel import cp, ep, fsdp, pp, tp
 
 
 def _positive(cfg: DictConfig, key: str, allow_zero: bool = False) -> None:
@@ -99,19 +101,23 @@ def _validate_document_mask(family, dims) -> None:
                           "or data.document_mask=false")
 
 
-PARALLEL_MODULES = ("fsdp", "tp", "pp", "cp", "ep", "ac", "compile")
-
-
 def validate_parallel_modules(cfg: DictConfig, dims) -> None:
-    """Each parallelism module may define ``check_config(cfg, dims)`` for its own rules."""
-    for name in PARALLEL_MODULES:
-        try:
-            module = importlib.import_module(f"titan_hydra.parallel.{name}")
-        except ModuleNotFoundError:
-            continue
-        check = getattr(module, "check_config", None)
-        if check is not None:
-            check(cfg, dims)
+    """Each parallelism module's own rules, called with the values they need: a parallel module
+    receives objects and numbers, never the config tree (this function is the one place that reads
+    across groups for them)."""
+    family, args = args_of(cfg.model)
+    shape = family.shape(args)
+    compile_mode = str(cfg.compile.mode)
+    ac = cfg.activation_checkpoint
+    fsdp.check_layout(dims)
+    tp.check_layout(dims, device=str(cfg.cluster.device), backend=str(cfg.cluster.backend),
+                    compiled=compile_mode != "none", seq_len=int(cfg.training.seq_len))
+    pp.check_layout(dims, int(shape.n_layers), int(cfg.training.local_batch_size))
+    cp.check_layout(dims, str(cfg.cluster.device))
+    ep.check_layout(dims, int(getattr(shape, "n_experts", 0) or 0), compile_mode, str(ac.mode))
+    activation_checkpoint.check_settings(str(ac.mode), int(ac.get("selective_layer_freq", 2)),
+                                         str(ac.get("selective_op_policy", "all_mm")))
+    compile_rules.check_settings(compile_mode, str(cfg.compile.backend), dims, str(ac.mode))
 
 
 def _validate_environment(cfg: DictConfig) -> None:

@@ -9,8 +9,9 @@
   AVX2-only EPYC 2-5x slower. So ``auto`` times both once (forward + backward of one sequence at
   the run's heads, length and dtype; ~0.1-1 s), keeps the result in the machine's measurement
   cache (``titan_hydra.hardware``), and rank 0's answer is broadcast so every rank runs the
-  same kernel. If the kernel cannot be built here (no C++ compiler), ``auto`` logs one line and
-  uses SDPA.
+  same kernel. The kernel is compiled (once per machine, ~45 s) only to time it or to run it: a
+  shape whose cached answer is SDPA starts without touching the extension. If the kernel cannot
+  be built here (no C++ compiler), ``auto`` logs one line and uses SDPA.
 * ``sdpa``: always ``F.scaled_dot_product_attention`` (torch's fused kernels).
 * ``small_head``: require the kernel; a configuration it cannot serve is refused with one line
   before the model is built any further.
@@ -99,12 +100,15 @@ def _time_kernels(heads: int, seq_len: int, dtype: torch.dtype) -> dict[str, flo
 
 
 def measured_kernel_times(heads: int, seq_len: int, dtype: torch.dtype) -> dict[str, float]:
-    """``_time_kernels`` through this machine's measurement cache (measured once per shape)."""
+    """``_time_kernels`` through this machine's measurement cache (measured once per shape). Only a
+    shape not in the cache builds the kernel (KernelUnavailable if it cannot be built): where the
+    cache says SDPA wins, a run never compiles or loads the extension at all."""
     key = (f"{cpu_model()}|{cpu_isa()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
            f"|heads={heads}|seq={seq_len}|{dtype}")
     cached = read_cache(CACHE_FILE).get(key)
     if isinstance(cached, dict) and {"sdpa", KERNEL_NAME} <= cached.keys():
         return cached
+    warm_up()
     times = _time_kernels(heads, seq_len, dtype)
     write_cache(CACHE_FILE, key, times)
     return times
@@ -114,26 +118,31 @@ def faster_kernel(heads: int, seq_len: int, dtype: torch.dtype, probe: Probe | N
     """The faster of the small-head kernel and SDPA here; rank 0 decides for every rank."""
     choice = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        times = (probe or measured_kernel_times)(heads, seq_len, dtype)
-        sdpa, kernel = times["sdpa"], times[KERNEL_NAME]
-        if kernel < sdpa:
-            choice[0] = KernelChoice(KERNEL_NAME, f"auto: measured {sdpa / kernel:.1f}x faster than sdpa on this CPU")
-        else:
-            choice[0] = KernelChoice("sdpa", f"auto: measured {kernel / sdpa:.1f}x faster than the small_head "
-                                             f"kernel on this CPU")
+        choice[0] = _decide(heads, seq_len, dtype, probe or measured_kernel_times)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(choice, src=0)
     return choice[0]
+
+
+def _decide(heads: int, seq_len: int, dtype: torch.dtype, probe: Probe) -> KernelChoice:
+    try:
+        times = probe(heads, seq_len, dtype)
+    except KernelUnavailable as e:  # a machine that should have had it: say so once
+        log.warning("attention: %s; using SDPA", e)
+        return KernelChoice("sdpa", f"auto: the small_head kernel does not apply ({e})")
+    sdpa, kernel = times["sdpa"], times[KERNEL_NAME]
+    if kernel < sdpa:
+        return KernelChoice(KERNEL_NAME, f"auto: measured {sdpa / kernel:.1f}x faster than sdpa on this CPU")
+    return KernelChoice("sdpa", f"auto: measured {kernel / sdpa:.1f}x faster than the small_head kernel on this CPU")
 
 
 def auto_picks_kernel(heads: int, seq_len: int, dtype: torch.dtype) -> bool:
     """Whether ``auto`` would install the small-head kernel for a model whose heads it can serve
     (the planner asks; builds the kernel and measures once, as a run would)."""
     try:
-        warm_up()
+        times = measured_kernel_times(heads, seq_len, dtype)
     except KernelUnavailable:
         return False
-    times = measured_kernel_times(heads, seq_len, dtype)
     return times[KERNEL_NAME] < times["sdpa"]
 
 
@@ -146,26 +155,30 @@ def apply_attention_kernel(model: torch.nn.Module, choice: str, device: torch.de
     times both kernels at that shape (``probe`` replaces the timing in tests)."""
     if choice == "sdpa":
         return KernelChoice("sdpa", "set explicitly")
-    reason, unavailable = why_not(model, device, cp), False
-    if reason is None:
+    reason = why_not(model, device, cp)
+    if reason is not None:
+        if choice == KERNEL_NAME:
+            raise ConfigError(f"training.attention_kernel=small_head cannot be used: {reason}; "
+                              f"use training.attention_kernel=auto or sdpa")
+        return KernelChoice("sdpa", f"auto: the small_head kernel does not apply ({reason})")
+    if choice == KERNEL_NAME:
         try:
             warm_up()
         except KernelUnavailable as e:
-            reason, unavailable = str(e), True
-        else:
-            if choice == KERNEL_NAME:
-                picked = KernelChoice(KERNEL_NAME, "set explicitly")
-            else:
-                heads = max(_heads(m) for m in _attention_modules(model))
-                picked = faster_kernel(heads, seq_len, dtype, probe)
-            if picked.name == KERNEL_NAME:
-                for module in _attention_modules(model):
-                    module.causal_kernel = causal_attention
-                    module.sdpa_dtype = None  # the kernel computes in fp32 anyway: no upcast copies
-            return picked
-    if choice == KERNEL_NAME:
-        raise ConfigError(f"training.attention_kernel=small_head cannot be used: {reason}; "
-                          f"use training.attention_kernel=auto or sdpa")
-    if unavailable:  # auto on a machine that should have had it: say so once
-        log.warning("attention: %s; using SDPA", reason)
-    return KernelChoice("sdpa", f"auto: the small_head kernel does not apply ({reason})")
+            raise ConfigError(f"training.attention_kernel=small_head cannot be used: {e}; "
+                              f"use training.attention_kernel=auto or sdpa") from e
+        picked = KernelChoice(KERNEL_NAME, "set explicitly")
+    else:
+        heads = max(_heads(m) for m in _attention_modules(model))
+        picked = faster_kernel(heads, seq_len, dtype, probe)
+        if picked.name == KERNEL_NAME:
+            try:
+                warm_up()  # rank 0 built it (or found it built) to time it; the other ranks load it here
+            except KernelUnavailable as e:  # a machine that should have had it: say so once
+                log.warning("attention: %s; using SDPA", e)
+                return KernelChoice("sdpa", f"auto: the small_head kernel does not apply ({e})")
+    if picked.name == KERNEL_NAME:
+        for module in _attention_modules(model):
+            module.causal_kernel = causal_attention
+            module.sdpa_dtype = None  # the kernel computes in fp32 anyway: no upcast copies
+    return picked

@@ -29,7 +29,6 @@ import functools
 from typing import Any, Callable
 
 import torch
-from omegaconf import DictConfig
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from titan_hydra.errors import ConfigError
@@ -139,10 +138,8 @@ def selective_op_policy_check(name: str) -> None:
                           f"{', '.join(SAC_POLICIES)}")
 
 
-def check_config(cfg: DictConfig, dims) -> None:
-    ac = cfg.activation_checkpoint
-    selective_op_policy_check(ac.get("selective_op_policy", "all_mm"))
-    if ac.mode == "selective_layer" and int(ac.selective_layer_freq) < 1:
-        raise ConfigError(
-            f"activation_checkpoint.selective_layer_freq={ac.selective_layer_freq} must be >= 1"
-        )
+def check_settings(mode: str, selective_layer_freq: int, selective_op_policy: str) -> None:
+    """The activation_checkpoint group's own rules, as one-line ConfigErrors."""
+    selective_op_policy_check(selective_op_policy)
+    if mode == "selective_layer" and int(selective_layer_freq) < 1:
+        raise ConfigError(f"activation_checkpoint.selective_layer_freq={selective_layer_freq} must be >= 1")

@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from omegaconf import DictConfig
 
 from titan_hydra.errors import ConfigError
 
@@ -80,16 +79,15 @@ def build_loss_fn(compile_cfg, base: Callable) -> Callable:
     return torch.compile(base, backend=compile_cfg.backend)
 
 
-def check_config(cfg: DictConfig, dims) -> None:
-    c = cfg.compile
-    if c.mode != "none" and c.backend not in torch._dynamo.list_backends(exclude_tags=()):
-        raise ConfigError(f"compile.backend={c.backend!r} is not a torch.compile backend; use inductor")
-    ac_mode = cfg.activation_checkpoint.mode
-    if c.mode != "none" and c.backend != "eager" and dims.tp > 1 and ac_mode in ("full", "selective_layer"):
+def check_settings(mode: str, backend: str, dims, ac_mode: str) -> None:
+    """Compile settings that cannot work (an unknown backend; a combination torch 2.13 fails)."""
+    if mode != "none" and backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise ConfigError(f"compile.backend={backend!r} is not a torch.compile backend; use inductor")
+    if mode != "none" and backend != "eager" and dims.tp > 1 and ac_mode in ("full", "selective_layer"):
         # torch 2.13: AOTAutograd's compiled forward of a fully checkpointed TP block saves the
         # DeviceMesh among its tensors and asserts ("expected all tensors_saved_with_vc_check to
         # be Tensors"); selective_op (a selective-checkpoint policy) compiles and matches eager.
         raise ConfigError(
-            f"activation_checkpoint={ac_mode} with compile={c.mode} under tp fails in torch 2.13; "
+            f"activation_checkpoint={ac_mode} with compile={mode} under tp fails in torch 2.13; "
             "use activation_checkpoint=selective_op (or compile=none)"
         )

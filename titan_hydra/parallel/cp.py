@@ -24,7 +24,6 @@ import weakref
 from typing import ContextManager
 
 import torch
-from omegaconf import DictConfig
 
 from titan_hydra.errors import ConfigError
 from titan_hydra.parallel import cp_cpu_attention  # its functions through the module: tests replace them
@@ -68,11 +67,11 @@ def cp_context(parts: list[torch.nn.Module], rope_buffers: tuple[str, ...], dims
     return context_parallel(mesh, buffers=buffers, buffer_seq_dims=seq_dims, no_restore_buffers={inputs, labels})
 
 
-def check_config(cfg: DictConfig, dims: ParallelDims) -> None:
-    """Context-parallel settings that cannot work, each as a one-line ConfigError."""
+def check_layout(dims: ParallelDims, device: str) -> None:
+    """Context-parallel settings that cannot work on ``device``, each as a one-line ConfigError."""
     if not dims.cp_enabled:
         return
-    if cfg.cluster.device == "cpu":
+    if device == "cpu":
         try:
             cp_cpu_attention.check_available()
         except cp_cpu_attention.CPShimUnavailable as e:

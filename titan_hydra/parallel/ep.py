@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from titan_hydra.errors import ConfigError
-from titan_hydra.models.registry import args_of
 
 
 # --------------------------------------------------------------------------- the collective
@@ -141,7 +139,7 @@ def apply_ep(model: nn.Module, family, dims) -> list[tuple[str, nn.Module]]:
 # --------------------------------------------------------------------------- pre-launch rules
 
 
-def check_config(cfg: DictConfig, dims) -> None:
+def check_layout(dims, n_experts: int, compile_mode: str, ac_mode: str) -> None:
     """EP against the model, before any process starts (validate.py calls this): the model must
     have routed experts, and ep must divide their number. (ep | dp_shard*cp and tp=1 are
     ParallelDims' own rules.)
@@ -154,24 +152,22 @@ def check_config(cfg: DictConfig, dims) -> None:
     """
     if dims.ep <= 1:
         return
-    family, args = args_of(cfg.model)
-    n_experts = int(getattr(family.shape(args), "n_experts", 0) or 0)
     if n_experts == 0:
         raise ConfigError(
-            f"parallelism.ep={dims.ep} needs a mixture-of-experts model; model {cfg.model.get('flavor', '')!r} "
-            "has no routed experts (set parallelism.ep=1)"
+            f"parallelism.ep={dims.ep} needs a mixture-of-experts model; this model has no routed experts "
+            "(set parallelism.ep=1)"
         )
     if n_experts % dims.ep:
         raise ConfigError(
             f"parallelism.ep={dims.ep} must divide the model's {n_experts} routed experts; "
             "change parallelism.ep or model.moe.num_experts"
         )
-    if str(cfg.compile.mode) != "none":
+    if compile_mode != "none":
         raise ConfigError(
-            f"compile={cfg.compile.mode} cannot run with parallelism.ep={dims.ep} (the experts' FSDP unit and "
+            f"compile={compile_mode} cannot run with parallelism.ep={dims.ep} (the experts' FSDP unit and "
             "all-to-all inside a fullgraph-compiled block); set compile=none"
         )
-    if str(cfg.activation_checkpoint.mode) == "selective_op":
+    if ac_mode == "selective_op":
         raise ConfigError(
             f"activation_checkpoint=selective_op cannot run with parallelism.ep={dims.ep} (the experts' FSDP "
             "unit inside a selectively checkpointed block); use activation_checkpoint=full or selective_layer"

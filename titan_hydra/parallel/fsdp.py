@@ -30,7 +30,6 @@ from __future__ import annotations
 import warnings
 
 import torch
-from omegaconf import DictConfig
 
 
 from titan_hydra.errors import ConfigError
@@ -171,7 +170,7 @@ def _backend_is_gloo() -> bool:
     return dist.is_initialized() and dist.get_backend() == "gloo"
 
 
-def check_config(cfg: DictConfig, dims: ParallelDims) -> None:
+def check_layout(dims: ParallelDims) -> None:
     """Data-parallel settings that cannot work, each as a one-line ConfigError."""
     if dims.fsdp_cpu_offload and not dims.fsdp_enabled:
         raise ConfigError(

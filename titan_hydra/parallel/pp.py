@@ -33,10 +33,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 
 from titan_hydra.errors import ConfigError
-from titan_hydra.models.registry import args_of
 from titan_hydra.parallel.runner import ParallelModel
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
@@ -143,15 +141,14 @@ def check_microbatches(dims, n_stages: int, local_bs: int) -> None:
         )
 
 
-def check_config(cfg: DictConfig, dims) -> None:
-    """Pre-launch rules for pipeline parallelism (validate.py calls this)."""
+def check_layout(dims, n_layers: int, local_batch_size: int) -> None:
+    """Pre-launch rules for pipeline parallelism over a model of ``n_layers`` blocks (validate.py
+    calls this)."""
     if not dims.pp_enabled:
         return
-    family, args = args_of(cfg.model)
-    n_layers = family.shape(args).n_layers
     ranges = stage_layer_ranges(dims, n_layers)
     check_stage_count(dims, len(ranges), n_layers)
-    check_microbatches(dims, len(ranges), int(cfg.training.local_batch_size))
+    check_microbatches(dims, len(ranges), int(local_batch_size))
 
 
 def stage_ids_for_rank(pp_rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:

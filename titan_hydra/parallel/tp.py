@@ -20,33 +20,32 @@ Pipeline stages are supported: modules that a stage lacks are simply not in the 
 from __future__ import annotations
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 from titan_hydra.errors import ConfigError
 
 
-def check_config(cfg: DictConfig, dims) -> None:
+def check_layout(dims, *, device: str, backend: str, compiled: bool, seq_len: int) -> None:
     """Pre-launch rules for TP that validate.py's generic rules do not cover."""
     if dims.tp <= 1:
         return
     if dims.tp_async:
-        if cfg.cluster.device != "cuda" or cfg.cluster.backend != "nccl":
+        if device != "cuda" or backend != "nccl":
             raise ConfigError(
                 "parallelism.tp_async=true needs CUDA + NCCL (cluster.device=cuda, cluster.backend=nccl); "
                 "set parallelism.tp_async=false on CPU/gloo"
             )
-        if cfg.compile.mode == "none":
+        if not compiled:
             raise ConfigError(
                 "parallelism.tp_async=true needs torch.compile (it is an Inductor pass); "
                 "set compile=model or parallelism.tp_async=false"
             )
     # Uneven sequence shards make the reduce-scatter/all-gather sizes disagree across ranks
     # (gloo aborts the process: "Received data size doesn't match expected size").
-    if dims.tp_sequence_parallel and cfg.training.seq_len % (dims.tp * dims.cp) != 0:
+    if dims.tp_sequence_parallel and seq_len % (dims.tp * dims.cp) != 0:
         raise ConfigError(
-            f"training.seq_len={cfg.training.seq_len} must be divisible by parallelism.tp*cp="
+            f"training.seq_len={seq_len} must be divisible by parallelism.tp*cp="
             f"{dims.tp * dims.cp} for sequence parallel; change the length or set "
             "parallelism.tp_sequence_parallel=false"
         )
@@ -72,7 +71,7 @@ def _enable_async_tp() -> None:
 
     In torch 2.13 symmetric memory no longer has to be enabled per process group
     (``enable_symm_mem_for_group`` is a deprecated no-op), so the Inductor flag is all
-    that is left. It only acts on compiled regions; check_config insists on compile.
+    that is left. It only acts on compiled regions; validate.py refuses it without compile.
     """
     if not torch.cuda.is_available():
         raise ConfigError("parallelism.tp_async=true needs CUDA + NCCL; set parallelism.tp_async=false")

@@ -14,7 +14,7 @@ How the choice is made:
     the rest is data parallel: FSDP over all of it, or HSDP (shard inside a node, replicate
     across nodes) when there are several nodes per pipeline stage;
   * each candidate must pass the same pre-launch rules the launch will apply (the parallel
-    modules' ``check_config``) and fit the device memory by ``plan()`` (planner/plan.py's
+    modules' checks) and fit the device memory by ``plan()`` (planner/plan.py's
     own fit check: peak per rank <= device memory; CPU has no limit);
   * among those, the highest estimated tokens/s wins. ``plan`` gives compute time at
     ``ASSUMED_MFU`` (40%), which is the same for every layout of one world size, so the ranking

@@ -252,10 +252,9 @@ def build_throughput(cfg: DictConfig, device: torch.device, rank: int, world_siz
     bf16 = mixed_precision_of(cfg) == "bf16"
     peak = device_peak_tflops(
         device, torch.bfloat16 if bf16 else torch.float32, override=cfg.cluster.peak_tflops,
-        # Re-measure each run (~1-3 s on CPU; throughput.MATMUL_BUDGET_S bounds a slow CPU): the
-        # cache keeps the best value, so one measurement
-        # taken under load cannot leave MFU inflated for every later run.
-        fresh=True,
+        # The first few runs on a machine re-measure (~1-3 s on CPU) and the cache keeps the best
+        # value, so one measurement taken under load cannot leave MFU inflated for every later run.
+        refine=True,
     )
     if device.type == "cpu" and bf16 and rank == 0:
         slow = cpu_bf16_slower_than_fp32()

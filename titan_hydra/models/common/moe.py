@@ -38,13 +38,14 @@ from titan_hydra.models.common.layers import FeedForward, trunc_normal_
 SCORE_FUNCS = ("softmax", "sigmoid")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MoEArgs:
-    """The ``model.moe`` node (schema: ``moe_config.MoEConfig``)."""
+    """The ``model.moe`` node. The expert count, top-k and expert width are shapes: no default
+    (each flavor's yaml sets them); the routing and balancing conventions default here."""
 
-    num_experts: int = 8
-    top_k: int = 2
-    expert_dim: int = 256  # hidden width of one routed expert (HF moe_intermediate_size)
+    num_experts: int
+    top_k: int
+    expert_dim: int  # hidden width of one routed expert (HF moe_intermediate_size)
     num_shared_experts: int = 0  # shared FFN hidden width = num_shared_experts * expert_dim
     score_func: str = "softmax"  # "softmax" | "sigmoid"; computed in fp32
     route_norm: bool = False  # renormalize the k gate values to sum 1 (HF norm_topk_prob)

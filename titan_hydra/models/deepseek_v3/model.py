@@ -14,7 +14,7 @@ permutes nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -27,24 +27,27 @@ from titan_hydra.models.common.rotary import inverse_frequencies, yarn_frequenci
 ROPE_TYPES = ("default", "yarn")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DeepSeekV3Args:
-    dim: int = 7168
-    n_layers: int = 61
-    n_heads: int = 128
-    vocab_size: int = 129280
+    """DeepSeek-V2/V3 hyper-parameters. Shape fields have no default: each flavor's shape lives in
+    conf/model/deepseek_v3_*.yaml only."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    vocab_size: int
     norm_eps: float = 1e-6
-    max_seq_len: int = 163840
+    max_seq_len: int
     # multi-head latent attention
-    q_lora_rank: int = 1536  # 0: queries from one dim x heads projection (V2-Lite)
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 128
+    q_lora_rank: int  # 0: queries from one dim x heads projection (V2-Lite)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
     # feed-forward: dense SwiGLU in the first n_dense_layers, MoE after
-    n_dense_layers: int = 3
-    ffn_hidden_dim: int = 18432
-    moe: MoEArgs | dict = field(default_factory=MoEArgs)
+    n_dense_layers: int
+    ffn_hidden_dim: int
+    moe: MoEArgs | dict
     # rotary: theta, pairing, YaRN (HF rope_parameters: factor, original_max_position_embeddings, ...)
     rope_theta: float = 10000.0
     rope_interleaved: bool = True

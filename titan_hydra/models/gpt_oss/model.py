@@ -18,7 +18,7 @@ balancing, the auxiliary loss and expert parallelism (``routed_experts``) work u
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -33,29 +33,26 @@ ROPE_TYPES = ("default", "yarn")
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
-def _gpt_oss_20b_moe() -> MoEArgs:
-    return MoEArgs(num_experts=32, top_k=4, expert_dim=2880, route_norm=True, load_balance_coeff=0.0)
-
-
 def alternating_layer_types(n_layers: int) -> list[str]:
     """HF's default: sliding window on layers 0, 2, 4, ..., full attention on 1, 3, 5, ..."""
     return [LAYER_TYPES[i % 2] for i in range(n_layers)]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GptOssArgs:
-    """Defaults: gpt-oss-20b (the shapes live in conf/model/gpt_oss_*.yaml)."""
+    """gpt-oss hyper-parameters. Shape fields have no default (each flavor's shape lives in
+    conf/model/gpt_oss_*.yaml only); the rest default to gpt-oss-20b's conventions."""
 
-    dim: int = 2880
-    n_layers: int = 24
-    n_heads: int = 64
-    n_kv_heads: int | None = 8
-    head_dim: int = 64
-    vocab_size: int = 201088
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int | None = None  # None: n_heads (no grouping)
+    head_dim: int
+    vocab_size: int
     norm_eps: float = 1e-5
-    max_seq_len: int = 131072
+    max_seq_len: int
     attention_bias: bool = True
-    sliding_window: int = 128
+    sliding_window: int
     layer_types: list[str] | None = None  # None: alternating_layer_types(n_layers)
     rope_theta: float = 150000.0
     rope_type: str = "yarn"  # "default" | "yarn"
@@ -66,7 +63,7 @@ class GptOssArgs:
     rope_truncate: bool = False  # round the YaRN ramp bounds (HF rope_parameters.truncate)
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
-    moe: MoEArgs | dict = field(default_factory=_gpt_oss_20b_moe)
+    moe: MoEArgs | dict
     tie_word_embeddings: bool = False
     depth_init: bool = True
 

@@ -1,32 +1,17 @@
-"""Config schema of ``model=llama*`` options: types and conventions, no shapes.
-
-Shape fields are MISSING here on purpose: each flavor's shape lives in its conf/model/*.yaml only.
-"""
+"""Config schema of ``model=llama*`` options: derived from ``LlamaArgs`` (models/common/schema.py),
+so every field, type and default is written once, in the args dataclass; its shape fields are
+MISSING here and live in each flavor's conf/model/*.yaml."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
-from omegaconf import MISSING
+from titan_hydra.models.common.schema import schema_of
+from titan_hydra.models.llama3.model import LlamaArgs
 
 
-@dataclass
-class Llama3Config:
-    _target_: str = "titan_hydra.models.llama3.Llama3"
-    family: str = "llama3"
-    flavor: str = "custom"
-    dim: int = MISSING
-    n_layers: int = MISSING
-    n_heads: int = MISSING
-    n_kv_heads: Optional[int] = None
-    vocab_size: int = MISSING
-    multiple_of: int = 256
-    ffn_dim_multiplier: Optional[float] = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    rope_scaling: bool = False
-    rope_scaling_factor: float = 8.0
-    max_seq_len: int = MISSING
-    depth_init: bool = True
-    tie_word_embeddings: bool = False
+Llama3Config = schema_of(
+    LlamaArgs,
+    name="Llama3Config",
+    module=__name__,
+    target="titan_hydra.models.llama3.Llama3",
+    family="llama3",
+)

@@ -17,22 +17,24 @@ from titan_hydra.models.common.layers import FeedForward
 from titan_hydra.models.common.rotary import inverse_frequencies, llama3_scaled
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LlamaArgs:
-    """Shape and init hyper-parameters of a Llama model (Meta's field names)."""
+    """Shape and init hyper-parameters of a Llama model (Meta's field names). The shape fields
+    have no default: a flavor's shape lives in its conf/model/*.yaml only, so code and config
+    cannot drift apart."""
 
-    dim: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
+    dim: int
+    n_layers: int
+    n_heads: int
     n_kv_heads: int | None = None  # None -> n_heads (multi-head attention)
-    vocab_size: int = 128256
+    vocab_size: int
     multiple_of: int = 256
     ffn_dim_multiplier: float | None = None
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     rope_scaling: bool = False  # Llama 3.1/3.2 low-frequency rope scaling
     rope_scaling_factor: float = 8.0  # 8 for Llama 3.1, 32 for Llama 3.2
-    max_seq_len: int = 8192
+    max_seq_len: int
     depth_init: bool = True  # scale output-projection init std by layer depth
     tie_word_embeddings: bool = False
 

@@ -22,7 +22,7 @@ every document (HF's training forward counts from the window start; the same whe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -36,24 +36,20 @@ from titan_hydra.models.common.rotary import apply_rope, inverse_frequencies, ll
 ROPE_SCALINGS = ("none", "llama3")
 
 
-def _scout_moe() -> MoEArgs:
-    return MoEArgs(num_experts=16, top_k=1, expert_dim=8192, num_shared_experts=1, score_func="sigmoid",
-                   score_before_experts=True, load_balance_coeff=0.0, aux_loss_coeff=0.0)
-
-
-@dataclass
+@dataclass(kw_only=True)
 class Llama4Args:
-    """Defaults: Llama-4-Scout-17B-16E's text decoder (the shapes live in conf/model/llama4_*.yaml)."""
+    """Llama 4 text-decoder hyper-parameters. Shape fields have no default (each flavor's shape
+    lives in conf/model/llama4_*.yaml only); the rest default to Llama-4-Scout's conventions."""
 
-    dim: int = 5120
-    n_layers: int = 48
-    n_heads: int = 40
-    n_kv_heads: int | None = 8
-    head_dim: int = 128
-    vocab_size: int = 202048
-    ffn_hidden_dim: int = 16384  # dense layers (HF intermediate_size_mlp)
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int | None = None  # None: n_heads (no grouping)
+    head_dim: int
+    vocab_size: int
+    ffn_hidden_dim: int  # dense layers (HF intermediate_size_mlp)
     norm_eps: float = 1e-5
-    max_seq_len: int = 131072
+    max_seq_len: int
     rope_theta: float = 500000.0
     rope_scaling: str = "llama3"  # "none" | "llama3"
     rope_factor: float = 16.0
@@ -69,7 +65,7 @@ class Llama4Args:
     attn_scale: float = 0.1
     moe_interleave_step: int = 1  # layers step-1, 2*step-1, ... are MoE (HF interleave_moe_layer_step)
     moe_layers: list[int] | None = None  # explicit MoE layer ids instead of the step
-    moe: MoEArgs | dict = field(default_factory=_scout_moe)
+    moe: MoEArgs | dict
     tie_word_embeddings: bool = False
     depth_init: bool = True
 

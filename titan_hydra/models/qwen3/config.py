@@ -1,28 +1,17 @@
-"""Config schema of ``model=qwen3_*`` options: types and conventions, no shapes (those live in the yaml)."""
+"""Config schema of ``model=qwen3_*`` (dense) options: derived from ``Qwen3Args`` (models/common/schema.py),
+so every field, type and default is written once, in the args dataclass; its shape fields are
+MISSING here and live in each flavor's conf/model/*.yaml."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
-from omegaconf import MISSING
+from titan_hydra.models.common.schema import schema_of
+from titan_hydra.models.qwen3.model import Qwen3Args
 
 
-@dataclass
-class Qwen3Config:
-    _target_: str = "titan_hydra.models.qwen3.Qwen3"
-    family: str = "qwen3"
-    flavor: str = "custom"
-    dim: int = MISSING
-    n_layers: int = MISSING
-    n_heads: int = MISSING
-    n_kv_heads: Optional[int] = None
-    head_dim: int = MISSING
-    ffn_hidden_dim: int = MISSING
-    vocab_size: int = MISSING
-    norm_eps: float = 1e-6
-    rope_theta: float = 1000000.0
-    max_seq_len: int = MISSING
-    qk_norm: bool = True
-    tie_word_embeddings: bool = False
-    depth_init: bool = True
+Qwen3Config = schema_of(
+    Qwen3Args,
+    name="Qwen3Config",
+    module=__name__,
+    target="titan_hydra.models.qwen3.Qwen3",
+    family="qwen3",
+)

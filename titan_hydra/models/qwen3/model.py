@@ -18,18 +18,21 @@ from titan_hydra.models.common.layers import FeedForward
 from titan_hydra.models.common.rotary import inverse_frequencies
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Qwen3Args:
-    dim: int = 1024
-    n_layers: int = 28
-    n_heads: int = 16
-    n_kv_heads: int | None = 8
-    head_dim: int = 128
-    ffn_hidden_dim: int = 3072
-    vocab_size: int = 151936
+    """Qwen3 hyper-parameters (HF field meanings). Shape fields have no default: each flavor's shape
+    lives in conf/model/qwen3_*.yaml only."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int | None = None  # None: n_heads (no grouping)
+    head_dim: int
+    ffn_hidden_dim: int
+    vocab_size: int
     norm_eps: float = 1e-6
     rope_theta: float = 1000000.0
-    max_seq_len: int = 40960
+    max_seq_len: int
     qk_norm: bool = True
     tie_word_embeddings: bool = False
     depth_init: bool = True

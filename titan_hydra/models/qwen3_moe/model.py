@@ -9,7 +9,7 @@ released models have none.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -21,22 +21,13 @@ from titan_hydra.models.common.rotary import inverse_frequencies
 from titan_hydra.models.qwen3.model import Qwen3Args
 
 
-def _a3b_moe() -> MoEArgs:
-    return MoEArgs(num_experts=128, top_k=8, expert_dim=768, route_norm=True, load_balance_coeff=0.0,
-                   aux_loss_coeff=1e-3)
-
-
-@dataclass
+@dataclass(kw_only=True)
 class Qwen3MoeArgs(Qwen3Args):
-    """Qwen3's fields (defaults: Qwen3-30B-A3B) plus the experts and the dense-layer count."""
+    """Qwen3's fields plus the experts and the dense-layer count (``ffn_hidden_dim`` is the width of
+    the dense layers only, HF intermediate_size). No shape has a default, as in Qwen3Args."""
 
-    dim: int = 2048
-    n_layers: int = 48
-    n_heads: int = 32
-    n_kv_heads: int | None = 4
-    ffn_hidden_dim: int = 6144  # dense layers only (HF intermediate_size)
     n_dense_layers: int = 0  # the first k layers are dense (HF mlp_only_layers = [0..k-1])
-    moe: MoEArgs = field(default_factory=_a3b_moe)
+    moe: MoEArgs | dict
 
     def __post_init__(self) -> None:
         super().__post_init__()
