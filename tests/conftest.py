@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,11 @@ from helpers import RunCache, compose_cfg
 # pytest 9.2, whose node ids no longer follow the ``_nodeid`` attribute xdist 3.8 rewrites;
 # the scheduler below groups by module itself.)
 SLURM_MODULES = {"test_slurm.py", "test_slurm_requeue.py"}
+
+# Launched runs fork their workers from the launcher, which has imported torch and titan_hydra
+# already: ~5 s less per launch than spawn (torch elastic's default and ours, which re-imports
+# everything in every rank). test_launch_local checks that spawn, fork and torchrun agree.
+os.environ.setdefault("TITAN_HYDRA_START_METHOD", "fork")
 
 
 def pytest_collection_modifyitems(config, items):

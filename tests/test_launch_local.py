@@ -39,11 +39,19 @@ def _torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
                           env={**os.environ, "WANDB_SILENT": "true"})
 
 
-def test_torchrun_matches_spawn(tmp_path):
-    spawn_dir = tmp_path / "spawn"
-    proc = run_launch(ARGS + ["cluster.nproc_per_node=2", f"hydra.run.dir={spawn_dir}"], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    spawned = series(spawn_dir, "loss")
+def test_torchrun_matches_spawn_and_fork(tmp_path):
+    """The three ways ranks start (torchrun; our launcher spawning or forking its workers) train
+    bit-identically. The rest of the suite forks (conftest sets TITAN_HYDRA_START_METHOD)."""
+    started = {}
+    for method in ("spawn", "fork"):
+        run_dir = tmp_path / method
+        proc = run_launch(ARGS + ["cluster.nproc_per_node=2", f"cluster.start_method={method}",
+                                  f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert "TOKENIZERS_PARALLELISM" not in proc.stderr + proc.stdout  # no fork warning from tokenizers
+        started[method] = series(run_dir, "loss")
+    spawned = started["spawn"]
+    assert started["fork"] == spawned
 
     proc = _torchrun(ARGS, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]

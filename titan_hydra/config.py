@@ -56,6 +56,7 @@ Float8Recipe = choice("Float8Recipe", "none tensorwise rowwise")
 Device = choice("Device", "cpu cuda")
 Backend = choice("Backend", "gloo nccl")
 Launcher = choice("Launcher", "local slurm")
+StartMethod = choice("StartMethod", "spawn fork forkserver")
 DataSource = choice("DataSource", "builtin json parquet text hf")
 AsyncMode = choice("AsyncMode", "disabled async")
 ExportDtype = choice("ExportDtype", "float32 bfloat16 float16")
@@ -158,6 +159,12 @@ class ClusterConfig:
     threads_per_proc: Optional[int] = None
     max_restarts: int = 0
     master_port: Optional[int] = None
+    # How the local launcher starts its workers. spawn (torch elastic's default): each worker
+    # imports torch and the program again (~3-5 s of CPU per rank before its first step). fork:
+    # workers are copies of the launcher, which has imported everything already; CPU only
+    # (forking a process that may hold CUDA state is unsafe). The default comes from the
+    # environment variable TITAN_HYDRA_START_METHOD when set (the test suite sets fork).
+    start_method: StartMethod = "${oc.env:TITAN_HYDRA_START_METHOD,spawn}"  # type: ignore[assignment]
     # Longest a rank waits for its peers at startup (rendezvous + process group connections);
     # past it the rank fails with one line naming the address it could not reach (runtime/rendezvous.py).
     init_timeout_s: int = 300

@@ -122,8 +122,16 @@ def validate_parallel_modules(cfg: DictConfig, dims) -> None:
 
 def _validate_environment(cfg: DictConfig) -> None:
     c = cfg.cluster
+    try:
+        str(c.start_method)  # its default reads TITAN_HYDRA_START_METHOD
+    except Exception as e:  # omegaconf's ValidationError, raised on access
+        raise ConfigError(f"TITAN_HYDRA_START_METHOD={os.environ.get('TITAN_HYDRA_START_METHOD')!r} is not a "
+                          "start method; set it to spawn, fork or forkserver (or unset it)") from e
     if c.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("cluster.device=cuda but no CUDA device is visible; use cluster=local_cpu")
+    if c.device == "cuda" and str(c.start_method) == "fork":
+        raise ConfigError("cluster.start_method=fork is CPU only (a forked worker may inherit CUDA state); "
+                          "use cluster.start_method=spawn or forkserver")
     if c.device == "cpu" and c.backend == "nccl":
         raise ConfigError("cluster.backend=nccl needs CUDA; use cluster.backend=gloo on CPU")
 

@@ -23,6 +23,7 @@ import socket
 import uuid
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -60,6 +61,8 @@ def worker_main(cfg: DictConfig, run_dir: str, return_state: bool = False, progr
     line, no traceback) from a bug (traceback kept in the error file).
     """
     os.environ["TITAN_HYDRA_WORKER"] = "1"
+    # A forked worker keeps the launcher's thread count (OMP_NUM_THREADS is read once, at import).
+    torch.set_num_threads(threads_per_worker(cfg))
     try:
         return load_program(program)(cfg, run_dir, return_state=return_state)
     except UserError as e:
@@ -91,6 +94,9 @@ def run_local(
     build_dataset(cfg)  # fills the token cache; bad data fails here, before any worker starts
     _quiet_join_tracebacks()
     os.environ["OMP_NUM_THREADS"] = str(threads_per_worker(cfg))
+    # Forked workers inherit the tokenizer's thread pool state; this keeps HF tokenizers from
+    # warning about it in every worker (they tokenize little: the cache above did the work).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     entry = elastic_launch(launch_config_of(cfg), worker_main)
     try:
         results = entry(cfg, run_dir, return_state, program or DEFAULT_PROGRAM)
@@ -118,7 +124,7 @@ def launch_config_of(cfg: DictConfig):
         rdzv_configs={"timeout": 120},
         max_restarts=int(cfg.cluster.max_restarts),
         monitor_interval=0.2,
-        start_method="spawn",
+        start_method=str(cfg.cluster.start_method),
     )
 
 
