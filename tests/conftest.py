@@ -20,10 +20,13 @@ from helpers import RunCache, compose_cfg
 # the scheduler below groups by module itself.)
 SLURM_MODULES = {"test_slurm.py", "test_slurm_requeue.py"}
 
-# Launched runs fork their workers from the launcher, which has imported torch and titan_hydra
-# already: ~5 s less per launch than spawn (torch elastic's default and ours, which re-imports
-# everything in every rank). test_launch_local checks that spawn, fork and torchrun agree.
-os.environ.setdefault("TITAN_HYDRA_START_METHOD", "fork")
+# Launched runs start their workers from a fork server that imported torch and titan_hydra once:
+# half the CPU of spawn (torch elastic's default and ours, which imports everything in every
+# rank), which is what a 2-core machine running two test workers is short of. Not fork: the
+# launcher has threads by then (torch elastic's rendezvous store) and a 4-rank run once hung at
+# start under it. test_launch_local checks that spawn, fork, forkserver and torchrun agree; the
+# fault tests launch with spawn (they find workers by its command line).
+os.environ.setdefault("TITAN_HYDRA_START_METHOD", "forkserver")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -149,7 +149,8 @@ def _tp_resume(tp_dir: Path, again: Path) -> None:
 def _kill9_run(run_dir: Path) -> str:
     """checkpoint=async on FSDP(2), saving every step; kill -9 one worker once step 1 is complete."""
     run_dir.mkdir(parents=True)
-    extra = FSDP + ["checkpoint=async", "checkpoint.interval=1", "cluster.max_restarts=1"]
+    # spawn (the default users run): the test finds the worker to kill by its spawn_main command line
+    extra = FSDP + ["checkpoint=async", "checkpoint.interval=1", "cluster.max_restarts=1", "cluster.start_method=spawn"]
     log = run_dir.parent / "kill9.out"  # a file, not a pipe: nobody reads while the test waits to kill
     with open(log, "w") as sink:
         proc = subprocess.Popen(args_for(run_dir, 2, 2, extra), cwd=run_dir.parent, stdout=sink,

@@ -248,10 +248,14 @@ OWN_SHAPES = {"llama3_100m"}
 
 def test_published_table_covers_every_model_option():
     own = {o for o in options("model") if o.endswith("_debug")} | OWN_SHAPES
-    assert set(PUBLISHED_HF) | own == set(options("model"))
+    assert set(PUBLISHED_HF) | own == set(LANGUAGE_MODELS)
 
 
-@pytest.mark.parametrize("flavor", options("model"))
+# flux_* has no transformers counterpart: tests/test_flux_training.py checks it against diffusers.
+LANGUAGE_MODELS = [o for o in options("model") if not o.startswith("flux")]
+
+
+@pytest.mark.parametrize("flavor", LANGUAGE_MODELS)
 def test_model_option_builds_and_matches_published_hf_config(flavor):
     """Every conf/model option: the built model's args are the yaml node, and its parameter count
     equals the family's shape() and transformers' count of the published HF config (meta device)."""

@@ -265,7 +265,7 @@ def test_incompatible_state_rejected():
     ):
         with pytest.raises(ValueError, match="does not match"):
             other.load_state_dict(a.state_dict())
-    with pytest.raises(ValueError, match="not a packed BatchLoader state"):
+    with pytest.raises(ValueError, match="not a packed loader state"):
         a.load_state_dict({"step": 3})
     with pytest.raises(ValueError, match="dp_rank"):
         _arange_loader(local_batch_size=2, dp_rank=2, dp_degree=2)

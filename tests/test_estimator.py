@@ -19,7 +19,7 @@ from titan_hydra.config import mixed_precision_of
 from titan_hydra.planner.plan import plan
 from titan_hydra.models.registry import build_model
 from titan_hydra.parallel.ac import apply_ac
-from titan_hydra.train.loss import cross_entropy_loss
+from titan_hydra.models.objective import cross_entropy_loss
 from titan_hydra.kernels.attention_policy import apply_attention_kernel
 from titan_hydra.kernels.attention_precision import apply_attention_precision
 from titan_hydra.validate import build_dims

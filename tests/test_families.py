@@ -27,7 +27,7 @@ def debug(name: str, *overrides: str):
 
 
 def test_registry_resolves_builtin_names_and_dotted_paths():
-    assert set(BUILTIN) == {"llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4"}
+    assert set(BUILTIN) == {"llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4", "flux"}
     assert get_family("llama3") is LLAMA and get_family("qwen3") is QWEN3
     assert get_family("titan_hydra.models.qwen3.FAMILY") is QWEN3
     made = get_family("titan_hydra.models.qwen3.Qwen3Family")  # a class is instantiated

@@ -94,6 +94,7 @@ def _kill_run(run_dir: Path, layout: str) -> dict:
     run_dir.mkdir(parents=True)
     args = [sys.executable, str(REPO / "launch.py"), *BASE, *LAYOUTS[layout], "training.steps=200",
             "checkpoint=default", "checkpoint.interval=2", "cluster.nproc_per_node=2",
+            "cluster.start_method=spawn",  # the default users run; workers are found by their spawn_main command line
             f"training.local_batch_size={GLOBAL_BATCH}", f"hydra.run.dir={run_dir}"]
     marker = run_dir / "checkpoint" / f"step-{KILL_AFTER}" / "COMPLETE.json"
     err_log = run_dir.parent / f"{layout}.err"  # files, not pipes: nobody reads them while we wait

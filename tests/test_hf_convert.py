@@ -333,7 +333,7 @@ def test_initial_load_path_reads_an_hf_directory(tmp_path, kind):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from helpers import compose_cfg
 
-    from titan_hydra.train.loss import cross_entropy_loss
+    from titan_hydra.models.objective import cross_entropy_loss
     from titan_hydra.train.pretrain import build_dataset, run
 
     overrides, hf_fields = RUN_SHAPES[kind]

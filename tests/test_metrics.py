@@ -31,7 +31,7 @@ def cache_dir(tmp_path, monkeypatch):
 def test_throughput_meter_exact(monkeypatch):
     now = [100.0]
     monkeypatch.setattr(tp.time, "perf_counter", lambda: now[0])
-    m = tp.ThroughputMeter(flops_per_token=6e9, peak_tflops=100.0, world_size=1)
+    m = tp.ThroughputMeter(flops_per_unit=6e9, peak_tflops=100.0, world_size=1)
     m.update(1000)
     m.update(1000)
     now[0] = 102.0
@@ -55,7 +55,7 @@ def test_throughput_meter_exact(monkeypatch):
 
 def test_throughput_meter_global_and_zero_window(monkeypatch):
     monkeypatch.setattr(tp.time, "perf_counter", lambda: 5.0)
-    m = tp.ThroughputMeter(flops_per_token=1.0, peak_tflops=1.0, world_size=4)
+    m = tp.ThroughputMeter(flops_per_unit=1.0, peak_tflops=1.0, world_size=4)
     m.update(10)
     r = m.report()  # zero elapsed time must not divide by zero
     assert r["tps"] == 0.0 and r["mfu"] == 0.0 and r["tps_global"] == 0.0

@@ -72,7 +72,7 @@ def _model_diffs(method: str, rank: int) -> dict[str, float]:
     from titan_hydra.models.llama3 import FAMILY, Llama3
     from titan_hydra.parallel.cp import cp_context
     from titan_hydra.parallel.dims import ParallelDims
-    from titan_hydra.train.loss import cross_entropy_loss
+    from titan_hydra.models.objective import cross_entropy_loss
 
     torch.manual_seed(0)
     model = Llama3(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=64)

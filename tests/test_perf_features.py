@@ -22,7 +22,7 @@ from titan_hydra.models.qwen3 import Qwen3
 from titan_hydra.parallel.ac import apply_ac
 from titan_hydra.parallel.compile import apply_compile, build_loss_fn
 from titan_hydra.quant.float8 import Float8Converter
-from titan_hydra.train.loss import cross_entropy_loss
+from titan_hydra.models.objective import cross_entropy_loss
 
 LAYERS = 4
 LINEARS_PER_BLOCK = 7  # wq wk wv wo w1 w2 w3

@@ -58,6 +58,7 @@ Backend = choice("Backend", "gloo nccl")
 Launcher = choice("Launcher", "local slurm")
 StartMethod = choice("StartMethod", "spawn fork forkserver")
 DataSource = choice("DataSource", "builtin json parquet text hf")
+ImageSource = choice("ImageSource", "shapes folder jsonl")
 AsyncMode = choice("AsyncMode", "disabled async")
 ExportDtype = choice("ExportDtype", "float32 bfloat16 float16")
 ACMode = choice("ACMode", "none full selective_op selective_layer")
@@ -160,10 +161,11 @@ class ClusterConfig:
     max_restarts: int = 0
     master_port: Optional[int] = None
     # How the local launcher starts its workers. spawn (torch elastic's default): each worker
-    # imports torch and the program again (~3-5 s of CPU per rank before its first step). fork:
-    # workers are copies of the launcher, which has imported everything already; CPU only
-    # (forking a process that may hold CUDA state is unsafe). The default comes from the
-    # environment variable TITAN_HYDRA_START_METHOD when set (the test suite sets fork).
+    # imports torch and the program again (~3-5 s of CPU per rank before its first step).
+    # forkserver: one server process imports them once and forks every worker (half spawn's CPU
+    # for 2 ranks). fork: workers are copies of the launcher, which has imported everything
+    # already (fastest), but it forks a process that has threads; CPU only. The default comes
+    # from the environment variable TITAN_HYDRA_START_METHOD when set (the tests use forkserver).
     start_method: StartMethod = "${oc.env:TITAN_HYDRA_START_METHOD,spawn}"  # type: ignore[assignment]
     # Longest a rank waits for its peers at startup (rendezvous + process group connections);
     # past it the rank fails with one line naming the address it could not reach (runtime/rendezvous.py).
@@ -209,6 +211,25 @@ class DataConfig:
     max_documents: Optional[int] = None
     cache_dir: Optional[str] = None
     document_mask: bool = False  # attention stays inside each packed document; positions restart per document
+
+
+@dataclass
+class ImageCaptionDataConfig:
+    """Image-caption data (``data=flux_shapes``, ``flux_images``): ``source`` picks the procedural
+    shapes set, a folder of images with .txt captions, or a JSONL of {"image", "text"};
+    ``examples`` is the model family's example builder (it encodes and makes the batches)."""
+
+    _target_: str = "titan_hydra.data.image_caption.ImageCaptionDataset"
+    name: str = "shapes"
+    source: ImageSource = ImageSource["shapes"]
+    path: Optional[str] = None
+    num_images: int = 256  # the shapes set's size; a cap on folder / JSONL data
+    image_size: int = 64  # pixels per side (a multiple of 16)
+    val_fraction: float = 0.125
+    shuffle: bool = True
+    seed: int = "${training.seed}"  # type: ignore[assignment]
+    cache_dir: Optional[str] = None
+    examples: Any = MISSING
 
 
 @dataclass
@@ -350,7 +371,9 @@ class TitanConfig:
     lr_scheduler: LRSchedulerConfig = MISSING
     float8: Float8Config = MISSING
     cluster: ClusterConfig = MISSING
-    data: DataConfig = MISSING
+    # Typed by the chosen option's schema: token data (schema_data) or image-caption data
+    # (schema_data_image_caption).
+    data: Any = MISSING
     checkpoint: CheckpointConfig = MISSING
     activation_checkpoint: ActivationCheckpointConfig = MISSING
     compile: CompileConfig = MISSING
@@ -411,6 +434,7 @@ def register_configs() -> None:
     cs.store(name="schema_titan", node=TitanConfig)
     for group, schema in GROUP_SCHEMAS.items():
         cs.store(name=f"schema_{group}", node=schema)
+    cs.store(name="schema_data_image_caption", node=ImageCaptionDataConfig)
     register_schemas(cs)
 
 

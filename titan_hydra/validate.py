@@ -84,7 +84,8 @@ def validate(cfg: DictConfig) -> None:
     if not OmegaConf.select(cfg, "dry_run"):  # a dry run sizes a GPU cluster from any machine
         _validate_environment(cfg)
     validate_parallel_modules(cfg, dims)
-    _validate_data(cfg)
+    if OmegaConf.select(cfg, "data.tokenizer") is not None:  # token data (image data checks itself on build)
+        _validate_data(cfg)
     if OmegaConf.select(cfg, "eval.freq", default=0):
         instantiate(cfg.eval).check()  # lm-eval installed, tasks known: before any model is built
     _validate_ranges(cfg)

@@ -1,6 +1,8 @@
 """Stateful, deterministic, data-parallel batch loaders.
 
-``BatchLoader`` serves fixed-length windows of a packed token array. Its one idea: the
+``SampleStream`` is the order and position of any indexed dataset; ``BatchLoader`` serves
+fixed-length windows of a packed token array through it (an image dataset serves its examples
+through the same stream: ``data/image_caption.py``). Its one idea: the
 sample order is a single global stream (epoch 0's order, then epoch 1's, ...), and the
 k-th call on dp rank r takes stream positions ``[(k*dp + r)*B, (k*dp + r + 1)*B)``.
 So every data-parallel layout with the same global batch ``B*dp`` sees the same global
@@ -41,41 +43,30 @@ def _to_batch(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
-class BatchLoader:
-    """Batches of ``(inputs, labels)`` [B, seq_len] from a flat packed token array.
+class SampleStream:
+    """The global sample order of an indexed dataset of ``num_samples`` items, and this dp
+    rank's place in it; a subclass turns sample indices into a batch (``fetch``).
 
-    Sample i is ``tokens[i*seq_len : i*seq_len + seq_len + 1]`` (non-overlapping targets).
     With ``shuffle`` the order within epoch e is ``default_rng(seed + e).permutation(N)``.
     ``infinite=True`` runs epoch after epoch (a global batch may straddle two epochs);
     ``infinite=False`` stops after the last *full* global batch of epoch 0, so every rank
     makes the same number of calls (the tail of fewer than ``B*dp`` samples is dropped).
     """
 
-    def __init__(
-        self,
-        tokens: np.ndarray,
-        seq_len: int,
-        local_batch_size: int,
-        dp_rank: int = 0,
-        dp_degree: int = 1,
-        shuffle: bool = False,
-        seed: int = 0,
-        infinite: bool = True,
-        split: str = "train",
-    ):
+    kind = "samples"  # the state's kind: what a checkpoint of this loader can be restored into
+    # Attributes a saved state must match (the data order), checked in this order.
+    order_keys: tuple[str, ...] = ("split", "num_samples", "shuffle", "seed")
+
+    def __init__(self, num_samples: int, local_batch_size: int, dp_rank: int = 0, dp_degree: int = 1,
+                 shuffle: bool = False, seed: int = 0, infinite: bool = True, split: str = "train"):
         _check_layout(local_batch_size, dp_rank, dp_degree)
-        self.tokens = tokens
-        self.seq_len = int(seq_len)
-        self.num_samples = max(0, (len(tokens) - 1) // self.seq_len)
+        self.num_samples = int(num_samples)
         self.local_batch_size = local_batch_size
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.global_batch_size = local_batch_size * dp_degree
         self.shuffle, self.seed, self.infinite, self.split = shuffle, seed, infinite, split
-        if self.num_samples == 0:
-            raise DataError(
-                f"split {split!r} has {len(tokens)} tokens, fewer than one sample of seq_len+1={seq_len + 1} "
-                "(add data or lower training.seq_len)"
-            )
+        if self.num_samples < 1:
+            raise DataError(f"split {split!r} has no samples (add data)")
         if not infinite and self.num_samples < self.global_batch_size:
             raise DataError(
                 f"split {split!r} has {self.num_samples} samples, fewer than one global batch of "
@@ -83,6 +74,11 @@ class BatchLoader:
             )
         self.consumed = 0  # global samples consumed by all dp ranks together
         self._perms: dict[int, np.ndarray] = {}
+
+    def fetch(self, indices: np.ndarray, positions: np.ndarray):
+        """The batch of these sample indices, at these global stream positions (a position
+        identifies one visit of a sample: what per-visit randomness, e.g. noise, is keyed by)."""
+        raise NotImplementedError
 
     # -- order ---------------------------------------------------------------------------
     def _perm(self, epoch: int) -> np.ndarray:
@@ -119,8 +115,7 @@ class BatchLoader:
             raise StopIteration
         start = self.consumed + self.dp_rank * self.local_batch_size
         idx = self.sample_indices(start, self.local_batch_size)
-        offsets = idx[:, None] * self.seq_len + np.arange(self.seq_len + 1)[None, :]
-        batch = _to_batch(self.tokens[offsets])
+        batch = self.fetch(idx, np.arange(start, start + self.local_batch_size))
         self.consumed += self.global_batch_size
         return batch
 
@@ -143,18 +138,14 @@ class BatchLoader:
         """Small, rank-independent state: position in global samples plus what must match."""
         return {
             "version": STATE_VERSION,
-            "kind": "packed",
-            "split": self.split,
+            "kind": self.kind,
             "consumed": self.consumed,
             "calls": self.calls,
             "epoch": self.epoch,
             "local_batch_size": self.local_batch_size,
             "dp_degree": self.dp_degree,
             "global_batch_size": self.global_batch_size,
-            "num_samples": self.num_samples,
-            "seq_len": self.seq_len,
-            "shuffle": self.shuffle,
-            "seed": self.seed,
+            **{key: getattr(self, key) for key in self.order_keys},
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -164,12 +155,12 @@ class BatchLoader:
         otherwise resuming would silently repeat or skip data, so that is an error. A
         different global batch size is accepted: the position is in samples, not calls.
         """
-        if not isinstance(sd, dict) or sd.get("kind") != "packed" or sd.get("version") != STATE_VERSION:
+        if not isinstance(sd, dict) or sd.get("kind") != self.kind or sd.get("version") != STATE_VERSION:
             raise DataError(
-                f"not a packed BatchLoader state (version {STATE_VERSION}): "
+                f"not a {self.kind} loader state (version {STATE_VERSION}): "
                 f"got {type(sd).__name__} with keys {sorted(sd) if isinstance(sd, dict) else '-'}"
             )
-        for key in ("split", "seq_len", "num_samples", "shuffle", "seed"):  # seq_len first: it changes num_samples
+        for key in self.order_keys:
             if sd.get(key) != getattr(self, key):
                 raise DataError(
                     f"data loader state does not match this data: {key} was {sd.get(key)!r}, now "
@@ -179,6 +170,34 @@ class BatchLoader:
         if not isinstance(consumed, int) or consumed < 0:
             raise DataError(f"data loader state has invalid 'consumed'={consumed!r}")
         self.consumed = consumed
+
+
+class BatchLoader(SampleStream):
+    """Batches of ``(inputs, labels)`` [B, seq_len] from a flat packed token array.
+
+    Sample i is ``tokens[i*seq_len : i*seq_len + seq_len + 1]`` (non-overlapping targets).
+    """
+
+    kind = "packed"
+    order_keys = ("split", "seq_len", "num_samples", "shuffle", "seed")  # seq_len first: it changes num_samples
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, local_batch_size: int, dp_rank: int = 0,
+                 dp_degree: int = 1, shuffle: bool = False, seed: int = 0, infinite: bool = True,
+                 split: str = "train"):
+        self.tokens = tokens
+        self.seq_len = int(seq_len)
+        num_samples = max(0, (len(tokens) - 1) // self.seq_len)
+        if num_samples == 0:
+            _check_layout(local_batch_size, dp_rank, dp_degree)
+            raise DataError(
+                f"split {split!r} has {len(tokens)} tokens, fewer than one sample of seq_len+1={seq_len + 1} "
+                "(add data or lower training.seq_len)"
+            )
+        super().__init__(num_samples, local_batch_size, dp_rank, dp_degree, shuffle, seed, infinite, split)
+
+    def fetch(self, indices: np.ndarray, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        offsets = indices[:, None] * self.seq_len + np.arange(self.seq_len + 1)[None, :]
+        return _to_batch(self.tokens[offsets])
 
 
 class StreamingBatchLoader:

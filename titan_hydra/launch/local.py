@@ -17,6 +17,7 @@ and runs the recipe in-rank (launch/entry.py).
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import socket
@@ -40,6 +41,7 @@ def free_port() -> int:
 # The per-rank program the workers run, as "module:function" (a string pickles to any start
 # method; tests and other recipes point it elsewhere).
 DEFAULT_PROGRAM = "titan_hydra.train.pretrain:run"
+PROGRAM_MODULE = __name__  # worker_main's module: what every worker imports first
 
 
 class WorkerUserError(UserError):
@@ -61,8 +63,13 @@ def worker_main(cfg: DictConfig, run_dir: str, return_state: bool = False, progr
     line, no traceback) from a bug (traceback kept in the error file).
     """
     os.environ["TITAN_HYDRA_WORKER"] = "1"
-    # A forked worker keeps the launcher's thread count (OMP_NUM_THREADS is read once, at import).
+    # A forked worker keeps the launcher's thread count (OMP_NUM_THREADS is read once, at import)
+    # and Hydra's logging (console format, the launcher's log file): make it a fresh worker's.
     torch.set_num_threads(threads_per_worker(cfg))
+    if str(cfg.cluster.start_method) == "fork":
+        for handler in list(logging.root.handlers):
+            logging.root.removeHandler(handler)
+        logging.root.setLevel(logging.WARNING)
     try:
         return load_program(program)(cfg, run_dir, return_state=return_state)
     except UserError as e:
@@ -97,6 +104,10 @@ def run_local(
     # Forked workers inherit the tokenizer's thread pool state; this keeps HF tokenizers from
     # warning about it in every worker (they tokenize little: the cache above did the work).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if str(cfg.cluster.start_method) == "forkserver":
+        # The server imports the program once (a clean, single-threaded process) and forks
+        # every worker from it: one import per launch instead of one per rank.
+        multiprocessing.set_forkserver_preload([PROGRAM_MODULE, (program or DEFAULT_PROGRAM).partition(":")[0]])
     entry = elastic_launch(launch_config_of(cfg), worker_main)
     try:
         results = entry(cfg, run_dir, return_state, program or DEFAULT_PROGRAM)

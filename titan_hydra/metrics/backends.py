@@ -22,7 +22,8 @@ _FMT: dict[str, tuple[str, Callable[[float], str]]] = {
     "loss": ("loss", lambda v: f"{v:.4f}"),
     "grad_norm": ("grad_norm", lambda v: f"{v:.3g}"),
     "lr": ("lr", lambda v: f"{v:.1e}"),
-    "tps": ("tps", lambda v: f"{v:,.0f}"),
+    "tps": ("tps", lambda v: f"{v:,.0f}"),  # tokens/s per device
+    "ips": ("img/s", lambda v: f"{v:,.2f}"),  # images/s per device (an image objective's unit)
     "tflops": ("tflops", lambda v: f"{v:.3g}"),
     "mfu": ("mfu", lambda v: f"{v:.1f}%"),
     "memory_peak_gib": ("mem", lambda v: f"{v:.2f}GiB"),
@@ -33,7 +34,7 @@ _FMT: dict[str, tuple[str, Callable[[float], str]]] = {
 _DEFAULT = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
 # Logged to the other sinks, too detailed for the one-line console view.
 _CONSOLE_HIDDEN = {"memory", "memory_peak_pct", "memory_current_gib", "memory_reserved_gib",
-                   "memory_alloc_retries", "tps_global", "time"}
+                   "memory_alloc_retries", "tps_global", "ips_global", "time"}
 
 log = logging.getLogger("titan_hydra")
 

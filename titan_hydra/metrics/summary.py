@@ -24,9 +24,12 @@ def run_header(*, flavor: str, family: str, shape, dims, world_size: int, precis
                attention_dtype: torch.dtype | None, ac: str, compile: str, float8: str, data_name: str,
                data_stats: Mapping[str, Any], seq_len: int, local_batch: int, global_batch: int,
                grad_accum: int, steps: int, run_dir: str,
-               attention_kernel: tuple[str, str] = ("sdpa", "set explicitly")) -> str:
+               attention_kernel: tuple[str, str] = ("sdpa", "set explicitly"),
+               data_summary: str | None = None) -> str:
     """``precision`` and ``attention_kernel``: (what was chosen, why), e.g. ("fp32", "auto: this
-    CPU has no native bf16 matmuls"); the header prints both, so an ``auto`` choice is never silent."""
+    CPU has no native bf16 matmuls"); the header prints both, so an ``auto`` choice is never silent.
+    ``data_summary``: a dataset that is not token sequences describes itself (its samples are then
+    counted as images, not as tokens of ``seq_len``)."""
     active = "" if shape.active_params == shape.params else f", {shape.active_params:,} active per token"
     tied = ", tied embeddings" if shape.tied_embeddings else ""
     degrees = [(n, getattr(dims, n)) for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")]
@@ -44,10 +47,11 @@ def run_header(*, flavor: str, family: str, shape, dims, world_size: int, precis
         ("precision", f"{mixed_precision} ({precision_reason}): {params}"),
         ("attention", f"{kernel} kernel ({kernel_reason}), in {attention}"),
         ("features", f"activation checkpointing {ac}, compile {compile}, float8 {float8}"),
-        ("data", f"{data_name}: {_fmt_tokens(data_stats)}; seq_len {seq_len}"),
-        ("batch", f"global {global_batch} sequences = {global_batch * seq_len:,} tokens per step "
-                  f"(local {local_batch} x data parallel {dims.dp_degree} x accumulation {grad_accum}); "
-                  f"{steps} steps"),
+        ("data", f"{data_name}: {_fmt_tokens(data_stats)}; seq_len {seq_len}" if data_summary is None
+                 else f"{data_name}: {data_summary}"),
+        ("batch", (f"global {global_batch} sequences = {global_batch * seq_len:,} tokens per step " if data_summary is None
+                   else f"global {global_batch} images per step ")
+                  + f"(local {local_batch} x data parallel {dims.dp_degree} x accumulation {grad_accum}); {steps} steps"),
         ("run dir", str(run_dir)),
     ]
     width = max(len(k) for k, _ in rows)

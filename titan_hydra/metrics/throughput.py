@@ -200,15 +200,17 @@ def cpu_bf16_slower_than_fp32(cpuinfo: str = "/proc/cpuinfo") -> tuple[float, fl
 class ThroughputMeter:
     """Per-rank throughput over the window since the last report.
 
-    Counts only what the caller says this rank processed, so numbers are per rank;
-    `tps_global` (= tps * world_size) is added when world_size > 1, assuming ranks
-    run in lock-step, which synchronous data-parallel training does.
+    Counts only what the caller says this rank processed, so numbers are per rank. The unit is
+    the objective's (tokens: ``tps``; images: ``rate_key="ips"``); ``<rate_key>_global``
+    (= rate * world_size) is added when world_size > 1, assuming ranks run in lock-step, which
+    synchronous data-parallel training does.
     """
 
-    def __init__(self, flops_per_token: float, peak_tflops: float, world_size: int = 1):
-        self.flops_per_token = float(flops_per_token)
+    def __init__(self, flops_per_unit: float, peak_tflops: float, world_size: int = 1, rate_key: str = "tps"):
+        self.flops_per_unit = float(flops_per_unit)
         self.peak_tflops = float(peak_tflops)
         self.world_size = int(world_size)
+        self.rate_key = rate_key
         self.reset()
 
     def reset(self) -> None:
@@ -221,11 +223,11 @@ class ThroughputMeter:
     def report(self) -> dict[str, float]:
         now = time.perf_counter()
         elapsed = now - self._t0
-        tps = self._tokens / elapsed if elapsed > 0 else 0.0
-        tflops = tps * self.flops_per_token / 1e12
+        rate = self._tokens / elapsed if elapsed > 0 else 0.0
+        tflops = rate * self.flops_per_unit / 1e12
         mfu = 100.0 * tflops / self.peak_tflops if self.peak_tflops > 0 else 0.0
         self._tokens, self._t0 = 0, now
-        out = {"tps": tps, "tflops": tflops, "mfu": mfu}
+        out = {self.rate_key: rate, "tflops": tflops, "mfu": mfu}
         if self.world_size > 1:
-            out["tps_global"] = tps * self.world_size
+            out[f"{self.rate_key}_global"] = rate * self.world_size
         return out

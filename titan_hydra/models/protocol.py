@@ -11,8 +11,9 @@ never names a family. It gets a ``ModelFamily`` from the ``model.family`` config
   pipeline cuts), ``fsdp_units``, ``tp_plan`` + ``finish_tp``, ``cut_stage``, ``rope_buffers``
   (what context parallel shards with the tokens), ``expert_modules`` (what expert parallelism
   shards over its own mesh);
-* training: ``step_hooks`` (work once per optimizer step that belongs to the model, e.g. MoE
-  load balancing, returning metrics to log);
+* training: ``objective`` (the loss, and what throughput counts: ``objective.py``; language
+  families predict the next token), ``flops_per_unit``, ``step_hooks`` (work once per
+  optimizer step that belongs to the model, e.g. MoE load balancing, returning metrics to log);
 * conversion: ``hf`` (an ``HFAdapter``; None when the family has no HF counterpart).
 
 ``common/decoder_family.DecoderFamily`` implements all of it for models built from
@@ -27,6 +28,8 @@ from typing import Any, Mapping
 
 import torch
 from torch import nn
+
+from titan_hydra.models.objective import NEXT_TOKEN, Objective
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,8 @@ class ModelFamily:
     # The model's forward takes ``doc_ids`` [B, S] (``data.document_mask=true``): attention within
     # each packed document, positions restarting per document (``models/common/masking.py``).
     supports_document_mask: bool = False
+    # What a batch is and how its loss is computed (next-token cross entropy for language models).
+    objective: Objective = NEXT_TOKEN
 
     # --- shape --------------------------------------------------------------------------
     def make_args(self, fields: Mapping[str, Any]) -> Any:
@@ -111,6 +116,11 @@ class ModelFamily:
     def flops_per_token(self, args: Any, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token: 6 x active matmul params + attention."""
         raise NotImplementedError
+
+    def flops_per_unit(self, args: Any, dataset: Any) -> float:
+        """Training FLOPs per unit the objective counts (MFU's numerator), for the samples
+        ``dataset`` serves: a token dataset's ``seq_len`` sets the attention share per token."""
+        return self.flops_per_token(args, int(dataset.seq_len))
 
     def signature(self, args: Any) -> dict[str, Any]:
         """Fields that decide whether saved weights fit this model (checkpoint compatibility)."""

@@ -10,9 +10,12 @@ context-parallel sharding) is entered here, around exactly the code it concerns.
 Gradient scaling: every runner backpropagates ``loss / grad_accum_steps`` (the pipeline also
 divides by its microbatch count), so the accumulated gradients equal those of one big batch.
 
-Model inputs beyond the tokens come from ``batch_kwargs(inputs)``: with document masking it
-returns ``{"doc_ids": ...}`` (derived from the EOS tokens of the batch), passed as keyword
-arguments to the model, or to every pipeline stage, split into microbatches like the tokens.
+A batch's ``inputs`` are one tensor (token ids: ``model(inputs)``) or a dict of tensors
+(``model(**inputs)``: a family whose model takes several inputs, e.g. latents, text embeddings
+and timesteps); the family's objective (``models/objective.py``) gives the loss. Model inputs
+beyond the tokens come from ``batch_kwargs(inputs)``: with document masking it returns
+``{"doc_ids": ...}`` (derived from the EOS tokens of the batch), passed as keyword arguments to
+the model, or to every pipeline stage, split into microbatches like the tokens.
 """
 
 from __future__ import annotations
@@ -40,6 +43,11 @@ def no_batch_kwargs(inputs: torch.Tensor) -> dict[str, Any]:
     return {}
 
 
+def call_model(model: torch.nn.Module, inputs: Any, extra: dict[str, Any]) -> Any:
+    """``model(inputs, **extra)`` for a tensor batch, ``model(**inputs, **extra)`` for a dict batch."""
+    return model(**inputs, **extra) if isinstance(inputs, dict) else model(inputs, **extra)
+
+
 def batch_kwargs_for(document_eos_id: int | None) -> BatchKwargs:
     """The model's extra inputs for a batch: document ids when documents are masked."""
     if document_eos_id is None:
@@ -65,7 +73,7 @@ class SingleStageRunner:
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with self.step_context(inputs, labels):
-            logits = self.model(inputs, **self.batch_kwargs(inputs))
+            logits = call_model(self.model, inputs, self.batch_kwargs(inputs))
             loss = self.loss_fn(logits, labels)
             # Autograd keeps what the loss needs (its fp32 log-softmax); dropping this reference
             # before backward frees the bf16 logits (2 bytes x vocab per token) for the backward peak.
@@ -76,4 +84,4 @@ class SingleStageRunner:
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with self.step_context(inputs, labels):
-            return self.loss_fn(self.model(inputs, **self.batch_kwargs(inputs)), labels).detach().float()
+            return self.loss_fn(call_model(self.model, inputs, self.batch_kwargs(inputs)), labels).detach().float()

@@ -35,7 +35,6 @@ from titan_hydra.parallel.apply import parallelize
 from titan_hydra.parallel.full_state import gather_full_state
 from titan_hydra.runtime.preemption import watch_for_preemption
 from titan_hydra.runtime.rendezvous import init_process_group  # bounded, one-line failure
-from titan_hydra.train.loss import cross_entropy_loss
 from titan_hydra.train.optimizers import build_optimizer as optimizer_of
 from titan_hydra.train.trainer import Trainer, TrainState
 
@@ -178,7 +177,7 @@ class BuiltModel:
     parts: list[torch.nn.Module]  # this rank's model (or pipeline stages)
     runner: Any  # forward_backward / eval_loss for this layout
     float8: Any
-    flops_per_token: float
+    flops_per_unit: float  # per token, or per whatever the family's objective counts
     attention_dtype: Any = None  # the dtype SDPA runs in (None: the compute dtype)
     # what runs plain causal attention, and why (kernels/attention_policy.py)
     attention_kernel: KernelChoice = KernelChoice("sdpa", "set explicitly")
@@ -203,7 +202,7 @@ def build_data(cfg: DictConfig, dims) -> DataPlan:
 
 
 def build_parallel_model(cfg: DictConfig, dims, device: torch.device, grad_accum: int, rank: int,
-                         world_size: int, document_eos_id: int | None = None) -> BuiltModel:
+                         world_size: int, dataset: Any) -> BuiltModel:
     """Model on meta -> attention precision -> float8 -> layout -> materialized and initialized."""
     with torch.device("meta"):
         family, model = build_model(cfg.model)
@@ -219,14 +218,14 @@ def build_parallel_model(cfg: DictConfig, dims, device: torch.device, grad_accum
     float8 = instantiate(cfg.float8, _convert_="all")
     model = float8.convert(model)
     pm = parallelize(
-        model, family, dims, device=device, mixed_precision=mp, loss_fn=cross_entropy_loss,
+        model, family, dims, device=device, mixed_precision=mp, loss_fn=family.objective.loss,
         grad_accum_steps=grad_accum, ac=instantiate(cfg.activation_checkpoint), compiler=instantiate(cfg.compile),
-        document_eos_id=document_eos_id,
+        document_eos_id=getattr(dataset, "document_eos_id", None),
     )
     family.set_loss_scale(pm.model_parts, pm.runner.loss_scale)  # model-internal losses weigh like the main one
     init_weights(cfg, pm.model_parts, family.shape(model_args).params, device, world_size, rank)
     return BuiltModel(family, model_args, pm.model_parts, pm.runner, float8,
-                      family.flops_per_token(model_args, cfg.training.seq_len), attention_dtype,
+                      family.flops_per_unit(model_args, dataset), attention_dtype,
                       attention_kernel)
 
 
@@ -248,7 +247,7 @@ def periodic_eval_of(cfg: DictConfig, built: BuiltModel, data: DataPlan):
 
 
 def build_throughput(cfg: DictConfig, device: torch.device, rank: int, world_size: int,
-                     flops_per_token: float) -> ThroughputMeter:
+                     built: BuiltModel) -> ThroughputMeter:
     bf16 = mixed_precision_of(cfg) == "bf16"
     peak = device_peak_tflops(
         device, torch.bfloat16 if bf16 else torch.float32, override=cfg.cluster.peak_tflops,
@@ -261,7 +260,7 @@ def build_throughput(cfg: DictConfig, device: torch.device, rank: int, world_siz
         if slow:
             log.warning("this CPU has no native bf16 matmuls (bf16 %.3f vs fp32 %.3f TFLOP/s measured): "
                         "bf16 training will be slow here; use training.mixed_precision=fp32", *slow)
-    return ThroughputMeter(flops_per_token, peak, world_size=world_size)
+    return ThroughputMeter(built.flops_per_unit, peak, world_size=world_size, rate_key=built.family.objective.rate_key)
 
 
 def header_of(cfg: DictConfig, dims, data: DataPlan, built: BuiltModel, world_size: int, run_dir: str) -> str:
@@ -278,6 +277,7 @@ def header_of(cfg: DictConfig, dims, data: DataPlan, built: BuiltModel, world_si
         data_stats=getattr(data.dataset, "stats", {}),
         seq_len=int(t.seq_len), local_batch=int(t.local_batch_size), global_batch=global_bs,
         grad_accum=data.grad_accum_steps, steps=int(t.steps), run_dir=run_dir,
+        data_summary=data.dataset.summary() if hasattr(data.dataset, "summary") else None,
     )
 
 
@@ -290,8 +290,7 @@ def _run(
     dims = instantiate(cfg.parallelism, world_size=world_size, _convert_="all")
     dims.build_mesh(device.type)
     data = build_data(cfg, dims)
-    built = build_parallel_model(cfg, dims, device, data.grad_accum_steps, rank, world_size,
-                                 document_eos_id=getattr(data.dataset, "document_eos_id", None))
+    built = build_parallel_model(cfg, dims, device, data.grad_accum_steps, rank, world_size, data.dataset)
     optimizer, lr_scheduler = build_optimizer(cfg, built)
     # the config as composed, plus what its ``auto`` choices settled on here (W&B compares runs by it)
     resolved = {"mixed_precision": mixed_precision_of(cfg), "attention_kernel": built.attention_kernel.name}
@@ -310,11 +309,11 @@ def _run(
         train_loader=data.train_loader, val_loader_factory=data.val_loader_factory, dims=dims,
         steps=training.steps, grad_accum_steps=data.grad_accum_steps, max_norm=training.max_norm,
         log_freq=training.log_freq, val_freq=training.val_freq, val_steps=training.val_steps,
-        metric_logger=metric_logger, throughput=build_throughput(cfg, device, rank, world_size, built.flops_per_token),
+        metric_logger=metric_logger, throughput=build_throughput(cfg, device, rank, world_size, built),
         memory=MemoryMonitor(device), state=state, device=device, checkpointer=checkpointer,
         preemption=watch_for_preemption(rank, world_size, device),  # None outside SLURM
         profiler=profiler, step_hooks=built.family.step_hooks(built.parts, dims),
-        periodic_eval=periodic_eval_of(cfg, built, data),
+        periodic_eval=periodic_eval_of(cfg, built, data), objective=built.family.objective,
     )
     if rank == 0:
         print(header_of(cfg, dims, data, built, world_size, run_dir), flush=True)

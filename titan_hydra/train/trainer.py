@@ -18,12 +18,21 @@ import torch
 
 from titan_hydra.errors import TrainingDiverged
 from titan_hydra.metrics.memory import state_memory_gib
+from titan_hydra.models.objective import NEXT_TOKEN, Objective
 from titan_hydra.train.grad_clip import clip_grad_norm_
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """A tensor, or a dict of tensors (a batch of keyword inputs), on ``device``."""
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch.to(device, non_blocking=True) if isinstance(batch, torch.Tensor) else batch
 
 
 @dataclass
 class TrainState:
-    """Progress that a checkpoint must carry besides model/optimizer/data."""
+    """Progress that a checkpoint must carry besides model/optimizer/data. ``tokens_seen`` counts
+    the objective's units (tokens; images for an image objective) under its historical name."""
 
     step: int = 0
     tokens_seen: int = 0
@@ -69,6 +78,7 @@ class Trainer:
         profiler=None,
         step_hooks=(),
         periodic_eval=None,
+        objective: Objective = NEXT_TOKEN,
     ) -> None:
         self.model_parts = model_parts
         self.runner = runner
@@ -94,15 +104,14 @@ class Trainer:
         self.step_hooks = list(step_hooks)
         # (due(step, last) -> bool, run() -> metrics): the eval group's harness tasks, None = off
         self.periodic_eval = periodic_eval
+        self.objective = objective  # what a batch counts for throughput, what validation logs
         self.state = state if state is not None else TrainState()
         self.last_val_loss: float | None = None
 
     # --- one microbatch -------------------------------------------------------------
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward + backward of one microbatch; returns its (local) mean loss, detached."""
-        inputs = inputs.to(self.device, non_blocking=True)
-        labels = labels.to(self.device, non_blocking=True)
-        return self.runner.forward_backward(inputs, labels)
+        return self.runner.forward_backward(to_device(inputs, self.device), to_device(labels, self.device))
 
     # --- one optimizer step -----------------------------------------------------------
     def train_step(self) -> dict[str, float]:
@@ -114,7 +123,7 @@ class Trainer:
             t0 = time.perf_counter()
             inputs, labels = next(self.train_loader)
             data_time += time.perf_counter() - t0
-            tokens += inputs.numel()
+            tokens += self.objective.units(inputs)
             losses.append(self.forward_backward(inputs, labels))
         params = [p for m in self.model_parts for p in m.parameters()]
         grad_norm = clip_grad_norm_(params, self.max_norm, pp_group=self.dims.pp_group())
@@ -158,12 +167,12 @@ class Trainer:
         for inputs, labels in self.val_loader_factory():
             if count >= self.val_steps:
                 break  # every rank reads the same number of batches, so all stop together
-            total += self.runner.eval_loss(inputs.to(self.device), labels.to(self.device))
+            total += self.runner.eval_loss(to_device(inputs, self.device), to_device(labels, self.device))
             count += 1
         for m in self.model_parts:
             m.train()
         loss = self.dims.global_mean(total / max(count, 1))
-        return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}
+        return self.objective.val_metrics(loss)
 
     # --- the loop --------------------------------------------------------------------
     def train(self) -> dict[str, Any]:

@@ -1,0 +1,94 @@
+"""Sample a PNG grid from a trained FLUX.1 run (offline, one process, CPU).
+
+    python recipes/generate_image.py outputs/<run> --prompt "a red circle in the centre on a blue background" \\
+        [--prompt ...] [--per-prompt 4] [--steps 20] [--guidance 3.0] [--seed 0] [--out grid.png]
+
+``<run>`` is the run directory (its ``.hydra/config.yaml`` names the model and the encoders) or one
+of its ``checkpoint/step-N`` directories; a run directory uses its newest complete checkpoint. The
+grid has a row per prompt and ``--per-prompt`` samples (different noise) per row. Errors (no run,
+no checkpoint, not a Flux run) are one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from titan_hydra.errors import UserError, first_line  # noqa: E402
+
+
+def locate(path: Path) -> tuple[Path, Path]:
+    """(run dir, checkpoint step dir) for a run dir or a step dir."""
+    from titan_hydra.checkpoint.storage import CheckpointError, latest_complete
+
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist")
+    if path.name.startswith("step-"):
+        return path.parent.parent, path
+    best, _ = latest_complete(path / "checkpoint")
+    if best is None:
+        raise CheckpointError(f"{path} has no complete checkpoint under checkpoint/ (train with checkpoint=default)")
+    return path, best.path
+
+
+def grid(images: np.ndarray, rows: int) -> "Image.Image":  # noqa: F821
+    from PIL import Image
+
+    n, h, w, _ = images.shape
+    cols = n // rows
+    canvas = Image.new("RGB", (cols * w, rows * h), (255, 255, 255))
+    for i, image in enumerate(images):
+        canvas.paste(Image.fromarray(image), ((i % cols) * w, (i // cols) * h))
+    return canvas
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("run", help="run directory or checkpoint/step-N directory")
+    p.add_argument("--prompt", action="append", required=True, help="repeat for several rows")
+    p.add_argument("--per-prompt", type=int, default=4)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--guidance", type=float, default=3.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="grid.png")
+    a = p.parse_args(argv)
+    try:
+        import torch
+        from hydra.utils import instantiate
+        from omegaconf import OmegaConf
+
+        from convert import read_model
+        from titan_hydra.models.flux.sampling import sample_images
+
+        run_dir, step = locate(Path(a.run))
+        config = run_dir / ".hydra" / "config.yaml"
+        if not config.exists():
+            raise UserError(f"{run_dir} has no .hydra/config.yaml (a run directory launch.py wrote)")
+        cfg = OmegaConf.to_container(OmegaConf.load(config), resolve=True)
+        if cfg.get("model", {}).get("family") != "flux" or "examples" not in cfg.get("data", {}):
+            raise UserError(f"{run_dir} is not a Flux run (model.family={cfg.get('model', {}).get('family')!r})")
+        family, args, sd = read_model(step)
+        with torch.device("meta"):
+            model = family.build(args)
+        model.to_empty(device="cpu")
+        model.load_state_dict(sd)
+        examples = instantiate(cfg["data"]["examples"])
+        prompts = [prompt for prompt in a.prompt for _ in range(a.per_prompt)]
+        images = sample_images(model.eval(), examples, prompts, int(cfg["data"]["image_size"]), steps=a.steps,
+                               guidance=a.guidance, seed=a.seed)
+        grid(images.numpy(), rows=len(a.prompt)).save(a.out)
+    except UserError as e:
+        print(f"error: {first_line(e)}", file=sys.stderr)
+        return 2
+    print(f"wrote {a.out}: {len(a.prompt)} prompt(s) x {a.per_prompt} from {step}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

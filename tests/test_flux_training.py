@@ -1,0 +1,200 @@
+"""FLUX.1 through the engine: the first family whose batch is not tokens and whose loss is not
+cross-entropy. The examples are layout-invariant (noise, timesteps and caption dropout keyed by
+the global stream position), so data-parallel layouts match one process step for step in fp32;
+a resumed run continues exactly; throughput counts images; layouts Flux has no plan for are
+refused in one line before anything is built.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import by_step, compose_cfg, read_metrics, run_launch, series
+from titan_hydra.errors import ConfigError
+from titan_hydra.validate import validate
+
+STEPS = 8
+FLUX = [
+    "experiment=flux_debug",
+    "data.num_images=48",
+    f"training.steps={STEPS}",
+    "training.global_batch_size=8",
+    "training.mixed_precision=fp32",
+    "training.init_mode=full",
+    "training.val_freq=4",
+    "training.val_steps=1",
+    "training.val_local_batch_size=4",
+    "lr_scheduler.warmup_steps=2",
+    "logger=minimal",
+    "cluster.threads_per_proc=1",
+    "checkpoint.enable=false",
+]
+
+
+def run_in_process(tmp_path: Path, overrides: list[str]) -> list[dict]:
+    from titan_hydra.train.pretrain import run
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run(compose_cfg(FLUX + ["training.local_batch_size=8", *overrides]), str(run_dir))
+    return read_metrics(run_dir)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> list[dict]:
+    return run_in_process(tmp_path_factory.mktemp("flux_single"), [])
+
+
+def build_dataset(num_images: int = 24):
+    from titan_hydra.train.pretrain import build_dataset as build
+
+    return build(compose_cfg(FLUX + [f"data.num_images={num_images}"]))
+
+
+def test_examples_are_the_same_in_every_data_parallel_layout():
+    dataset = build_dataset()
+    whole = dataset.loader("train", 4)
+    halves = [dataset.loader("train", 2, dp_rank=r, dp_degree=2) for r in range(2)]
+    for _ in range(3):
+        inputs, target = next(whole)
+        parts = [next(h) for h in halves]
+        for key, value in inputs.items():
+            assert torch.equal(value, torch.cat([p[0][key] for p in parts])), key
+        assert torch.equal(target, torch.cat([p[1] for p in parts]))
+    # resuming from the state continues with the next batch, under another layout too
+    state = whole.state_dict()
+    expected = next(whole)
+    resumed = dataset.loader("train", 2, dp_rank=0, dp_degree=2)
+    resumed.load_state_dict(state)
+    assert torch.equal(next(resumed)[1], expected[1][:2])
+    # validation: fixed timesteps and noise, the same on every pass
+    first = [b[1] for b in dataset.loader("val", 2, infinite=False)]
+    again = [b[1] for b in dataset.loader("val", 2, infinite=False)]
+    assert all(torch.equal(a, b) for a, b in zip(first, again)) and len(first) == 1
+
+
+def test_the_encoded_set_is_cached():
+    a = build_dataset()
+    b = build_dataset()  # a second build reads the cache: identical tensors
+    for key, value in a._encoded["samples"].items():
+        assert torch.equal(value, b._encoded["samples"][key]), key
+    assert a.cache_key() == b.cache_key()
+
+
+def test_trains_counting_images(single):
+    train = [r for r in single if "loss" in r]
+    assert len(train) == STEPS
+    losses = [r["loss"] for r in train]
+    assert losses[-1] < losses[0], losses  # falls from the zero-output init (velocity variance ~1)
+    assert all("ips" in r and "tps" not in r for r in train if "mfu" in r)
+    val = [r for r in single if "val/loss" in r]
+    assert len(val) == 2 and all("val/ppl" not in r for r in val)  # perplexity means nothing here
+
+
+@pytest.mark.parametrize("layout,nproc", [("fsdp", 2), ("ddp", 2)])
+def test_data_parallel_matches_one_process(tmp_path, single, layout, nproc):
+    run_dir = tmp_path / "run"
+    proc = run_launch(FLUX + [f"parallelism={layout}", f"cluster.nproc_per_node={nproc}",
+                              f"training.local_batch_size={8 // nproc}", f"training.val_local_batch_size={4 // nproc}",
+                              f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = read_metrics(run_dir)
+    for key in ("loss", "grad_norm", "val/loss"):
+        ours, ref = series(got, key), series(single, key)
+        assert len(ours) == len(ref) > 0
+        diff = max(abs(a - b) for a, b in zip(ours, ref))
+        assert diff <= 1e-5, (layout, key, diff, ours, ref)
+
+
+def test_resume_is_exact(tmp_path, single):
+    ckpt = ["checkpoint.enable=true", "checkpoint.interval=4"]
+    run_in_process(tmp_path, ckpt)
+    shutil.rmtree(tmp_path / "run" / "checkpoint" / f"step-{STEPS}")  # as if killed after step 4's save
+    rows = run_in_process(tmp_path, ckpt)  # same run dir: restores step 4 (weights, optimizer, data position)
+    assert len(series(rows, "loss")) == STEPS + STEPS // 2  # the second run trained steps 5..8 only
+    resumed = {s: v for s, v in by_step(rows, "loss").items() if s > 4}
+    reference = {s: v for s, v in by_step(single, "loss").items() if s > 4}
+    assert resumed.keys() == reference.keys() and resumed == reference  # bit-identical
+
+
+@pytest.mark.parametrize("flavor", ["flux_debug", "flux_schnell", "flux_dev"])
+def test_flavor_parameter_counts_equal_diffusers(flavor):
+    """Every conf/model/flux_*.yaml against diffusers' FluxTransformer2DModel of the same config,
+    both built on the meta device (dev: 11,901,408,320, FLUX.1-dev's published count)."""
+    diffusers = pytest.importorskip("diffusers")
+    from titan_hydra.models.flux.diffusers_io import diffusers_config
+    from titan_hydra.models.registry import args_of, build_model
+
+    cfg = compose_cfg([f"model={flavor}"])
+    family, args = args_of(cfg.model)
+    with torch.device("meta"):
+        _, ours = build_model(cfg.model)
+        theirs = diffusers.FluxTransformer2DModel(**diffusers_config(args))
+    count = sum(p.numel() for p in ours.parameters())
+    assert count == family.shape(args).params == sum(p.numel() for p in theirs.parameters())
+    if flavor == "flux_dev":
+        assert count == 11_901_408_320
+
+
+@pytest.mark.parametrize("layout,nproc,key", [("tp", 2, "tp"), ("pp", 2, "pp"), ("cp", 2, "cp")])
+def test_layouts_without_a_plan_are_refused_in_one_line(layout, nproc, key):
+    cfg = compose_cfg(FLUX + [f"parallelism={layout}", f"cluster.nproc_per_node={nproc}",
+                              "training.local_batch_size=8"])
+    with pytest.raises(ConfigError, match=rf"parallelism.{key}=2 is not supported for model.family=flux") as err:
+        validate(cfg)
+    assert "\n" not in str(err.value)
+
+
+def test_generate_image_writes_a_grid_from_the_newest_checkpoint(tmp_path):
+    from PIL import Image
+
+    from helpers import REPO
+
+    run_dir = tmp_path / "run"
+    proc = run_launch(FLUX + ["training.steps=2", "training.val_freq=0", "training.local_batch_size=8",
+                              "lr_scheduler.warmup_steps=1", "checkpoint.enable=true", f"hydra.run.dir={run_dir}"],
+                      cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "grid.png"
+    gen = subprocess.run([sys.executable, str(REPO / "recipes" / "generate_image.py"), str(run_dir),
+                          "--prompt", "a red circle in the centre on a blue background", "--prompt", "a green square",
+                          "--per-prompt", "3", "--steps", "2", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    assert "checkpoint/step-2" in gen.stdout
+    with Image.open(out) as grid:
+        assert grid.size == (3 * 64, 2 * 64)  # a row per prompt, a column per sample
+        pixels = np.asarray(grid)
+    assert pixels.std() > 0  # decoded pictures, not a blank canvas
+    bad = subprocess.run([sys.executable, str(REPO / "recipes" / "generate_image.py"), str(tmp_path / "nowhere"),
+                          "--prompt", "x"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "does not exist" in bad.stderr
+
+
+def test_autoencoders():
+    """The kl path is diffusers' AutoencoderKL with FLUX.1's normalization, exactly; the dct one
+    (the tiny default) is an orthonormal projection: decoding then encoding gives the latents back."""
+    from titan_hydra.models.flux.encoders import LATENT_SCALE, LATENT_SHIFT, DCTAutoencoder, FluxEncoders
+
+    images = torch.randint(0, 256, (2, 32, 32, 3), dtype=torch.uint8)
+    kl = FluxEncoders.tiny(16, 8, autoencoder="kl")
+    latents = kl.encode_images(images)
+    pixels = images.permute(0, 3, 1, 2).float() / 127.5 - 1.0
+    vae = kl.autoencoder.vae
+    assert torch.equal(latents, (vae.encode(pixels).latent_dist.mode() - LATENT_SHIFT) * LATENT_SCALE)
+    assert latents.shape == (2, 16, 4, 4)
+    assert torch.equal(kl.autoencoder.decode(latents), vae.decode(latents / LATENT_SCALE + LATENT_SHIFT).sample)
+
+    dct = DCTAutoencoder()
+    assert torch.allclose(dct.basis @ dct.basis.T, torch.eye(16), atol=1e-6)
+    z = dct.encode(pixels)
+    assert torch.allclose(dct.encode(dct.decode(z)), z, atol=1e-5)
+    flat = torch.full((1, 3, 16, 16), 0.5)  # a flat colour is kept exactly (the DC terms)
+    assert torch.allclose(dct.decode(dct.encode(flat)), flat, atol=1e-6)

@@ -1,0 +1,191 @@
+"""Our FLUX.1 state dict <-> diffusers' ``FluxTransformer2DModel`` (names, fused rows, chunk order).
+
+Every tensor maps bit for bit; only three things besides names differ:
+
+* fused rows: our double-block ``qkv`` is diffusers' ``to_q | to_k | to_v`` (image stream) or
+  ``add_q_proj | add_k_proj | add_v_proj`` (text stream) stacked along the output rows, and our
+  single-block ``linear1`` is ``to_q | to_k | to_v | proj_mlp``;
+* the final adaLN: ours is ordered (shift, scale), diffusers' ``norm_out.linear`` (scale, shift),
+  so its two row halves swap; the block modulations share the (shift, scale, gate) order;
+* ``FluxTransformer2DModel`` hard-codes ``mlp_ratio`` 4, rope theta 10000, 256 timestep features
+  and biases on every linear, so args that differ (e.g. ``qkv_bias=False``) cannot be converted.
+
+The mapping is one table of row pieces (``_layout``): each of our tensors is the concatenation,
+along dim 0, of whole diffusers tensors or row ranges of them; both directions read that table, so
+they are exact inverses. Renamed tensors are passed through (no copy); pieces of fused tensors are
+concatenated into new tensors, so no two outputs share storage (safetensors refuses that).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from titan_hydra.models.flux.model import PATCH, FluxArgs
+
+# One piece of one of our tensors: rows [start, stop) of a diffusers tensor.
+Piece = tuple[str, int, int]
+
+# Keys of FluxTransformer2DModel's config that the published config.json files may omit, with the
+# values its constructor then uses; shape keys (layers, widths, heads) are required.
+OPTIONAL_KEYS: dict[str, Any] = {"patch_size": 1, "out_channels": None, "guidance_embeds": False,
+                                 "axes_dims_rope": [16, 56, 56]}
+SHAPE_KEYS = ("in_channels", "num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads",
+              "joint_attention_dim", "pooled_projection_dim")
+# What FluxTransformer2DModel fixes in code: our args must hold these values to be convertible.
+FIXED = {"mlp_ratio": 4.0, "theta": 10000, "qkv_bias": True, "time_dim": 256}
+
+
+def check_convertible(args: FluxArgs) -> None:
+    """One-line ValueError if diffusers' FluxTransformer2DModel cannot hold a model of these args."""
+    for name, value in FIXED.items():
+        if getattr(args, name) != value:
+            raise ValueError(f"model.{name}={getattr(args, name)!r}: diffusers' FluxTransformer2DModel "
+                             f"fixes it to {value!r}, so this model cannot be converted")
+
+
+def diffusers_config(args: FluxArgs) -> dict[str, Any]:
+    """``FluxTransformer2DModel`` constructor kwargs of a model of these args."""
+    check_convertible(args)
+    return {"patch_size": 1, "in_channels": args.in_channels, "out_channels": None,
+            "num_layers": args.n_double_blocks, "num_single_layers": args.n_single_blocks,
+            "attention_head_dim": args.head_dim, "num_attention_heads": args.n_heads,
+            "joint_attention_dim": args.context_dim, "pooled_projection_dim": args.pooled_dim,
+            "guidance_embeds": args.guidance_embed, "axes_dims_rope": list(args.axes_dim)}
+
+
+def args_from_diffusers_config(cfg: dict[str, Any]) -> FluxArgs:
+    """FluxArgs of a ``FluxTransformer2DModel`` config (its config.json; ``_``-keys are metadata)."""
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    unknown = sorted(set(cfg) - set(OPTIONAL_KEYS) - set(SHAPE_KEYS))
+    if unknown:
+        raise ValueError(f"diffusers config keys {unknown} are not options of FLUX.1's FluxTransformer2DModel")
+    missing = [k for k in SHAPE_KEYS if k not in cfg]
+    if missing:
+        raise ValueError(f"diffusers config lacks the shape keys {missing}")
+    cfg = {**OPTIONAL_KEYS, **cfg}
+    if cfg["patch_size"] != 1:
+        raise ValueError(f"diffusers config patch_size={cfg['patch_size']}: only 1 is supported (FLUX packs "
+                         f"{PATCH}x{PATCH} patches outside the transformer)")
+    if cfg["out_channels"] not in (None, cfg["in_channels"]):
+        raise ValueError(f"diffusers config out_channels={cfg['out_channels']} differs from "
+                         f"in_channels={cfg['in_channels']}: not a FLUX.1 velocity model")
+    heads, head_dim = cfg["num_attention_heads"], cfg["attention_head_dim"]
+    return FluxArgs(dim=heads * head_dim, n_heads=heads, n_double_blocks=cfg["num_layers"],
+                    n_single_blocks=cfg["num_single_layers"], context_dim=cfg["joint_attention_dim"],
+                    pooled_dim=cfg["pooled_projection_dim"], in_channels=cfg["in_channels"],
+                    axes_dim=list(cfg["axes_dims_rope"]), guidance_embed=bool(cfg["guidance_embeds"]))
+
+
+def _linear(ours: str, *theirs: tuple[str, int]) -> dict[str, list[Piece]]:
+    """Weight and bias entries of one of our linears: the diffusers linears ``(name, out_features)``
+    stacked along the output rows (one of them: a rename)."""
+    return {f"{ours}.{p}": [(f"{name}.{p}", 0, n) for name, n in theirs] for p in ("weight", "bias")}
+
+
+def _norm(ours: str, theirs: str, n: int) -> dict[str, list[Piece]]:
+    return {f"{ours}.weight": [(f"{theirs}.weight", 0, n)]}
+
+
+def _layout(args: FluxArgs) -> dict[str, list[Piece]]:
+    """Our key -> the diffusers pieces it stacks, for every parameter of a model of these args."""
+    check_convertible(args)
+    d, hd, m = args.dim, args.head_dim, args.mlp_hidden_dim
+    emb = "time_text_embed"
+    table = {
+        **_linear("img_in", ("x_embedder", d)),
+        **_linear("txt_in", ("context_embedder", d)),
+        **_linear("time_in.in_layer", (f"{emb}.timestep_embedder.linear_1", d)),
+        **_linear("time_in.out_layer", (f"{emb}.timestep_embedder.linear_2", d)),
+        **_linear("vector_in.in_layer", (f"{emb}.text_embedder.linear_1", d)),
+        **_linear("vector_in.out_layer", (f"{emb}.text_embedder.linear_2", d)),
+        **_linear("final_layer.linear", ("proj_out", args.in_channels)),
+        # ours (shift, scale) = diffusers' second half, then its first
+        **{f"final_layer.mod.{p}": [(f"norm_out.linear.{p}", d, 2 * d), (f"norm_out.linear.{p}", 0, d)]
+           for p in ("weight", "bias")},
+    }
+    if args.guidance_embed:
+        table.update(_linear("guidance_in.in_layer", (f"{emb}.guidance_embedder.linear_1", d)))
+        table.update(_linear("guidance_in.out_layer", (f"{emb}.guidance_embedder.linear_2", d)))
+    for i in range(args.n_double_blocks):
+        o, t = f"double_blocks.{i}", f"transformer_blocks.{i}"
+        for ours, theirs, q, k, v, out, ff, qn, kn in (
+                ("img", "norm1", "to_q", "to_k", "to_v", "to_out.0", "ff", "norm_q", "norm_k"),
+                ("txt", "norm1_context", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "ff_context",
+                 "norm_added_q", "norm_added_k")):
+            table.update({
+                **_linear(f"{o}.{ours}_mod", (f"{t}.{theirs}.linear", 6 * d)),
+                **_linear(f"{o}.{ours}_attn.qkv", (f"{t}.attn.{q}", d), (f"{t}.attn.{k}", d), (f"{t}.attn.{v}", d)),
+                **_norm(f"{o}.{ours}_attn.q_norm", f"{t}.attn.{qn}", hd),
+                **_norm(f"{o}.{ours}_attn.k_norm", f"{t}.attn.{kn}", hd),
+                **_linear(f"{o}.{ours}_attn.proj", (f"{t}.attn.{out}", d)),
+                **_linear(f"{o}.{ours}_mlp.fc1", (f"{t}.{ff}.net.0.proj", m)),
+                **_linear(f"{o}.{ours}_mlp.fc2", (f"{t}.{ff}.net.2", d)),
+            })
+    for i in range(args.n_single_blocks):
+        o, t = f"single_blocks.{i}", f"single_transformer_blocks.{i}"
+        table.update({
+            **_linear(f"{o}.mod", (f"{t}.norm.linear", 3 * d)),
+            **_linear(f"{o}.linear1", (f"{t}.attn.to_q", d), (f"{t}.attn.to_k", d), (f"{t}.attn.to_v", d),
+                      (f"{t}.proj_mlp", m)),
+            **_norm(f"{o}.q_norm", f"{t}.attn.norm_q", hd),
+            **_norm(f"{o}.k_norm", f"{t}.attn.norm_k", hd),
+            **_linear(f"{o}.linear2", (f"{t}.proj_out", d)),
+        })
+    return table
+
+
+def _diffusers_rows(table: dict[str, list[Piece]]) -> dict[str, int]:
+    """Rows of every diffusers tensor the table reads (the end of its last piece)."""
+    rows: dict[str, int] = {}
+    for pieces in table.values():
+        for key, _, stop in pieces:
+            rows[key] = max(rows.get(key, 0), stop)
+    return rows
+
+
+def _check(sd: dict[str, torch.Tensor], rows: dict[str, int], side: str) -> None:
+    """One-line ValueError unless ``sd`` holds exactly these keys with these first-dim sizes."""
+    missing, unexpected = sorted(set(rows) - set(sd)), sorted(set(sd) - set(rows))
+    if missing or unexpected:
+        raise ValueError(f"{side} state dict does not match the args: missing {missing[:4]} ({len(missing)}), "
+                         f"unexpected {unexpected[:4]} ({len(unexpected)})")
+    wrong = [f"{k} {tuple(sd[k].shape)}" for k, n in rows.items() if sd[k].shape[0] != n]
+    if wrong:
+        raise ValueError(f"{side} state dict tensors of the wrong size for the args: {wrong[:4]} ({len(wrong)})")
+
+
+def from_diffusers_state(sd: dict[str, torch.Tensor], args: FluxArgs) -> dict[str, torch.Tensor]:
+    """``FluxTransformer2DModel.state_dict()`` -> our state dict (same values, bit for bit)."""
+    table = _layout(args)
+    rows = _diffusers_rows(table)
+    _check(sd, rows, "diffusers")
+    out = {}
+    for ours, pieces in table.items():
+        (key, start, stop), n = pieces[0], len(pieces)
+        if n == 1 and (start, stop) == (0, rows[key]):  # a rename
+            out[ours] = sd[key]
+        else:
+            out[ours] = torch.cat([sd[k][a:b] for k, a, b in pieces], dim=0)
+    return out
+
+
+def to_diffusers_state(sd: dict[str, torch.Tensor], args: FluxArgs) -> dict[str, torch.Tensor]:
+    """Our state dict -> ``FluxTransformer2DModel.state_dict()`` layout (same values, bit for bit)."""
+    table = _layout(args)
+    _check(sd, {ours: sum(b - a for _, a, b in pieces) for ours, pieces in table.items()}, "our")
+    rows = _diffusers_rows(table)
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, list[tuple[int, torch.Tensor]]] = {}  # fused diffusers key -> [(its first row, our rows)]
+    for ours, pieces in table.items():
+        (key, start, stop), offset = pieces[0], 0
+        if len(pieces) == 1 and (start, stop) == (0, rows[key]):  # a rename
+            out[key] = sd[ours]
+            continue
+        for key, start, stop in pieces:
+            parts.setdefault(key, []).append((start, sd[ours][offset:offset + stop - start]))
+            offset += stop - start
+    for key, got in parts.items():  # cat copies, so no output shares storage with a fused tensor of ours
+        out[key] = torch.cat([t for _, t in sorted(got, key=lambda p: p[0])], dim=0)
+    return out

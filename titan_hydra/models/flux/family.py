@@ -1,0 +1,122 @@
+"""FLUX.1 as a model family: what the engine may ask of it (``models/protocol.ModelFamily``).
+
+The first family whose batch is not tokens and whose loss is not cross-entropy. Its objective
+(``FlowMatching``) regresses the rectified-flow velocity and counts images; the batch is a dict
+of keyword inputs (``examples.FluxExamples`` makes it); the engine's runner, trainer,
+checkpointing and metrics take it through the protocol without naming the family.
+
+Layouts: data parallel (FSDP, HSDP, DDP), activation checkpointing and compile per block run
+as for the language families. Tensor, pipeline, context and expert parallelism are refused with
+one line: the two-stream blocks would need their own TP plan, PP stages would pass the image
+and text streams plus the conditioning vector between stages, and CP would shard the joint
+image + text sequence; none of them exists yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_hydra.errors import ConfigError
+from titan_hydra.models.flux.model import Flux, FluxArgs
+from titan_hydra.models.objective import Objective
+from titan_hydra.models.protocol import ModelFamily, ModelShape
+
+
+class FlowMatching(Objective):
+    """Mean squared error between the predicted and the true velocity (fp32); counts images."""
+
+    unit = "image"
+    rate_key = "ips"
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(output.float(), target.float())
+
+    def units(self, inputs: dict[str, torch.Tensor]) -> int:
+        return int(inputs["img"].shape[0])
+
+
+FLOW_MATCHING = FlowMatching()
+
+# Parameters by what they run over: once per image (conditioning: timestep, guidance and pooled
+# text embedders, every adaLN modulation), per image token, per text token, or per token of
+# either stream (the single-stream blocks).
+_PER_IMAGE = ("time_in.", "guidance_in.", "vector_in.", "_mod.", ".mod.", "final_layer.mod.")
+_IMAGE_TOKENS = ("img_in.", "img_attn.", "img_mlp.", "final_layer.linear.")
+_TEXT_TOKENS = ("txt_in.", "txt_attn.", "txt_mlp.")
+
+
+def parameter_groups(args: FluxArgs) -> dict[str, int]:
+    """Parameter counts of a meta-built model by what they run over (see above)."""
+    with torch.device("meta"):
+        model = Flux(**FluxFamily().args_fields(args))
+    groups = {"image": 0, "per_image_token": 0, "per_text_token": 0, "per_token": 0}
+    for name, p in model.named_parameters():
+        if any(tag in name for tag in _PER_IMAGE):
+            groups["image"] += p.numel()
+        elif any(name.startswith(tag) or f".{tag}" in name for tag in _IMAGE_TOKENS):
+            groups["per_image_token"] += p.numel()
+        elif any(name.startswith(tag) or f".{tag}" in name for tag in _TEXT_TOKENS):
+            groups["per_text_token"] += p.numel()
+        else:
+            groups["per_token"] += p.numel()
+    return groups
+
+
+class FluxFamily(ModelFamily):
+    name = "flux"
+    args_cls = FluxArgs
+    objective = FLOW_MATCHING
+
+    def build(self, args: FluxArgs) -> Flux:
+        return Flux(**self.args_fields(args))
+
+    # --- shape ----------------------------------------------------------------------------
+    def shape(self, args: FluxArgs) -> ModelShape:
+        with torch.device("meta"):
+            model = Flux(**self.args_fields(args))
+        params = sum(p.numel() for p in model.parameters())
+        head = sum(p.numel() for p in model.final_layer.parameters())
+        return ModelShape(n_layers=args.n_double_blocks + args.n_single_blocks, dim=args.dim, vocab_size=0,
+                          n_heads=args.n_heads, n_kv_heads=args.n_heads, head_dim=args.head_dim,
+                          ffn_dim=int(args.dim * args.mlp_ratio), params=params, active_params=params,
+                          embedding_params=0, head_params=head, qk_norm=True)
+
+    def flops_per_image(self, args: FluxArgs, image_tokens: int, text_tokens: int) -> float:
+        """Training FLOPs (forward + backward) of one image: 6 x parameters x the tokens each
+        parameter runs over, plus non-causal joint attention (4 L^2 dim per block forward)."""
+        g = parameter_groups(args)
+        tokens = image_tokens + text_tokens
+        matmul = (g["image"] + g["per_image_token"] * image_tokens + g["per_text_token"] * text_tokens
+                  + g["per_token"] * tokens)
+        attention = 4 * tokens * tokens * args.dim * (args.n_double_blocks + args.n_single_blocks)
+        return 6.0 * matmul + 3.0 * attention
+
+    def flops_per_unit(self, args: FluxArgs, dataset: Any) -> float:
+        return self.flops_per_image(args, int(dataset.image_tokens), int(dataset.text_tokens))
+
+    def flops_per_token(self, args: FluxArgs, seq_len: int) -> float:
+        """Per token of a joint sequence of ``seq_len`` (planner's view; half image, half text)."""
+        return self.flops_per_image(args, seq_len // 2, seq_len - seq_len // 2) / max(seq_len, 1)
+
+    def check(self, args: FluxArgs, dims: Any, seq_len: int) -> None:
+        for name, degree, why in (("tp", dims.tp, "the two-stream blocks have no tensor-parallel plan yet"),
+                                  ("pp", dims.pp, "pipeline stages would pass both streams and the conditioning"),
+                                  ("cp", dims.cp, "the joint image + text sequence is not sharded yet"),
+                                  ("ep", dims.ep, "Flux has no experts")):
+            if degree > 1:
+                raise ConfigError(f"parallelism.{name}={degree} is not supported for model.family=flux ({why}); "
+                                  "use data parallelism (parallelism=fsdp, hsdp or ddp)")
+
+    # --- layout ----------------------------------------------------------------------------
+    def blocks(self, model: Flux) -> nn.ModuleDict:
+        """Double-stream then single-stream blocks (a view: the model keeps its own two dicts)."""
+        return nn.ModuleDict({**{f"double_{k}": b for k, b in model.double_blocks.items()},
+                              **{f"single_{k}": b for k, b in model.single_blocks.items()}})
+
+    def fsdp_units(self, model: Flux) -> list[tuple[Any, bool]]:
+        blocks = list(self.blocks(model).values())
+        return [(b, False) for b in blocks] + [(model.final_layer, True)]
