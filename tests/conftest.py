@@ -10,7 +10,8 @@ from xdist.scheduler import LoadScopeScheduling
 
 from helpers import RunCache, compose_cfg
 
-# Under ``-n 2`` (the README's test command) the two workers take whole modules, so a
+# Under ``-n 3`` (the README's test command: three workers on CI's two cores, because the SLURM
+# tests and process start-ups leave a core idle much of the time) the workers take whole modules, so a
 # module-scoped fixture (a trained checkpoint, a set of launched runs) is built on one worker
 # only. The SLURM modules share one local cluster (a session fixture) and spend most of their
 # time waiting on it (a real time limit, requeue, accounting): they form one unit, scheduled

@@ -247,7 +247,7 @@ OWN_SHAPES = {"llama3_100m"}
 
 
 def test_published_table_covers_every_model_option():
-    own = {o for o in options("model") if o.endswith("_debug")} | OWN_SHAPES
+    own = {o for o in LANGUAGE_MODELS if o.endswith("_debug")} | OWN_SHAPES
     assert set(PUBLISHED_HF) | own == set(LANGUAGE_MODELS)
 
 

@@ -113,6 +113,13 @@ def test_data_parallel_matches_one_process(tmp_path, single, layout, nproc):
         assert diff <= 1e-5, (layout, key, diff, ours, ref)
 
 
+@pytest.mark.parametrize("ac", ["full", "selective_op"])
+def test_activation_checkpointing_matches(tmp_path, single, ac):
+    """AC wraps Flux's double- and single-stream blocks through family.blocks(), as for decoders."""
+    rows = run_in_process(tmp_path, [f"activation_checkpoint={ac}"])
+    assert series(rows, "loss") == pytest.approx(series(single, "loss"), abs=1e-6)
+
+
 def test_resume_is_exact(tmp_path, single):
     ckpt = ["checkpoint.enable=true", "checkpoint.interval=4"]
     run_in_process(tmp_path, ckpt)
@@ -198,3 +205,31 @@ def test_autoencoders():
     assert torch.allclose(dct.encode(dct.decode(z)), z, atol=1e-5)
     flat = torch.full((1, 3, 16, 16), 0.5)  # a flat colour is kept exactly (the DC terms)
     assert torch.allclose(dct.decode(dct.encode(flat)), flat, atol=1e-6)
+
+
+def test_local_images_folder_and_jsonl(tmp_path):
+    """Your own pictures: a folder of images with <name>.txt captions, or a JSONL of
+    {"image", "text"}; a missing caption or a bad line is one line naming the file."""
+    from PIL import Image
+
+    from titan_hydra.data.image_caption import folder_dataset, jsonl_dataset
+    from titan_hydra.errors import DataError
+
+    folder = tmp_path / "pics"
+    folder.mkdir()
+    for i, colour in enumerate(["red", "blue", "green"]):
+        Image.new("RGB", (40 + 8 * i, 32), colour).save(folder / f"{i}.png")  # not square: centre-cropped
+        (folder / f"{i}.txt").write_text(f"a {colour} picture\n")
+    images, captions = folder_dataset(str(folder), 16, None)
+    assert images.shape == (3, 16, 16, 3) and captions == ["a red picture", "a blue picture", "a green picture"]
+    assert tuple(images[0, 8, 8]) == (255, 0, 0)
+    lines = [f'{{"image": "pics/{i}.png", "text": "picture {i}"}}' for i in range(3)]
+    (tmp_path / "data.jsonl").write_text("\n".join(lines) + "\n")
+    images2, captions2 = jsonl_dataset(str(tmp_path / "data.jsonl"), 16, 2)
+    assert (images2 == images[:2]).all() and captions2 == ["picture 0", "picture 1"]
+    (folder / "1.txt").unlink()
+    with pytest.raises(DataError, match="1.png has no caption file 1.txt"):
+        folder_dataset(str(folder), 16, None)
+    (tmp_path / "bad.jsonl").write_text('{"image": "pics/0.png"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:1 is not a JSON object"):
+        jsonl_dataset(str(tmp_path / "bad.jsonl"), 16, None)
