@@ -115,7 +115,6 @@ class ImageCaptionDataset:
         self.examples = examples
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
         self.document_eos_id = None  # token-data notion; never set for images
-        self.captions: list[str] = []
         self._encoded = self._load_or_encode()
         n = len(next(iter(self._encoded["samples"].values())))
         n_val = max(1, int(round(n * self.val_fraction)))
@@ -148,15 +147,15 @@ class ImageCaptionDataset:
 
     def _load_or_encode(self) -> dict[str, dict[str, torch.Tensor]]:
         """The encoded set from the cache, or encoded now and cached (complete or absent: written
-        to a temporary file and renamed)."""
+        to a temporary file and renamed). A cache hit reads no image: the key already names the
+        source, its size and the encoders."""
         file = self.cache_dir / f"images-{self.source}-{self.cache_key()}.pt"
-        images, captions = self._raw()
-        self.captions = captions
         if file.exists():
             try:
                 return torch.load(file, weights_only=True)
             except (OSError, RuntimeError, EOFError):
                 pass  # unreadable: encode again and overwrite
+        images, captions = self._raw()
         with torch.no_grad():
             encoded = self.examples.encode(images, captions)
         try:
