@@ -101,3 +101,16 @@ def test_muon_newton_schulz_dtype_follows_the_hardware(compose_config, monkeypat
     assert not torch.equal(stepped("auto"), stepped("bfloat16"))
     monkeypatch.setattr(hardware, "_this_cpu_flags", lambda: AMX)
     assert torch.equal(stepped("auto"), stepped("bfloat16"))
+
+
+def test_onednn_isa_cap_below_bf16_turns_auto_to_fp32(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA=AVX2 makes oneDNN emulate bf16 on any CPU: auto follows the cap, not the flags."""
+    monkeypatch.setattr(hardware, "_this_cpu_flags", lambda: AVX512_BF16)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert resolve_precision("auto", "cpu").value == "bf16"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")
+    assert resolve_precision("auto", "cpu") == ("fp32", "auto: oneDNN is capped below bf16 (ONEDNN_MAX_CPU_ISA=AVX2)")
+    assert "ONEDNN_MAX_CPU_ISA=avx2" in hardware.isa_env_key()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")  # a cap that keeps bf16
+    assert resolve_precision("auto", "cpu").value == "bf16"

@@ -11,6 +11,9 @@ Native bf16, by device:
   GPU run from a login node) bf16 is assumed: it is what every GPU this tool plans for has.
 * x86 CPU: the ``avx512_bf16`` or ``amx_bf16`` flag in /proc/cpuinfo.
 * Arm CPU: the ``bf16`` feature (BFMMLA, e.g. Graviton 3 and later).
+* Unless oneDNN (which runs torch's CPU matmuls) is capped below its bf16 ISA by
+  ``ONEDNN_MAX_CPU_ISA`` (e.g. ``AVX2``): then bf16 is emulated whatever the flags say, which is
+  also how an AVX512-BF16 machine reproduces an AVX2-only one.
 
 This module sits below everything else in the package (it imports only torch).
 """
@@ -33,6 +36,9 @@ log = logging.getLogger("titan_hydra")
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 ARM_BF16_FEATURE = "bf16"
 PRECISIONS = ("auto", "bf16", "fp32")
+# oneDNN ISA caps (ONEDNN_MAX_CPU_ISA / its older name DNNL_MAX_CPU_ISA) that leave out bf16 dot products.
+ONEDNN_CAPS_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+                                      "AVX512_CORE_VNNI"})
 
 
 def cpuinfo_field(name: str, cpuinfo: str = "/proc/cpuinfo") -> str | None:
@@ -74,6 +80,24 @@ def cpu_has_native_bf16(flags: frozenset[str] | None) -> bool:
     return bool(flags) and bool(flags & (NATIVE_BF16_FLAGS | {ARM_BF16_FEATURE}))
 
 
+def onednn_isa_cap() -> str | None:
+    """The ISA oneDNN is capped at by the environment, upper-cased (None where uncapped)."""
+    value = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    return value.strip().upper() if value else None
+
+
+def bf16_capped_by_env() -> bool:
+    """Whether ``ONEDNN_MAX_CPU_ISA`` leaves bf16 dot products out (bf16 is then emulated)."""
+    return onednn_isa_cap() in ONEDNN_CAPS_WITHOUT_BF16
+
+
+def isa_env_key() -> str:
+    """The environment's ISA caps as a cache-key suffix: a capped run measures another machine."""
+    caps = [f"{k}={os.environ[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+            if os.environ.get(k)]
+    return "|" + ",".join(caps) if caps else ""
+
+
 class Resolved(NamedTuple):
     """A precision choice and the reason the run header prints beside it."""
 
@@ -98,7 +122,10 @@ def resolve_precision(requested: str, device_type: str, *, flags: frozenset[str]
         if cuda_bf16:
             return Resolved("bf16", "auto: this GPU computes bf16 natively")
         return Resolved("fp32", "auto: this GPU has no native bf16 (pre-Ampere)")
-    flags = _this_cpu_flags() if flags is None else flags
+    if flags is None:
+        flags = _this_cpu_flags()
+        if bf16_capped_by_env() and cpu_has_native_bf16(flags):
+            return Resolved("fp32", f"auto: oneDNN is capped below bf16 (ONEDNN_MAX_CPU_ISA={onednn_isa_cap()})")
     if cpu_has_native_bf16(flags):
         return Resolved("bf16", f"auto: this CPU has native bf16 matmuls ({cpu_isa(flags)})")
     return Resolved("fp32", "auto: this CPU has no native bf16 matmuls")

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from titan_hydra.errors import ConfigError
-from titan_hydra.hardware import cpu_isa, cpu_model, read_cache, write_cache
+from titan_hydra.hardware import cpu_isa, cpu_model, isa_env_key, read_cache, write_cache
 from titan_hydra.kernels.small_head_attention import HEAD_DIM, KernelUnavailable, causal_attention, warm_up
 
 log = logging.getLogger("titan_hydra")
@@ -103,7 +103,7 @@ def measured_kernel_times(heads: int, seq_len: int, dtype: torch.dtype) -> dict[
     """``_time_kernels`` through this machine's measurement cache (measured once per shape). Only a
     shape not in the cache builds the kernel (KernelUnavailable if it cannot be built): where the
     cache says SDPA wins, a run never compiles or loads the extension at all."""
-    key = (f"{cpu_model()}|{cpu_isa()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    key = (f"{cpu_model()}|{cpu_isa()}{isa_env_key()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
            f"|heads={heads}|seq={seq_len}|{dtype}")
     cached = read_cache(CACHE_FILE).get(key)
     if isinstance(cached, dict) and {"sdpa", KERNEL_NAME} <= cached.keys():

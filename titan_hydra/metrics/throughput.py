@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from titan_hydra.hardware import cpu_flags, cpu_has_native_bf16, cpu_model, read_cache, write_cache
+from titan_hydra.hardware import (bf16_capped_by_env, cpu_flags, cpu_has_native_bf16, cpu_model, isa_env_key,
+                                  read_cache, write_cache)
 
 log = logging.getLogger("titan_hydra")
 
@@ -165,7 +166,7 @@ def measure_cpu_peak_tflops(dtype: torch.dtype = torch.bfloat16, size: int = 204
     mem_key = (str(dtype), threads)
     if mem_key in _PEAK_CACHE and not fresh:
         return _PEAK_CACHE[mem_key]
-    disk_key = f"{cpu_model()}|threads={threads}|{dtype}|torch={torch.__version__}|size={size}"
+    disk_key = f"{cpu_model()}{isa_env_key()}|threads={threads}|{dtype}|torch={torch.__version__}|size={size}"
     known, runs = _cached_peak(read_cache(CACHE_FILE).get(disk_key))
     if known > 0 and not fresh and not (refine and runs < TRUSTED_AFTER_RUNS):
         _PEAK_CACHE[mem_key] = known
@@ -190,7 +191,7 @@ def cpu_bf16_slower_than_fp32(cpuinfo: str = "/proc/cpuinfo") -> tuple[float, fl
     A CPU whose flags name native bf16 never warns; otherwise the cached measurements decide, with
     a margin wide enough that a loaded machine's noisy timing is not mistaken for emulation.
     """
-    if cpu_has_native_bf16(cpu_flags(cpuinfo)):
+    if cpu_has_native_bf16(cpu_flags(cpuinfo)) and not bf16_capped_by_env():
         return None
     bf16 = measure_cpu_peak_tflops(torch.bfloat16)
     fp32 = measure_cpu_peak_tflops(torch.float32)
