@@ -9,6 +9,10 @@ HF adapter (names, rotary layout, tied weights), which ``<Family>ForCausalLM.fro
 loads. ``from-hf`` picks the family from ``config.json``'s ``model_type`` and writes a
 model-only DCP checkpoint (with completion marker) that ``checkpoint.initial_load_path`` loads
 under any layout. (``initial_load_path`` also accepts an HF directory directly.)
+
+For FLUX.1 the "HF directory" is diffusers' layout: ``config.json`` (``_class_name``
+``FluxTransformer2DModel``) + ``diffusion_pytorch_model.safetensors``, what
+``FluxTransformer2DModel.from_pretrained`` loads (e.g. the ``transformer/`` folder of a FLUX.1 repo).
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
-"""FLUX.1 MMDiT: parity with diffusers' FluxTransformer2DModel (outputs and weights), its published
-parameter counts, latent packing as FluxPipeline does it, one-line shape errors, and init_weights
+"""FLUX.1 MMDiT: parity with diffusers' FluxTransformer2DModel (outputs and weights; state dicts
+and whole directories through recipes/convert.py, both ways), its published parameter counts, latent packing as FluxPipeline does it, one-line shape errors, and init_weights
 on a meta-built model. Everything runs on tiny random configs in fp32, on CPU."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +15,9 @@ from titan_hydra.models.flux.diffusers_io import (
     args_from_diffusers_config, diffusers_config, from_diffusers_state, to_diffusers_state,
 )
 from titan_hydra.models.flux.model import Flux, FluxArgs, image_ids, patchify, text_ids, unpatchify
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+import convert  # noqa: E402  (recipes/convert.py)
 
 TINY = dict(dim=64, n_heads=4, n_double_blocks=2, n_single_blocks=2, context_dim=32, pooled_dim=16,
             in_channels=64, axes_dim=[4, 6, 6])
@@ -111,6 +117,39 @@ def test_state_round_trips_are_bitwise(guidance):
     # final adaLN: ours (shift, scale), diffusers (scale, shift)
     d = ours.args.dim
     assert torch.equal(there["norm_out.linear.weight"][:d], sd["final_layer.mod.weight"][d:])
+
+
+def _convert(*argv: str) -> None:
+    assert convert.main(list(argv)) == 0
+
+
+@pytest.mark.parametrize("guidance", [False, True], ids=["schnell", "dev"])
+def test_convert_recipe_round_trips_diffusers_directories(tmp_path, guidance):
+    """diffusers save_pretrained -> convert.py from-hf (a model-only DCP step) -> our model: same
+    outputs; -> convert.py to-hf -> FluxTransformer2DModel.from_pretrained: same tensors, same outputs."""
+    args = FluxArgs(**TINY, guidance_embed=guidance)
+    torch.manual_seed(3)
+    theirs = FluxTransformer2DModel(**diffusers_config(args)).eval()
+    randomize(theirs, 3)
+    theirs.save_pretrained(tmp_path / "diffusers")
+    _convert("from-hf", str(tmp_path / "diffusers"), str(tmp_path / "ckpt" / "step-0"))
+    family, got_args, sd = convert.read_model(tmp_path / "ckpt" / "step-0")
+    assert family.name == "flux" and got_args == args
+    ours = Flux(**TINY, guidance_embed=guidance).eval()
+    ours.load_state_dict(sd, strict=True)
+    x = inputs(args, seed=9)
+    with torch.no_grad():
+        assert (ours(**x) - diffusers_forward(theirs, x)).abs().max().item() <= TOL
+
+    _convert("to-hf", str(tmp_path / "ckpt" / "step-0"), str(tmp_path / "back"))
+    again = FluxTransformer2DModel.from_pretrained(tmp_path / "back").eval()
+    def shape(cfg):
+        return {k: v for k, v in dict(cfg).items() if not k.startswith("_")}
+
+    assert shape(again.config) == shape(theirs.config)
+    ref = theirs.state_dict()
+    assert all(torch.equal(v, ref[k]) for k, v in again.state_dict().items()) and again.state_dict().keys() == ref.keys()
+    assert torch.equal(diffusers_forward(again, x), diffusers_forward(theirs, x))
 
 
 @pytest.mark.parametrize("guidance, published", [(True, DEV_PARAMS), (False, SCHNELL_PARAMS)], ids=["dev", "schnell"])

@@ -10,6 +10,15 @@ from titan_hydra import hardware
 from titan_hydra.hardware import cpu_flags, cpu_isa, resolve_precision
 from titan_hydra.train import muon
 
+
+@pytest.fixture(autouse=True)
+def uncapped_onednn(monkeypatch):
+    """The tests fake this CPU's flags; an ISA cap in the environment (ONEDNN_MAX_CPU_ISA=AVX2,
+    e.g. to reproduce an AVX2-only machine) would override them."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+
+
 AVX2 = frozenset("fpu sse2 avx avx2 fma".split())
 AVX512_BF16 = frozenset("fpu avx2 avx512f avx512_bf16".split())
 AMX = frozenset("fpu avx2 avx512f amx_tile amx_bf16".split())
@@ -106,8 +115,6 @@ def test_muon_newton_schulz_dtype_follows_the_hardware(compose_config, monkeypat
 def test_onednn_isa_cap_below_bf16_turns_auto_to_fp32(monkeypatch):
     """ONEDNN_MAX_CPU_ISA=AVX2 makes oneDNN emulate bf16 on any CPU: auto follows the cap, not the flags."""
     monkeypatch.setattr(hardware, "_this_cpu_flags", lambda: AVX512_BF16)
-    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     assert resolve_precision("auto", "cpu").value == "bf16"
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")
     assert resolve_precision("auto", "cpu") == ("fp32", "auto: oneDNN is capped below bf16 (ONEDNN_MAX_CPU_ISA=AVX2)")

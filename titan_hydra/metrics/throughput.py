@@ -191,7 +191,8 @@ def cpu_bf16_slower_than_fp32(cpuinfo: str = "/proc/cpuinfo") -> tuple[float, fl
     A CPU whose flags name native bf16 never warns; otherwise the cached measurements decide, with
     a margin wide enough that a loaded machine's noisy timing is not mistaken for emulation.
     """
-    if cpu_has_native_bf16(cpu_flags(cpuinfo)) and not bf16_capped_by_env():
+    capped = cpuinfo == "/proc/cpuinfo" and bf16_capped_by_env()  # this machine, oneDNN capped below bf16
+    if cpu_has_native_bf16(cpu_flags(cpuinfo)) and not capped:
         return None
     bf16 = measure_cpu_peak_tflops(torch.bfloat16)
     fp32 = measure_cpu_peak_tflops(torch.float32)

@@ -1,5 +1,9 @@
 """Hugging Face checkpoint directories (config.json + *.safetensors) in and out, for any family.
 
+transformers names the architecture in ``config.json``'s ``model_type``, diffusers in its
+``_class_name`` (FLUX.1: ``FluxTransformer2DModel``, weights in ``diffusion_pytorch_model.safetensors``);
+both are read the same way.
+
 The family's ``HFAdapter`` maps names, layouts and config fields; this module only reads and
 writes files. Loading uses ``safetensors`` only (nothing is unpickled). Reading picks the family
 from ``config.json``'s ``model_type`` unless the caller's run already fixes it.
@@ -25,13 +29,18 @@ def is_hf_dir(path: str | Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
+def architecture_of(cfg: dict[str, Any]) -> str | None:
+    """What a config.json says the model is: transformers' ``model_type`` or diffusers' ``_class_name``."""
+    return cfg.get("model_type") or cfg.get("_class_name")
+
+
 def load_hf_checkpoint(path: str | Path, family: ModelFamily | None = None
                        ) -> tuple[ModelFamily, Any, dict[str, torch.Tensor]]:
     """(family, our args, our full state dict) from an HF directory."""
     path = Path(path)
     try:
         cfg = json.loads((path / "config.json").read_text())
-        model_type = cfg.get("model_type")
+        model_type = architecture_of(cfg)
         if family is None:
             family = family_for_hf_type(model_type)
         if family.hf is None:
@@ -56,7 +65,7 @@ def save_hf_checkpoint(family: ModelFamily, path: str | Path, sd: dict[str, torc
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     hf = {k: v.to(dtype) if v.is_floating_point() else v for k, v in family.hf.to_hf_state(sd, args).items()}
-    save_file(hf, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(hf, str(path / family.hf.weights_file), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(family.hf.hf_config(args, dtype), indent=2, sort_keys=True))
     (path / "titan_hydra_args.json").write_text(
         json.dumps({"family": family.name, **family.args_fields(args)}, indent=2, sort_keys=True))

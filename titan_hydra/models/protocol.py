@@ -5,7 +5,8 @@ never names a family. It gets a ``ModelFamily`` from the ``model.family`` config
 ``registry.py``) and asks it:
 
 * shape and counting: ``make_args``, ``shape`` (parameters total/active, widths the memory
-  estimator needs), ``flops_per_token``, ``signature`` (the fields that decide whether saved
+  estimator needs), ``flops_per_token``, ``sample_tokens`` + ``flops_per_sample`` (a sample's
+  length and cost from config, for the planner), ``signature`` (the fields that decide whether saved
   weights fit), ``check`` (family rules against a layout, as one-line ConfigErrors);
 * layout: ``blocks`` (the units activation checkpointing, compile and FSDP wrap, and the
   pipeline cuts), ``fsdp_units``, ``tp_plan`` + ``finish_tp``, ``cut_stage``, ``rope_buffers``
@@ -49,6 +50,7 @@ class ModelShape:
     head_params: int  # final norm + output projection
     tied_embeddings: bool = False
     qk_norm: bool = False  # per-head norms on q and k (their saved activations count)
+    gated_mlp: bool = True  # SwiGLU keeps ~twice the FFN-wide tensors of a plain GELU MLP (FLUX.1)
     # Mixture-of-Experts (0 = dense): routed experts per MoE layer, experts each token uses,
     # how many layers are MoE, and all routed-expert parameters of the model.
     n_experts: int = 0
@@ -74,7 +76,8 @@ class ModelShape:
 class HFAdapter:
     """Our state dict <-> a Hugging Face checkpoint of the same architecture."""
 
-    model_type: str = ""  # config.json model_type this adapter reads and writes
+    model_type: str = ""  # config.json model_type (diffusers: _class_name) this adapter reads and writes
+    weights_file: str = "model.safetensors"  # the file name its library's from_pretrained looks for
 
     def to_hf_state(self, sd: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -121,6 +124,15 @@ class ModelFamily:
         """Training FLOPs per unit the objective counts (MFU's numerator), for the samples
         ``dataset`` serves: a token dataset's ``seq_len`` sets the attention share per token."""
         return self.flops_per_token(args, int(dataset.seq_len))
+
+    def sample_tokens(self, args: Any, data_cfg: Any, seq_len: int) -> int:
+        """Sequence positions one training sample occupies (what activations scale with), from the
+        run's data config, before any data is read: a token family's ``seq_len``."""
+        return int(seq_len)
+
+    def flops_per_sample(self, args: Any, data_cfg: Any, seq_len: int) -> float:
+        """Training FLOPs of one sample (the planner's per-step arithmetic, from config alone)."""
+        return self.flops_per_token(args, seq_len) * seq_len
 
     def signature(self, args: Any) -> dict[str, Any]:
         """Fields that decide whether saved weights fit this model (checkpoint compatibility)."""

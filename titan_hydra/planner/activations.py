@@ -61,6 +61,8 @@ def block_activation_bytes(args: ModelShape, kind: str, mode: str, tokens: float
     if mode == "full":
         return tokens * RESIDUAL_BYTES[kind] * d / tp  # only the block input
     cd, ckv, cf = ACT_COEF[(kind, mode)]
+    if not args.gated_mlp:  # fc1 output and its GELU, where SwiGLU keeps w1 and w3 outputs, SiLU and product
+        cf /= 2
     per_token = cd * d + ckv * kv + cf * f + 4 * args.n_heads
     if mode == "selective_op" and policy == "every_second_mm":
         per_token -= MM_OUT_BYTES[kind] * (d + kv + f)

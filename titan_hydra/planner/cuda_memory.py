@@ -82,7 +82,7 @@ def saved_block_bytes_cuda(args: ModelShape, mode: str, tokens: float, tp: int, 
 
 
 def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime,
-                      pp_rank: int | None = None) -> tuple[float, float]:
+                      pp_rank: int | None = None, seq_len: int | None = None) -> tuple[float, float]:
     """(peak bytes above the sharded fp32 state, unsharded parameter bytes within it) on the
     worst rank (or on pipeline rank ``pp_rank``), on CUDA with bf16 FSDP params.
 
@@ -93,9 +93,11 @@ def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime,
     microbatch, as torchtitan and titan_hydra do): the whole stage's parameters stay unsharded, and
     after a stage's first backward its gradients accumulate unsharded in fp32 (FSDP2's
     reduce_dtype); the schedule (``pipeline_order``) decides how many microbatches' activations
-    are alive at each moment; the worst moment of the worst rank counts.
+    are alive at each moment; the worst moment of the worst rank counts. ``seq_len``: positions
+    per sample where they are not ``training.seq_len`` (the family's ``sample_tokens``).
     """
     t, ac = cfg.training, cfg.activation_checkpoint
+    seq = int(seq_len or t.seq_len)
     tp = dims.tp
     compiled = str(OmegaConf.select(cfg, "compile.mode", default="none")) != "none"
     f8 = OmegaConf.select(cfg, "float8", default=None)
@@ -118,14 +120,14 @@ def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime,
     if mode == "selective_layer":
         mode = "none"  # not modeled separately on CUDA: the upper bound
     if dims.pp == 1:
-        tokens = t.local_batch_size * t.seq_len / dims.cp
+        tokens = t.local_batch_size * seq / dims.cp
         saved = args.n_layers * saved_block_bytes_cuda(args, mode, tokens, tp, policy)
         rebuild = recompute_bytes(args, tokens, tp, compiled) if mode != "none" else 0.0
         dyn = saved + max(loss_peak_bytes(args, tokens, dims), rebuild + block_grad)
         unsharded = root_w + 2 * block_w  # root + the last block (kept) + the one in use
         return dyn + unsharded, unsharded
     n_mb = int(dims.pp_microbatches or dims.pp)
-    mb_tokens = t.local_batch_size * t.seq_len / dims.cp / n_mb
+    mb_tokens = t.local_batch_size * seq / dims.cp / n_mb
     sizes = stage_layer_counts(dims, args.n_layers, runtime)
     n_local = len(sizes) // dims.pp
     per_block = saved_block_bytes_cuda(args, mode, mb_tokens, tp, policy)

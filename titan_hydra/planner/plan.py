@@ -75,6 +75,10 @@ class Plan:
     step_time_s_at_mfu40: float | None = None
     expert_parallel: int = 1
     alltoall_gib_per_step: float = 0.0
+    unit: str = "token"  # what the objective counts (token, image)
+    flops_per_unit: float = 0.0
+    units_per_step: int = 0
+    tokens_per_sample: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -89,8 +93,11 @@ class Plan:
             ("non-embedding parameters", f"{self.non_embedding_params:,}"),
             *([("active parameters per token", f"{self.active_params:,}")]
               if self.active_params and self.active_params != self.params else []),
-            ("FLOPs per token", f"{self.flops_per_token:.4g}"
-             + (" (active parameters + attention)" if self.active_params and self.active_params != self.params else "")),
+            *([("FLOPs per token", f"{self.flops_per_token:.4g}"
+               + (" (active parameters + attention)" if self.active_params and self.active_params != self.params else ""))]
+              if self.unit == "token" else
+              [(f"FLOPs per {self.unit}", f"{self.flops_per_unit:.4g} ({self.tokens_per_sample:,} tokens: image + text)"),
+               (f"{self.unit}s per step (global)", f"{self.units_per_step:,}")]),
             ("tokens per step (global)", f"{self.tokens_per_step:,}"),
             ("FLOPs per step (global)", f"{self.flops_per_step:.4g}"),
             ("world size / layout", f"{self.world_size} / {self.layout}"),
@@ -129,17 +136,20 @@ def plan(cfg: DictConfig, dims, runtime: Runtime = TITAN_HYDRA) -> Plan:
     ac = cfg.activation_checkpoint
     n = args.params
     n_emb = args.embedding_params
-    fpt = family.flops_per_token(margs, t.seq_len)
+    data_cfg = OmegaConf.select(cfg, "data")
+    seq = family.sample_tokens(margs, data_cfg, int(t.seq_len))  # positions per sample
+    per_sample = family.flops_per_sample(margs, data_cfg, int(t.seq_len))
+    fpt = per_sample / seq
     local_bs = t.local_batch_size
     global_bs, accum = dims.batch_plan(local_bs, t.global_batch_size)
-    tokens = global_bs * t.seq_len
+    tokens = global_bs * seq
     fsdp_shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
     params_local = stage_params(args, dims.pp) / dims.tp / fsdp_shard
     mem_params = params_local * 4  # fp32 master weights
     mem_grads = params_local * 4
     mem_optim = params_local * 8  # AdamW exp_avg + exp_avg_sq
     kind = precision_kind(mp, dims.fsdp_enabled)
-    local_tokens = local_bs * t.seq_len / dims.cp
+    local_tokens = local_bs * seq / dims.cp
     if dims.pp > 1:  # microbatches in flight on the first stage: up to pp of them
         micro = dims.pp_microbatches or dims.pp
         local_tokens = local_tokens / micro * min(micro, dims.pp)
@@ -170,7 +180,7 @@ def plan(cfg: DictConfig, dims, runtime: Runtime = TITAN_HYDRA) -> Plan:
     optimizer_step = mem_grads + 4 * (params_local if cfg.cluster.device == "cuda" else largest)
     if cfg.cluster.device == "cuda" and kind == "bf16_params":
         # CUDA: what the run holds (cuda_dynamic_peak) times the caching allocator's reserve.
-        dyn, unsharded = cuda_dynamic_peak(cfg, dims, args, runtime)
+        dyn, unsharded = cuda_dynamic_peak(cfg, dims, args, runtime, seq_len=seq)
         dyn += moe_layers * moe_activation_bytes(args, kind, ac.mode, local_tokens)
         act, transient = dyn - unsharded, unsharded
         compiled = str(OmegaConf.select(cfg, "compile.mode", default="none")) != "none"
@@ -181,7 +191,7 @@ def plan(cfg: DictConfig, dims, runtime: Runtime = TITAN_HYDRA) -> Plan:
     layout = f"dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp} pp={dims.pp} cp={dims.cp}"
     if ep > 1:
         layout += f" ep={ep}"
-    a2a = alltoall_bytes(args, kind, local_bs * t.seq_len / dims.cp * accum, moe_layers, ep)
+    a2a = alltoall_bytes(args, kind, local_bs * seq / dims.cp * accum, moe_layers, ep)
     peak_tflops = peak_tflops_of(cfg)
     flops_rank = fpt * tokens / dims.world_size
     step_time = flops_rank / (ASSUMED_MFU * peak_tflops * 1e12) if peak_tflops else None
@@ -194,5 +204,7 @@ def plan(cfg: DictConfig, dims, runtime: Runtime = TITAN_HYDRA) -> Plan:
         mixed_precision=mp, ac_mode=str(ac.mode), mem_transient_gib=transient / GIB,
         device_memory_gib=device_memory_of(cfg),
         tflops_per_rank_at_mfu40=ASSUMED_MFU * peak_tflops if peak_tflops else 0.0, step_time_s_at_mfu40=step_time,
-        expert_parallel=ep, alltoall_gib_per_step=a2a / GIB,
+        expert_parallel=ep, alltoall_gib_per_step=a2a / GIB, unit=family.objective.unit,
+        flops_per_unit=fpt if family.objective.unit == "token" else per_sample,
+        units_per_step=tokens if family.objective.unit == "token" else global_bs, tokens_per_sample=seq,
     )

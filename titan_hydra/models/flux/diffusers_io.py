@@ -18,11 +18,13 @@ concatenated into new tensors, so no two outputs share storage (safetensors refu
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import torch
 
 from titan_hydra.models.flux.model import PATCH, FluxArgs
+from titan_hydra.models.protocol import HFAdapter
 
 # One piece of one of our tensors: rows [start, stop) of a diffusers tensor.
 Piece = tuple[str, int, int]
@@ -189,3 +191,28 @@ def to_diffusers_state(sd: dict[str, torch.Tensor], args: FluxArgs) -> dict[str,
     for key, got in parts.items():  # cat copies, so no output shares storage with a fused tensor of ours
         out[key] = torch.cat([t for _, t in sorted(got, key=lambda p: p[0])], dim=0)
     return out
+
+
+class FluxDiffusersAdapter(HFAdapter):
+    """The family's Hugging Face counterpart: a diffusers ``FluxTransformer2DModel`` directory
+    (``config.json`` + ``diffusion_pytorch_model.safetensors``), which
+    ``FluxTransformer2DModel.from_pretrained`` loads and ``recipes/convert.py`` reads and writes."""
+
+    model_type = "FluxTransformer2DModel"
+    weights_file = "diffusion_pytorch_model.safetensors"
+
+    def to_hf_state(self, sd: dict[str, torch.Tensor], args: FluxArgs) -> dict[str, torch.Tensor]:
+        return to_diffusers_state(sd, args)
+
+    def from_hf_state(self, sd: dict[str, torch.Tensor], args: FluxArgs) -> dict[str, torch.Tensor]:
+        return from_diffusers_state(sd, args)
+
+    def hf_config(self, args: FluxArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+        try:
+            made_for = version("diffusers")
+        except PackageNotFoundError:
+            made_for = "0.42.1"
+        return {"_class_name": self.model_type, "_diffusers_version": made_for, **diffusers_config(args)}
+
+    def args_from_hf_config(self, cfg: dict[str, Any]) -> FluxArgs:
+        return args_from_diffusers_config(cfg)

@@ -27,6 +27,12 @@ from titan_hydra.models.flux.model import image_ids, patchify, text_ids
 VAL_TIMESTEPS = 8  # validation t = (k + 0.5) / 8, k = position mod 8
 
 
+def image_tokens_of(image_size: int) -> int:
+    """Image tokens of one picture: 8x downsampled by the autoencoder, then 2x2 latent patches."""
+    side = int(image_size) // VAE_DOWNSAMPLE // 2
+    return side * side
+
+
 class FluxExamples:
     """``data.examples`` for FLUX.1 (see the module docstring)."""
 
@@ -56,8 +62,7 @@ class FluxExamples:
 
     # -- geometry --------------------------------------------------------------------------------
     def image_tokens(self, image_size: int) -> int:
-        side = image_size // VAE_DOWNSAMPLE // 2
-        return side * side
+        return image_tokens_of(image_size)
 
     @property
     def text_tokens(self) -> int:

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_hydra.errors import ConfigError
+from titan_hydra.models.flux.diffusers_io import FluxDiffusersAdapter
+from titan_hydra.models.flux.examples import image_tokens_of
 from titan_hydra.models.flux.model import Flux, FluxArgs
 from titan_hydra.models.objective import Objective
 from titan_hydra.models.protocol import ModelFamily, ModelShape
@@ -70,6 +72,7 @@ class FluxFamily(ModelFamily):
     name = "flux"
     args_cls = FluxArgs
     objective = FLOW_MATCHING
+    hf = FluxDiffusersAdapter()  # a diffusers FluxTransformer2DModel directory (recipes/convert.py)
 
     def build(self, args: FluxArgs) -> Flux:
         return Flux(**self.args_fields(args))
@@ -83,7 +86,7 @@ class FluxFamily(ModelFamily):
         return ModelShape(n_layers=args.n_double_blocks + args.n_single_blocks, dim=args.dim, vocab_size=0,
                           n_heads=args.n_heads, n_kv_heads=args.n_heads, head_dim=args.head_dim,
                           ffn_dim=int(args.dim * args.mlp_ratio), params=params, active_params=params,
-                          embedding_params=0, head_params=head, qk_norm=True)
+                          embedding_params=0, head_params=head, qk_norm=True, gated_mlp=False)
 
     def flops_per_image(self, args: FluxArgs, image_tokens: int, text_tokens: int) -> float:
         """Training FLOPs (forward + backward) of one image: 6 x parameters x the tokens each
@@ -101,6 +104,20 @@ class FluxFamily(ModelFamily):
     def flops_per_token(self, args: FluxArgs, seq_len: int) -> float:
         """Per token of a joint sequence of ``seq_len`` (planner's view; half image, half text)."""
         return self.flops_per_image(args, seq_len // 2, seq_len - seq_len // 2) / max(seq_len, 1)
+
+    def tokens_of(self, data_cfg: Any) -> tuple[int, int]:
+        """(image, text) tokens of one sample of an image-caption data config, before any data is read."""
+        examples = getattr(data_cfg, "examples", None) if data_cfg is not None else None
+        if examples is None or getattr(data_cfg, "image_size", None) is None:
+            raise ConfigError("model.family=flux trains on image-caption data: add data=flux_shapes "
+                              "(or data=flux_images with data.path)")
+        return image_tokens_of(int(data_cfg.image_size)), int(examples.max_text_len)
+
+    def sample_tokens(self, args: FluxArgs, data_cfg: Any, seq_len: int) -> int:
+        return sum(self.tokens_of(data_cfg))
+
+    def flops_per_sample(self, args: FluxArgs, data_cfg: Any, seq_len: int) -> float:
+        return self.flops_per_image(args, *self.tokens_of(data_cfg))
 
     def check(self, args: FluxArgs, dims: Any, seq_len: int) -> None:
         for name, degree, why in (("tp", dims.tp, "the two-stream blocks have no tensor-parallel plan yet"),
