@@ -15,6 +15,7 @@ are comparable; absolute numbers on shared 2-core machines are noisy.
     python recipes/benchmark.py --suite perf --threads 2  # compile, float8, AC modes
     python recipes/benchmark.py --suite families --threads 2  # each model family's debug model
     python recipes/benchmark.py --suite moe --threads 2       # MoE: grouped mm vs loop, fp32/bf16, ep
+    python recipes/benchmark.py --suite flux --threads 2      # FLUX.1 debug: images/s, eager/compiled, fsdp
     python recipes/benchmark.py --steps 30 --threads 2 --out bench_out/foundation.json
 """
 
@@ -45,6 +46,7 @@ class Variant:
 
 DEBUG_FP32 = ("training.mixed_precision=fp32",)
 M100 = ("experiment=llama_100m",)
+FLUX = ("experiment=flux_debug", "checkpoint.enable=false")  # 64 px: 16 image + 32 text tokens, batch 16
 
 SUITES: dict[str, dict[str, Variant]] = {
     "precision": {
@@ -115,6 +117,15 @@ SUITES: dict[str, dict[str, Variant]] = {
                ("ep 2 ranks", ("parallelism=ep", "training.local_batch_size=4"), 2, 1),
            )},
     },
+    # FLUX.1 debug (images/s; MFU from FLOPs per image): fp32 and auto precision, regional
+    # compile, and fsdp on 2 ranks of 1 thread with the same global batch.
+    "flux": {
+        "flux_debug: fp32 eager": Variant(FLUX + DEBUG_FP32, group="flux"),
+        "flux_debug: auto precision": Variant(FLUX, group="flux"),
+        "flux_debug: compile, fp32": Variant(FLUX + DEBUG_FP32 + ("compile=model",), group="flux"),
+        "flux_debug: fsdp 2 ranks, fp32": Variant(FLUX + DEBUG_FP32 + ("parallelism=fsdp", "training.local_batch_size=8"),
+                                                  2, group="flux", threads=1),
+    },
 }
 
 
@@ -142,8 +153,9 @@ def run_variant(name: str, v: Variant, args, workdir: Path) -> dict:
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     first = next((r for r in rows if "memory_params_gib" in r), {})
     state_gib = first.get("memory_params_gib", 0.0) + first.get("memory_optimizer_gib", 0.0)
-    rows = [r for r in rows if "tps" in r and r["step"] > args.warmup]
-    tps = statistics.median(r["tps"] for r in rows)
+    rate_key = "ips" if any("ips" in r for r in rows) else "tps"  # images/s (Flux) or tokens/s
+    rows = [r for r in rows if rate_key in r and r["step"] > args.warmup]
+    tps = statistics.median(r[rate_key] for r in rows)
     tflops = statistics.median(r["tflops"] for r in rows)
     return {
         "variant": name,
@@ -151,6 +163,7 @@ def run_variant(name: str, v: Variant, args, workdir: Path) -> dict:
         "nproc": v.nproc,
         "threads_per_proc": threads,
         "status": "ok",
+        "unit": "img" if rate_key == "ips" else "tok",
         "tps_per_rank": tps,
         "tps_total": tps * v.nproc,
         "tflops_per_rank": tflops,
@@ -204,6 +217,7 @@ def main() -> None:
             results.append(r)
             print(f"  {name}: {r['status']} ({r['wall_s']:.0f}s)", file=sys.stderr, flush=True)
 
+    unit = next((r["unit"] for r in results if r["status"] == "ok"), "tok")  # a suite counts one unit
     baselines: dict[str, dict] = {}
     for r in results:
         if r["status"] == "ok":
@@ -213,7 +227,7 @@ def main() -> None:
         f"{args.threads} thread(s)/process unless a variant says, torch {torch.__version__}, bf16 matmul peak "
         f"{peak_bf16:.2f} TFLOP/s/process, {args.steps} steps (median after {args.warmup})",
         "",
-        "| variant | precision, attention | ranks x threads | tok/s/rank | tok/s total | TFLOP/s/rank | MFU (bf16 peak) | peak RSS/rank GiB | params+optim/rank GiB | vs baseline |",
+        f"| variant | precision, attention | ranks x threads | {unit}/s/rank | {unit}/s total | TFLOP/s/rank | MFU (bf16 peak) | peak RSS/rank GiB | params+optim/rank GiB | vs baseline |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     moe = any(r.get("moe_max_over_mean") for r in results)

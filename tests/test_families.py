@@ -37,7 +37,8 @@ def test_registry_resolves_builtin_names_and_dotted_paths():
             get_family(bad)
         assert "\n" not in str(err.value)
     assert family_for_hf_type("llama") is LLAMA and family_for_hf_type("qwen3") is QWEN3
-    with pytest.raises(HFConversionError, match=r"model_type='gemma' is not supported \(known: llama, qwen3, qwen3_moe, deepseek_v3, gpt_oss, llama4_text\)"):
+    assert family_for_hf_type("FluxTransformer2DModel").name == "flux"  # diffusers names it in _class_name
+    with pytest.raises(HFConversionError, match=r"model_type='gemma' is not supported \(known: llama, qwen3, qwen3_moe, deepseek_v3, gpt_oss, llama4_text, FluxTransformer2DModel\)"):
         family_for_hf_type("gemma")
 
 

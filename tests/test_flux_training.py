@@ -98,19 +98,60 @@ def test_trains_counting_images(single):
     assert len(val) == 2 and all("val/ppl" not in r for r in val)  # perplexity means nothing here
 
 
-@pytest.mark.parametrize("layout,nproc", [("fsdp", 2), ("ddp", 2)])
-def test_data_parallel_matches_one_process(tmp_path, single, layout, nproc):
+def launch_layout(tmp_path: Path, layout: str, nproc: int, extra: list[str] = ()) -> tuple[Path, list[dict]]:
     run_dir = tmp_path / "run"
     proc = run_launch(FLUX + [f"parallelism={layout}", f"cluster.nproc_per_node={nproc}",
                               f"training.local_batch_size={8 // nproc}", f"training.val_local_batch_size={4 // nproc}",
-                              f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+                              *extra, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    got = read_metrics(run_dir)
+    return run_dir, read_metrics(run_dir)
+
+
+def assert_matches(got: list[dict], ref: list[dict], what: str, tol: float = 1e-5) -> None:
     for key in ("loss", "grad_norm", "val/loss"):
-        ours, ref = series(got, key), series(single, key)
-        assert len(ours) == len(ref) > 0
-        diff = max(abs(a - b) for a, b in zip(ours, ref))
-        assert diff <= 1e-5, (layout, key, diff, ours, ref)
+        ours, theirs = series(got, key), series(ref, key)
+        assert len(ours) == len(theirs) > 0, (what, key)
+        diff = max(abs(a - b) for a, b in zip(ours, theirs))
+        assert diff <= tol, (what, key, diff, ours, theirs)
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """2-rank FSDP with a checkpoint after step 4 (the resharded-resume test starts from it)."""
+    return launch_layout(tmp_path_factory.mktemp("flux_fsdp"), "fsdp", 2,
+                         ["checkpoint.enable=true", "checkpoint.interval=4"])
+
+
+def test_fsdp_matches_one_process(single, fsdp_run):
+    assert_matches(fsdp_run[1], single, "fsdp")
+
+
+@pytest.mark.parametrize("layout,nproc", [("ddp", 2), ("hsdp", 4)])
+def test_data_parallel_matches_one_process(tmp_path, single, layout, nproc):
+    """ddp, and hsdp 2 x 2 (reduce-scatter within a replica, all-reduce across)."""
+    assert_matches(launch_layout(tmp_path, layout, nproc)[1], single, layout)
+
+
+def test_resharded_resume_continues_one_process_run(tmp_path, single, fsdp_run):
+    """The FSDP run's step-4 checkpoint (2 shards) loaded by one process: steps 5..8 as the
+    uninterrupted one-process run (DCP reshards; the data position is the global sample count)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(fsdp_run[0] / "checkpoint" / "step-4", run_dir / "checkpoint" / "step-4")
+    rows = run_in_process(tmp_path, ["checkpoint.enable=true", "checkpoint.interval=4"])
+    resumed, reference = by_step(rows, "loss"), by_step(single, "loss")
+    assert sorted(resumed) == [5, 6, 7, 8]
+    assert max(abs(resumed[s] - reference[s]) for s in resumed) <= 1e-5
+
+
+def test_compile_per_block_matches_eager(tmp_path):
+    """compile=model compiles each double- and single-stream block (family.blocks()), as for
+    decoders (one block of each kind and 4 steps: compiling on CPU is what costs here)."""
+    small = ["model.n_double_blocks=1", "model.n_single_blocks=1", "training.steps=4", "training.val_freq=2"]
+    eager = run_in_process(tmp_path / "eager", small)
+    compiled = run_in_process(tmp_path / "compiled", [*small, "compile=model"])
+    for key in ("loss", "grad_norm", "val/loss"):
+        assert len(series(compiled, key)) == len(series(eager, key)) > 0, key
+        assert series(compiled, key) == pytest.approx(series(eager, key), abs=1e-5), key
 
 
 @pytest.mark.parametrize("ac", ["full", "selective_op"])

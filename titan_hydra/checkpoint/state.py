@@ -162,7 +162,8 @@ class RunParts:
         sd = self.train_loader.state_dict() if hasattr(self.train_loader, "state_dict") else None
         if sd is None:
             return None, None
-        return (sd, None) if sd.get("kind") == "packed" else (None, sd)
+        shared = sd.get("rank_independent") or sd.get("kind") == "packed"  # packed: saved before the flag
+        return (sd, None) if shared else (None, sd)
 
     def extra_state(self) -> dict[str, Any]:
         groups = [

@@ -139,6 +139,7 @@ class SampleStream:
         return {
             "version": STATE_VERSION,
             "kind": self.kind,
+            "rank_independent": True,  # a checkpoint keeps one copy, loadable under any layout
             "consumed": self.consumed,
             "calls": self.calls,
             "epoch": self.epoch,

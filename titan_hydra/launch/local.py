@@ -16,6 +16,7 @@ and runs the recipe in-rank (launch/entry.py).
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -74,6 +75,8 @@ def worker_main(cfg: DictConfig, run_dir: str, return_state: bool = False, progr
         return load_program(program)(cfg, run_dir, return_state=return_state)
     except UserError as e:
         raise WorkerUserError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from e
+    finally:
+        gc.freeze()  # a spawned worker's exit skips the final walk over every object (see launch.py)
 
 
 def threads_per_worker(cfg: DictConfig) -> int:
@@ -98,16 +101,22 @@ def run_local(
             f"cluster.nnodes={cfg.cluster.nnodes} needs a multi-node launcher; use a slurm cluster "
             "or start each node with torchrun"
         )
-    build_dataset(cfg)  # fills the token cache; bad data fails here, before any worker starts
-    _quiet_join_tracebacks()
     os.environ["OMP_NUM_THREADS"] = str(threads_per_worker(cfg))
     # Forked workers inherit the tokenizer's thread pool state; this keeps HF tokenizers from
-    # warning about it in every worker (they tokenize little: the cache above did the work).
+    # warning about it in every worker (they tokenize little: the cache below did the work).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if str(cfg.cluster.start_method) == "forkserver":
         # The server imports the program once (a clean, single-threaded process) and forks
-        # every worker from it: one import per launch instead of one per rank.
-        multiprocessing.set_forkserver_preload([PROGRAM_MODULE, (program or DEFAULT_PROGRAM).partition(":")[0]])
+        # every worker from it: one import per launch instead of one per rank. torch._dynamo too:
+        # every rank would import it (~0.4 s) when it first initializes a tensor on the meta
+        # device. Started now, it imports while this process prepares the data.
+        multiprocessing.set_forkserver_preload([PROGRAM_MODULE, (program or DEFAULT_PROGRAM).partition(":")[0],
+                                                "torch._dynamo"])
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+    build_dataset(cfg)  # fills the token cache; bad data fails here, before any worker starts
+    _quiet_join_tracebacks()
     entry = elastic_launch(launch_config_of(cfg), worker_main)
     try:
         results = entry(cfg, run_dir, return_state, program or DEFAULT_PROGRAM)
