@@ -144,12 +144,14 @@ def test_resharded_resume_continues_one_process_run(tmp_path, single, fsdp_run):
 
 
 def test_compile_per_block_matches_eager(tmp_path):
-    """compile=model compiles each double- and single-stream block (family.blocks()), as for
-    decoders (one block of each kind and 4 steps: compiling on CPU is what costs here)."""
-    small = ["model.n_double_blocks=1", "model.n_single_blocks=1", "training.steps=4", "training.val_freq=2"]
+    """compile=model captures each double- and single-stream block (family.blocks()) whole, as
+    for decoders. The backend is aot_eager: dynamo's capture and AOT autograd are where a model
+    breaks; inductor's code generation is model-agnostic, costs ~45 s of cold CPU compile for
+    these two blocks, and runs in the decoder tests and `recipes/benchmark.py --suite flux`."""
+    small = ["model.n_double_blocks=1", "model.n_single_blocks=1", "training.steps=3", "training.val_freq=0"]
     eager = run_in_process(tmp_path / "eager", small)
-    compiled = run_in_process(tmp_path / "compiled", [*small, "compile=model"])
-    for key in ("loss", "grad_norm", "val/loss"):
+    compiled = run_in_process(tmp_path / "compiled", [*small, "compile=model", "compile.backend=aot_eager"])
+    for key in ("loss", "grad_norm"):
         assert len(series(compiled, key)) == len(series(eager, key)) > 0, key
         assert series(compiled, key) == pytest.approx(series(eager, key), abs=1e-5), key
 
