@@ -219,6 +219,8 @@ def test_generate_image_writes_a_grid_from_the_newest_checkpoint(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert gen.returncode == 0, gen.stderr[-3000:]
     assert "checkpoint/step-2" in gen.stdout
+    for noise in ("register_constant", "Failed to load", "Unable to import"):  # torchao/diffusers at import
+        assert noise not in proc.stderr and noise not in gen.stderr, noise
     with Image.open(out) as grid:
         assert grid.size == (3 * 64, 2 * 64)  # a row per prompt, a column per sample
         pixels = np.asarray(grid)

@@ -28,25 +28,11 @@ from typing import Callable
 import torch
 
 from titan_hydra.errors import UserError
-
-# Loggers that speak while torchao is imported, with nothing a user can act on: torchao's own
-# "Failed to load .../_C_cutlass_90a.so / _C_mxfp8.so" (CUDA kernels for SM90 and MX formats,
-# absent from a CPU install) and torch's pytree deprecation note about torchao registering an
-# Enum as a pytree constant. Real errors (ERROR and above) still come through.
-_IMPORT_NOISE = ("torchao", "torch.utils._pytree")
-
+from titan_hydra.quiet import import_quietly
 
 def import_torchao_quietly() -> None:
-    """Import ``torchao.float8`` once with its import-time warnings silenced."""
-    loggers = [logging.getLogger(name) for name in _IMPORT_NOISE]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        import torchao.float8  # noqa: F401
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+    """Import ``torchao.float8`` once with its import-time warnings silenced (titan_hydra.quiet)."""
+    import_quietly("torchao.float8")
 
 log = logging.getLogger("titan_hydra")
 

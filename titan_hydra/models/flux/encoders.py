@@ -22,12 +22,28 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from titan_hydra.quiet import import_quietly
+
 # FLUX.1's autoencoder normalizes latents with these (diffusers' AutoencoderKL config of FLUX.1).
 LATENT_CHANNELS = 16
 LATENT_SCALE = 0.3611
 LATENT_SHIFT = 0.1159
 VAE_DOWNSAMPLE = 8
 
+
+
+def quiet_autoencoder_kl() -> type:
+    """diffusers' ``AutoencoderKL``, imported without the lines torchao and diffusers' torchao
+    quantizer print while loading (CUDA kernels missing from a CPU install, deprecation notes);
+    transformers' T5/CLIP imports then find torchao loaded and say nothing either."""
+    import_quietly("torchao")
+    dlog = import_quietly("diffusers.utils.logging")
+    level = dlog.get_verbosity()
+    dlog.set_verbosity_error()
+    try:
+        return import_quietly("diffusers.models.autoencoders.autoencoder_kl").AutoencoderKL
+    finally:
+        dlog.set_verbosity(level)
 
 class KLAutoencoder:
     """diffusers' ``AutoencoderKL`` with FLUX.1's latent normalization ((z - shift) * scale)."""
@@ -108,7 +124,7 @@ class FluxEncoders:
         AutoencoderKL: the real architecture, for tests of that path)."""
         if autoencoder not in ("dct", "kl"):
             raise ValueError(f"data.examples.autoencoder={autoencoder!r} must be dct or kl")
-        from diffusers import AutoencoderKL
+        AutoencoderKL = quiet_autoencoder_kl()
         from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
         tok = ByteTokenizer()
@@ -134,7 +150,7 @@ class FluxEncoders:
     @classmethod
     def pretrained(cls, directory: str) -> "FluxEncoders":
         """A local FLUX.1 checkpoint directory in the diffusers layout."""
-        from diffusers import AutoencoderKL
+        AutoencoderKL = quiet_autoencoder_kl()
         from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
 
         root = Path(directory).expanduser()
