@@ -109,3 +109,16 @@ def test_master_address_is_the_nodes_slurm_address(slurm):
     assert slurm_node_addr("no-such-node") is None  # scontrol answers "not found"
     assert master_address(node) == node  # the name resolves here: kept, no address swap
 
+
+
+def test_job_port_is_below_the_ephemeral_range(tmp_path):
+    """Every task of a job (and its requeue) derives the same rendezvous port from the job id, below
+    the kernel's ephemeral range, where other connections on the node cannot already hold it."""
+    from titan_hydra.launch.slurm import ephemeral_low, port_of
+
+    ports = {port_of(str(job)) for job in range(2000)}
+    assert all(20000 <= p < ephemeral_low() for p in ports) and len(ports) > 1500
+    assert port_of("4242") == port_of("4242") != port_of("4243")
+    narrow = tmp_path / "range"
+    narrow.write_text("50000\t60999\n")
+    assert ephemeral_low(str(narrow)) == 50000 and ephemeral_low(str(tmp_path / "missing")) == 32768

@@ -70,9 +70,22 @@ def _first_host(nodelist: str) -> str:
     return nodelist.split(",")[0].split("[")[0]
 
 
+def ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The first port of the kernel's ephemeral range (Linux default 32768)."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def port_of(job_id: str) -> int:
-    """A port every task of one job computes alike (and a requeue of it too)."""
-    return 20000 + zlib.crc32(job_id.encode()) % 30000
+    """A port every task of one job computes alike (and a requeue of it too), below the ephemeral
+    range: there the kernel hands ports to every outgoing connection and to gloo's own listeners,
+    so a port derived from the job id could already be taken on the node (seen in CI: submitit's
+    20000-60000 choice failed with EADDRINUSE while other runs shared the machine)."""
+    span = max(ephemeral_low() - 20000, 1000)
+    return 20000 + zlib.crc32(job_id.encode()) % span
 
 
 def slurm_dist_env(master_port: int | None = None) -> dict[str, str]:
@@ -93,14 +106,16 @@ def slurm_dist_env(master_port: int | None = None) -> dict[str, str]:
 
 def submitit_dist_env() -> dict[str, str]:
     """The same variables from submitit's job environment (SLURM or submitit_local)."""
+    from submitit import JobEnvironment
     from submitit.helpers import TorchDistributedEnvironment
 
     d = TorchDistributedEnvironment()
     # submitit names the first node; on SLURM that name may not resolve (its NodeAddr does).
     addr = master_address(d.master_addr) if os.environ.get("SLURM_JOB_ID") else d.master_addr
+    # submitit's port (random in 20000-60000, seeded by the job id) can fall in the ephemeral range.
+    port = os.environ.get("MASTER_PORT") or port_of(str(JobEnvironment().job_id))
     return {"RANK": str(d.rank), "LOCAL_RANK": str(d.local_rank), "WORLD_SIZE": str(d.world_size),
-            "LOCAL_WORLD_SIZE": str(d.local_world_size), "MASTER_ADDR": addr,
-            "MASTER_PORT": str(d.master_port)}
+            "LOCAL_WORLD_SIZE": str(d.local_world_size), "MASTER_ADDR": addr, "MASTER_PORT": str(port)}
 
 
 def export_dist_env(cfg: DictConfig) -> bool:
