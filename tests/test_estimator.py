@@ -136,7 +136,7 @@ def measured_flux_peak_gib(cfg) -> float:
 # (half SwiGLU's FFN-wide tensors, ModelShape.gated_mlp); the two-stream and fused single-stream
 # blocks are not modeled apart, hence 20%, not 15%.
 FLUX = ["model=flux_debug", "data=flux_shapes", "model.dim=256", "model.n_heads=8", "model.n_double_blocks=2",
-        "model.n_single_blocks=4", "data.image_size=256", "training.local_batch_size=2"]
+        "model.n_single_blocks=4", "data.image_size=256", "data.examples.max_text_len=32", "training.local_batch_size=2"]
 FLUX_CASES = {"fp32": ["training.mixed_precision=fp32"], "bf16": ["training.mixed_precision=bf16"],
               "fp32 ac=full": ["training.mixed_precision=fp32", "activation_checkpoint=full"],
               "fp32 ac=selective_op": ["training.mixed_precision=fp32", "activation_checkpoint=selective_op"]}
