@@ -96,7 +96,7 @@ class Plan:
             *([("FLOPs per token", f"{self.flops_per_token:.4g}"
                + (" (active parameters + attention)" if self.active_params and self.active_params != self.params else ""))]
               if self.unit == "token" else
-              [(f"FLOPs per {self.unit}", f"{self.flops_per_unit:.4g} ({self.tokens_per_sample:,} tokens: image + text)"),
+              [(f"FLOPs per {self.unit}", f"{self.flops_per_unit:.4g} ({self.tokens_per_sample:,} tokens each)"),
                (f"{self.unit}s per step (global)", f"{self.units_per_step:,}")]),
             ("tokens per step (global)", f"{self.tokens_per_step:,}"),
             ("FLOPs per step (global)", f"{self.flops_per_step:.4g}"),
