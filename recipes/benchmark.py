@@ -46,7 +46,7 @@ class Variant:
 
 DEBUG_FP32 = ("training.mixed_precision=fp32",)
 M100 = ("experiment=llama_100m",)
-FLUX = ("experiment=flux_debug", "checkpoint.enable=false")  # 64 px: 16 image + 64 text tokens, batch 16
+FLUX = ("experiment=flux_debug", "checkpoint.enable=false", "eval.sample_every=0")  # 64 px: 16 image + 64 text tokens, batch 16
 
 SUITES: dict[str, dict[str, Variant]] = {
     "precision": {

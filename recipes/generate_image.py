@@ -15,12 +15,11 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from titan_hydra.errors import UserError, first_line  # noqa: E402
+from titan_hydra.metrics.images import save_grid  # noqa: E402
 
 
 def locate(path: Path) -> tuple[Path, Path]:
@@ -35,17 +34,6 @@ def locate(path: Path) -> tuple[Path, Path]:
     if best is None:
         raise CheckpointError(f"{path} has no complete checkpoint under checkpoint/ (train with checkpoint=default)")
     return path, best.path
-
-
-def grid(images: np.ndarray, rows: int) -> "Image.Image":  # noqa: F821
-    from PIL import Image
-
-    n, h, w, _ = images.shape
-    cols = n // rows
-    canvas = Image.new("RGB", (cols * w, rows * h), (255, 255, 255))
-    for i, image in enumerate(images):
-        canvas.paste(Image.fromarray(image), ((i % cols) * w, (i // cols) * h))
-    return canvas
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [prompt for prompt in a.prompt for _ in range(a.per_prompt)]
         images = sample_images(model.eval(), examples, prompts, int(cfg["data"]["image_size"]), steps=a.steps,
                                guidance=a.guidance, seed=a.seed)
-        grid(images.numpy(), rows=len(a.prompt)).save(a.out)
+        save_grid(images.numpy(), a.out, rows=len(a.prompt))
     except UserError as e:
         print(f"error: {first_line(e)}", file=sys.stderr)
         return 2

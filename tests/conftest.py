@@ -35,3 +35,20 @@ def compose_config():
 def run_cache(tmp_path_factory) -> RunCache:
     """Reference runs that tests in several modules compare with, computed once per session."""
     return RunCache(tmp_path_factory)
+
+
+@pytest.fixture
+def float8_conversions(monkeypatch) -> list[str]:
+    """The FQNs of the Linear layers float8 converts during the test (filled as runs convert)."""
+    from titan_hydra.quant.float8 import Float8Converter
+
+    converted: list[str] = []
+    real_convert = Float8Converter.convert
+
+    def convert(self, model):
+        out = real_convert(self, model)
+        converted.extend(self.converted)
+        return out
+
+    monkeypatch.setattr(Float8Converter, "convert", convert)
+    return converted

@@ -117,6 +117,9 @@ def test_state_round_trips_are_bitwise(guidance):
     # final adaLN: ours (shift, scale), diffusers (scale, shift)
     d = ours.args.dim
     assert torch.equal(there["norm_out.linear.weight"][:d], sd["final_layer.mod.weight"][d:])
+    # single blocks: diffusers' proj_out reads [attention | MLP]; ours is attn_out + mlp_out
+    fused = there["single_transformer_blocks.0.proj_out.weight"]
+    assert torch.equal(fused, torch.cat([sd["single_blocks.0.attn_out.weight"], sd["single_blocks.0.mlp_out.weight"]], 1))
 
 
 def _convert(*argv: str) -> None:
@@ -222,7 +225,7 @@ def test_init_weights_on_meta_is_complete_deterministic_and_starts_at_zero():
     a, b, c = build(0).state_dict(), build(0).state_dict(), build(1).state_dict()
     assert all(torch.isfinite(t).all() for t in a.values())
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert not torch.equal(a["double_blocks.0.img_attn.qkv.weight"], c["double_blocks.0.img_attn.qkv.weight"])
+    assert not torch.equal(a["double_blocks.0.img_attn.q.weight"], c["double_blocks.0.img_attn.q.weight"])
     assert not a["single_blocks.1.mod.weight"].any() and not a["final_layer.linear.weight"].any()
     model = build(0)
     with torch.no_grad():

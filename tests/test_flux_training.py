@@ -1,8 +1,8 @@
 """FLUX.1 through the engine: the first family whose batch is not tokens and whose loss is not
 cross-entropy. The examples are layout-invariant (noise, timesteps and caption dropout keyed by
 the global stream position), so data-parallel layouts match one process step for step in fp32;
-a resumed run continues exactly; throughput counts images; layouts Flux has no plan for are
-refused in one line before anything is built.
+tensor and context parallel match it too; a resumed run continues exactly; throughput counts
+images; layouts Flux has no plan for are refused in one line before anything is built.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from titan_hydra.errors import ConfigError
 from titan_hydra.validate import validate
 
 STEPS = 8
+FLOAT8_ATOL = 2e-3  # measured 2.3e-4 over 8 steps (2026-11-26): ~10x headroom
 FLUX = [
     "experiment=flux_debug",
     "data.num_images=48",
@@ -36,6 +37,7 @@ FLUX = [
     "logger=minimal",
     "cluster.threads_per_proc=1",
     "checkpoint.enable=false",
+    "eval.sample_every=0",  # pictures are tested on their own (flux_debug draws them every 100 steps and at the end)
 ]
 
 
@@ -99,10 +101,13 @@ def test_trains_counting_images(single):
     assert len(val) == 2 and all("val/ppl" not in r for r in val)  # perplexity means nothing here
 
 
-def launch_layout(tmp_path: Path, layout: str, nproc: int, extra: list[str] = ()) -> tuple[Path, list[dict]]:
+def launch_layout(tmp_path: Path, layout: str, nproc: int, extra: list[str] = (), dp: int | None = None
+                  ) -> tuple[Path, list[dict]]:
+    """Launch ``layout`` on ``nproc`` ranks, ``dp`` of them data parallel (all unless given)."""
     run_dir = tmp_path / "run"
+    dp = nproc if dp is None else dp
     proc = run_launch(FLUX + [f"parallelism={layout}", f"cluster.nproc_per_node={nproc}",
-                              f"training.local_batch_size={8 // nproc}", f"training.val_local_batch_size={4 // nproc}",
+                              f"training.local_batch_size={8 // dp}", f"training.val_local_batch_size={4 // dp}",
                               *extra, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return run_dir, read_metrics(run_dir)
@@ -157,6 +162,54 @@ def test_compile_per_block_matches_eager(tmp_path):
         assert series(compiled, key) == pytest.approx(series(eager, key), abs=1e-5), key
 
 
+def test_float8_emulated_tracks_fp32(tmp_path, single, float8_conversions):
+    """Every linear of the debug model (all widths are multiples of 16) trains in float8
+    (tensor-wise scales, emulated on CPU): the losses follow fp32's closely but not exactly."""
+    from torch import nn
+
+    from titan_hydra.models.registry import build_model
+
+    converted = float8_conversions
+    rows = run_in_process(tmp_path, ["float8=tensorwise", "float8.emulate=true", "float8.auto_filter_small_kn=false"])
+    with torch.device("meta"):
+        _, model = build_model(compose_cfg(FLUX).model)
+    assert len(converted) == sum(isinstance(m, nn.Linear) for m in model.modules()) > 0
+    ours, ref = series(rows, "loss"), series(single, "loss")
+    diff = max(abs(a - b) for a, b in zip(ours, ref))
+    assert len(ours) == len(ref) and 0 < diff <= FLOAT8_ATOL, (diff, ours, ref)
+
+
+def test_sample_pictures_during_training_leave_the_run_unchanged(tmp_path, single):
+    """eval.sample_every draws a row of pictures (one per prompt) from an unsharded copy of the
+    weights at steps 4 and 8; training goes on exactly as without them."""
+    from PIL import Image
+
+    prompts = ["a red circle in the centre on a blue background", "a green square"]
+    rows = run_in_process(tmp_path, ["eval.sample_every=4", f"eval.sample_prompts=[{','.join(map(repr, prompts))}]",
+                                     "eval.sample_steps=2"])
+    assert series(rows, "loss") == series(single, "loss") and series(rows, "val/loss") == series(single, "val/loss")
+    logged = {r["step"]: r["samples"] for r in rows if "samples" in r}
+    assert sorted(logged) == [4, 8]
+    pictures = []
+    for step, path in sorted(logged.items()):
+        assert path.endswith(f"samples/samples-step{step:06d}.png")
+        with Image.open(path) as grid:
+            assert grid.size == (2 * 64, 64)
+            pictures.append(np.asarray(grid))
+    assert not np.array_equal(*pictures)  # drawn by the weights of their own step
+
+
+def test_guidance_distilled_flavor_trains_and_draws(tmp_path):
+    """flux_dev's guidance embedding on the debug shape: the examples feed the scale it trains at,
+    the loss falls, and the end-of-run pictures are drawn with the embedded (not classifier-free)
+    guidance."""
+    rows = run_in_process(tmp_path, ["model.guidance_embed=true", "data.examples.guidance=3.5", "eval.sample_every=8",
+                                     "eval.sample_prompts=[a red circle]", "eval.sample_steps=2"])
+    losses = series(rows, "loss")
+    assert len(losses) == STEPS and all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+    assert [r["step"] for r in rows if "samples" in r] == [8]
+
+
 @pytest.mark.parametrize("ac", ["full", "selective_op"])
 def test_activation_checkpointing_matches(tmp_path, single, ac):
     """AC wraps Flux's double- and single-stream blocks through family.blocks(), as for decoders."""
@@ -194,11 +247,30 @@ def test_flavor_parameter_counts_equal_diffusers(flavor):
         assert count == 11_901_408_320
 
 
-@pytest.mark.parametrize("layout,nproc,key", [("tp", 2, "tp"), ("pp", 2, "pp"), ("cp", 2, "cp")])
-def test_layouts_without_a_plan_are_refused_in_one_line(layout, nproc, key):
-    cfg = compose_cfg(FLUX + [f"parallelism={layout}", f"cluster.nproc_per_node={nproc}",
-                              "training.local_batch_size=8"])
-    with pytest.raises(ConfigError, match=rf"parallelism.{key}=2 is not supported for model.family=flux") as err:
+# Tensor parallel: whole heads and MLP slices per rank (column-wise in, row-wise out, QK norms on
+# the local heads). Context parallel: image and text tokens, their position ids and the target
+# split along the joint sequence, attention as a ring (not causal: any equal split is exact).
+@pytest.mark.parametrize("layout,extra", [("tp", ["parallelism.tp_sequence_parallel=false"]), ("cp", [])])
+def test_tensor_and_context_parallel_match_one_process(tmp_path, single, layout, extra):
+    _, rows = launch_layout(tmp_path, layout, 2, extra, dp=1)
+    assert_matches(rows, single, layout)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["parallelism=pp", "cluster.nproc_per_node=2"], r"parallelism.pp=2 is not supported for model.family=flux"),
+    (["parallelism=tp", "cluster.nproc_per_node=2"], r"tp_sequence_parallel=true is not supported .* set "
+                                                     r"parallelism.tp_sequence_parallel=false"),
+    (["parallelism=cp", "cluster.nproc_per_node=2", "data.examples.max_text_len=30"],
+     r"text tokens per sample \(30\) must be divisible by 2\*parallelism.cp=4 .* change data.examples.max_text_len"),
+    (["model.guidance_embed=true"], r"model.guidance_embed=true .* set data.examples.guidance=3.5"),
+    (["data.examples.guidance=3.5"], r"data.examples.guidance=3.5: model.guidance_embed=false has no guidance"),
+    (["eval.sample_every=100", "eval.sample_prompts=[]"], r"eval.sample_every=100 needs prompts: set eval.sample_prompts="),
+    (["eval.freq=10"], r"eval.freq=10: the lm-eval harness scores language models, not model family 'flux'"),
+], ids=["pp", "tp_sequence_parallel", "cp_uneven_text", "guidance_unfed", "guidance_unused",
+        "samples_without_prompts", "harness"])
+def test_what_it_cannot_run_is_refused_in_one_line(overrides, match):
+    cfg = compose_cfg(FLUX + ["training.local_batch_size=8", *overrides])
+    with pytest.raises(ConfigError, match=match) as err:
         validate(cfg)
     assert "\n" not in str(err.value)
 

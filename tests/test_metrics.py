@@ -214,6 +214,39 @@ def test_wandb_sequential_runs_are_distinct(tmp_path):
     assert losses == [0, 1]
 
 
+def test_pictures_reach_every_backend(tmp_path, capsys):
+    """One call: a PNG row under <run>/samples/, the pictures in TensorBoard and W&B, the PNG's path
+    on the console and in metrics.jsonl."""
+    import numpy as np
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(3, 16, 12, 3), dtype=np.uint8)
+    backends = {"console": {"_target_": "titan_hydra.metrics.backends.ConsoleBackend"},
+                "jsonl": {"_target_": "titan_hydra.metrics.backends.JsonlBackend"},
+                "tensorboard": {"_target_": "titan_hydra.metrics.backends.TensorBoardBackend"},
+                "wandb": {"_target_": "titan_hydra.metrics.backends.WandbBackend", "project": "test", "mode": "offline"}}
+    with MetricLogger(tmp_path, rank=0, backends=backends) as ml:
+        path = ml.log_images("samples", images, 5, ["a", "b", "c"])
+    assert path == tmp_path / "samples" / "samples-step000005.png"
+    with Image.open(path) as grid:
+        assert grid.size == (3 * 12, 16)
+        assert np.array_equal(np.asarray(grid)[:, 12:24], images[1])  # laid out in order, exactly
+    assert f"samples {path}" in capsys.readouterr().out
+    (logged,) = read_metrics(tmp_path)
+    assert logged["step"] == 5 and logged["samples"] == str(path)
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0})
+    acc.Reload()
+    (event,) = acc.Images("samples")
+    assert event.step == 5 and (event.width, event.height) == (3 * 12, 16)  # TensorBoard tiles the batch
+    (row,) = read_offline_run(tmp_path)["history"]
+    assert row["_step"] == 5 and row["samples/_type"] == "images/separated" and row["samples/count"] == 3
+    assert row["samples/captions"] == ["a", "b", "c"] and (row["samples/width"], row["samples/height"]) == (12, 16)
+    with MetricLogger(tmp_path, rank=1, backends=backends) as other:  # only rank 0 logs
+        assert other.log_images("samples", images, 6) is None
+
+
 def test_logger_builds_from_hydra_config_and_closes_all(tmp_path):
     from omegaconf import OmegaConf
 

@@ -87,7 +87,7 @@ def _model_diffs(method: str, rank: int) -> dict[str, float]:
     dims = ParallelDims(world_size=CP, dp_shard=1, cp=CP, cp_rotate_method=method)
     dims.build_mesh("cpu")
     x, y = inputs.clone(), labels.clone()
-    with cp_context([cp_model], FAMILY.rope_buffers, dims, x, y):
+    with cp_context([cp_model], FAMILY.rope_buffers, dims, [(x, 1), (y, 1)]):
         local_rows = cp_model.rope_cos.shape[0]
         logits = cp_model(x)
         loss = cross_entropy_loss(logits, y)

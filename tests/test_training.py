@@ -208,18 +208,8 @@ def test_compile_with_selective_ac_matches_eager(tmp_path, run_cache, record_pro
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_float8_emulated_tracks_fp32(tmp_path, run_cache, record_property, monkeypatch, family):
-    from titan_hydra.quant.float8 import Float8Converter
-
-    converted = []
-    real_convert = Float8Converter.convert
-
-    def convert(self, model):
-        out = real_convert(self, model)
-        converted.extend(self.converted)
-        return out
-
-    monkeypatch.setattr(Float8Converter, "convert", convert)
+def test_float8_emulated_tracks_fp32(tmp_path, run_cache, record_property, float8_conversions, family):
+    converted = float8_conversions
     losses = train(tmp_path, FAMILIES[family] + SHORT + FLOAT8)["losses"]
     assert len(converted) == 2 * LINEARS_PER_BLOCK and not any("output" in n for n in converted), converted
     ref = eager_losses(run_cache, family)

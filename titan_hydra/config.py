@@ -308,7 +308,8 @@ class LoggerConfig:
 
 @dataclass
 class EvalConfig:
-    """lm-eval harness tasks run on a full copy of the model every ``freq`` steps (0 = never)."""
+    """lm-eval harness tasks run on a full copy of the model every ``freq`` steps (0 = never);
+    sample pictures drawn by it every ``sample_every`` steps (families that draw them: Flux)."""
 
     _target_: str = "titan_hydra.train.periodic_eval.PeriodicEval"
     freq: int = 0
@@ -316,6 +317,11 @@ class EvalConfig:
     limit: Optional[int] = None  # documents per task
     batch_size: int = 8
     max_seq_len: Optional[int] = "${training.seq_len}"  # type: ignore[assignment]  # scoring window
+    sample_every: int = 0  # steps between sample pictures (and at the end); 0 = none
+    sample_prompts: List[str] = field(default_factory=list)  # one picture each, in one row
+    sample_steps: int = 20  # sampler steps per picture
+    sample_guidance: float = 3.0  # guidance scale (classifier-free, or the embedded one of flux_dev)
+    sample_seed: int = 0  # the pictures' noise: the same at every step, so rows compare across steps
 
 
 @dataclass

@@ -72,7 +72,9 @@ def validate(cfg: DictConfig) -> None:
     family, args = args_of(cfg.model)  # the family's own shape rules (heads, head dim, ...)
     dims = build_dims(cfg)
     family.check(args, dims, int(t.seq_len))  # layout rules of this family (tp vs heads, pp vs tying, ...)
-    if dims.cp > 1 and t.seq_len % (2 * dims.cp) != 0:
+    family.check_data(args, dims, cfg.data)  # and of its samples (cp splits image and text tokens, ...)
+    token_data = OmegaConf.select(cfg, "data.tokenizer") is not None
+    if token_data and dims.cp > 1 and t.seq_len % (2 * dims.cp) != 0:
         raise ConfigError(
             f"training.seq_len={t.seq_len} must be divisible by 2*parallelism.cp={2 * dims.cp} "
             "(causal load balancing splits each sequence into 2*cp chunks)"
@@ -84,10 +86,10 @@ def validate(cfg: DictConfig) -> None:
     if not OmegaConf.select(cfg, "dry_run"):  # a dry run sizes a GPU cluster from any machine
         _validate_environment(cfg)
     validate_parallel_modules(cfg, dims)
-    if OmegaConf.select(cfg, "data.tokenizer") is not None:  # token data (image data checks itself on build)
+    if token_data:  # (image data checks itself on build)
         _validate_data(cfg)
-    if OmegaConf.select(cfg, "eval.freq", default=0):
-        instantiate(cfg.eval).check()  # lm-eval installed, tasks known: before any model is built
+    if OmegaConf.select(cfg, "eval.freq", default=0) or OmegaConf.select(cfg, "eval.sample_every", default=0):
+        instantiate(cfg.eval).check(family)  # lm-eval installed, tasks known, pictures drawable: before any model is built
     _validate_ranges(cfg)
     _validate_checkpoint(cfg, world_size_of(cfg))
 

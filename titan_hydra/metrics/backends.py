@@ -1,7 +1,8 @@
 """Metric sinks: console, metrics.jsonl, TensorBoard, W&B.
 
 Each backend is built by Hydra `instantiate(cfg, run_dir=...)` and has
-`log(metrics, step)`, `log_config(config)` and `close()`. Backends receive plain
+`log(metrics, step)`, `log_config(config)` and `close()`; TensorBoard and W&B also take pictures
+(`log_images(key, images, step, captions)`, uint8 [N, H, W, 3]). Backends receive plain
 Python floats (MetricLogger converts tensors) and only ever run on rank 0.
 """
 
@@ -128,6 +129,12 @@ class TensorBoardBackend:
                 self._w.add_scalar(k, v, global_step=step)
         self._w.flush()  # logging is every N steps; flushing keeps TB live and crash-safe
 
+    def log_images(self, key: str, images, step: int, captions: list[str] | None = None) -> None:
+        if self._w is None:
+            return
+        self._w.add_images(key, images, global_step=step, dataformats="NHWC")
+        self._w.flush()
+
     def log_config(self, config: dict) -> None:
         if self._w is None:
             return
@@ -177,6 +184,14 @@ class WandbBackend:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if self._run is not None:
             self._run.log(dict(metrics), step=int(step))
+
+    def log_images(self, key: str, images, step: int, captions: list[str] | None = None) -> None:
+        if self._run is None:
+            return
+        import wandb
+
+        captions = list(captions) if captions is not None else [None] * len(images)
+        self._run.log({key: [wandb.Image(image, caption=c) for image, c in zip(images, captions)]}, step=int(step))
 
     def log_config(self, config: dict) -> None:
         if self._run is not None and not self._config_given:

@@ -15,6 +15,10 @@ from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
+from titan_hydra.metrics.images import save_grid
+
 log = logging.getLogger("titan_hydra")
 
 
@@ -124,6 +128,25 @@ class MetricLogger:
                 log.error("metrics backend %r failed (%s: %s); disabling it",
                           name, type(e).__name__, e)
                 self._close_one(name, None)
+
+    def log_images(self, key: str, images: np.ndarray, step: int, captions: list[str] | None = None) -> Path | None:
+        """Pictures (uint8 [N, H, W, 3]) at ``step``: one PNG row under ``<run>/samples/``, the
+        pictures themselves to the backends that show them (TensorBoard, W&B), the PNG's path to
+        the others (console, metrics.jsonl). Returns the PNG's path (None off rank 0)."""
+        if not self.backends:
+            return None
+        path = save_grid(np.asarray(images), Path(self.run_dir) / "samples" / f"{key.replace('/', '_')}-step{step:06d}.png")
+        for name in list(self.backends):
+            backend = self.backends[name]
+            try:
+                if hasattr(backend, "log_images"):
+                    backend.log_images(key, np.asarray(images), step, captions)
+                else:
+                    backend.log({key: str(path)}, step)
+            except Exception as e:  # noqa: BLE001 - see module docstring
+                log.error("metrics backend %r failed (%s: %s); disabling it", name, type(e).__name__, e)
+                self._close_one(name, None)
+        return path
 
     def _close_one(self, name: str, exit_code: int | None) -> None:
         backend = self.backends.pop(name)

@@ -12,7 +12,10 @@ loss is not cross-entropy plugs in without the engine naming it:
   the metric it is logged under (``tps``: tokens/s; ``ips``: images/s); MFU divides the family's
   ``flops_per_unit`` by the same unit;
 * ``val_metrics(loss)`` what validation logs besides the loss (perplexity only means something
-  for tokens).
+  for tokens);
+* ``sequence_buffers(inputs, target)`` the tensors context parallelism splits along their
+  sequence dim, with that dim (every tensor whose length is the sequence's: tokens and labels;
+  image and text tokens, their position ids and the target).
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ class Objective:
     def val_metrics(self, loss: float) -> dict[str, float]:
         return {"val/loss": loss}
 
+    def sequence_buffers(self, inputs: Any, target: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+        raise NotImplementedError
+
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy; logits upcast to fp32 so bf16 runs stay stable.
@@ -66,6 +72,9 @@ class NextTokenPrediction(Objective):
 
     def val_metrics(self, loss: float) -> dict[str, float]:
         return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}
+
+    def sequence_buffers(self, inputs: torch.Tensor, target: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+        return [(inputs, 1), (target, 1)]
 
 
 NEXT_TOKEN = NextTokenPrediction()

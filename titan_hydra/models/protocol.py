@@ -141,6 +141,19 @@ class ModelFamily:
     def check(self, args: Any, dims: Any, seq_len: int) -> None:
         """Raise ConfigError (one line) for a layout or length this family cannot run."""
 
+    # Families that draw pictures (``eval.sample_every``) set this and implement sample_images.
+    draws_samples: bool = False
+
+    def sample_images(self, model: nn.Module, dataset: Any, prompts: list[str], steps: int, guidance: float,
+                      seed: int) -> torch.Tensor:
+        """uint8 pictures [len(prompts), H, W, 3] drawn by ``model`` (an unsharded CPU copy) from
+        these prompts, with the dataset's encoders."""
+        raise NotImplementedError(f"model family {self.name!r} draws no pictures")
+
+    def check_data(self, args: Any, dims: Any, data_cfg: Any) -> None:
+        """Raise ConfigError (one line) for a layout this family cannot run on samples of this data
+        config (read before any data is; e.g. context parallel splits every sample's tokens)."""
+
     # --- layout -------------------------------------------------------------------------
     def blocks(self, model: nn.Module) -> nn.ModuleDict:
         """The repeated units, keyed by layer id (AC, compile and FSDP wrap them; PP cuts between)."""

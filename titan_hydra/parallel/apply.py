@@ -61,7 +61,8 @@ def make_step_context(parts: list[torch.nn.Module], family, dims: ParallelDims, 
     def step_context(inputs: torch.Tensor, labels: torch.Tensor) -> ContextManager:
         stack = contextlib.ExitStack()
         if dims.cp_enabled:
-            stack.enter_context(cp_context(parts, family.rope_buffers, dims, inputs, labels))
+            stack.enter_context(cp_context(parts, family.rope_buffers, dims,
+                                           family.objective.sequence_buffers(inputs, labels)))
         if dims.loss_parallel_enabled:
             stack.enter_context(loss_parallel())
         if bf16_autocast:

@@ -52,19 +52,45 @@ def fit_rope_buffers(part: torch.nn.Module, seq_len: int, names: tuple[str, ...]
 
 
 def cp_context(parts: list[torch.nn.Module], rope_buffers: tuple[str, ...], dims: ParallelDims,
-               inputs: torch.Tensor, labels: torch.Tensor) -> ContextManager:
-    """Shard this microbatch's tokens, labels and rope tables over the cp mesh; ring attention inside."""
+               batch: list[tuple[torch.Tensor, int]]) -> ContextManager:
+    """Shard this microbatch's tensors (``(tensor, sequence dim)``, as the family's objective
+    lists them: tokens and labels first) and the parts' rope tables over the cp mesh, in place;
+    ring attention inside."""
     from torch.distributed.tensor.experimental import context_parallel
 
     mesh = dims.submesh("cp")
-    cp_cpu_attention.configure_ring_attention(dims.cp_rotate_method, mesh.device_type)
-    seq_len = inputs.shape[1]
-    buffers, seq_dims = [inputs, labels], [1, 1]
+    # Several sequence lengths: streams joined in one non-causal attention (Flux: image and text
+    # tokens). torch's load balancer permutes one length only and serves causal attention only;
+    # a non-causal ring needs none, so each tensor is cut into cp contiguous chunks here and the
+    # context shards only the rope tables (if any).
+    joined = len({t.shape[d] for t, d in batch}) > 1
+    cp_cpu_attention.configure_ring_attention(dims.cp_rotate_method, mesh.device_type, load_balance=not joined)
+    first, first_dim = batch[0]
+    seq_len = first.shape[first_dim]
+    buffers, seq_dims = [t for t, _ in batch], [d for _, d in batch]
+    for tensor, dim in batch:
+        if tensor.shape[dim] % (2 * dims.cp):
+            raise ValueError(f"a batch tensor of shape {tuple(tensor.shape)} cannot be split along dim {dim} "
+                             f"into 2*cp={2 * dims.cp} equal chunks")
+    batch_tensors = set(buffers)
+    if joined:
+        _keep_own_chunk(batch, mesh.get_local_rank(), dims.cp)
+        # context_parallel wants one buffer at least (it reads the device off the first): a
+        # scratch one, sharded on entry and restored on exit, that nothing reads.
+        buffers, seq_dims, batch_tensors = [torch.zeros(2 * dims.cp, device=first.device)], [0], set()
     for part in parts:
         tables = fit_rope_buffers(part, seq_len, rope_buffers)
         buffers += tables
         seq_dims += [0] * len(tables)
-    return context_parallel(mesh, buffers=buffers, buffer_seq_dims=seq_dims, no_restore_buffers={inputs, labels})
+    return context_parallel(mesh, buffers=buffers, buffer_seq_dims=seq_dims, no_restore_buffers=batch_tensors)
+
+
+def _keep_own_chunk(batch: list[tuple[torch.Tensor, int]], rank: int, cp: int) -> None:
+    """Cut each tensor (in place) to chunk ``rank`` of ``cp`` equal chunks along its sequence dim."""
+    for tensor, dim in batch:
+        chunk = tensor.chunk(cp, dim=dim)[rank].clone()
+        tensor.resize_(chunk.shape)
+        tensor.copy_(chunk)
 
 
 def check_layout(dims: ParallelDims, device: str) -> None:

@@ -154,11 +154,12 @@ def register_cpu_sdpa_handlers() -> None:
     table[_BWD] = _flash_cpu_backward
 
 
-def configure_ring_attention(rotate_method: str, device_type: str) -> None:
-    """Rotate method (allgather | alltoall), causal load balancing on, CPU handlers if on CPU."""
+def configure_ring_attention(rotate_method: str, device_type: str, load_balance: bool = True) -> None:
+    """Rotate method (allgather | alltoall), causal load balancing (on for causal attention; torch
+    refuses it for non-causal), CPU handlers if on CPU."""
     api = _private()
     api.cp_attn.set_rotate_method(rotate_method)
-    api.cp_attn._cp_options.enable_load_balance = True
+    api.cp_attn._cp_options.enable_load_balance = bool(load_balance)
     if device_type == "cpu":
         register_cpu_sdpa_handlers()
 

@@ -155,11 +155,13 @@ def check_rules(cfg: DictConfig, dims) -> str:
     t = cfg.training
     try:
         dims.batch_plan(t.local_batch_size, t.global_batch_size)
-        if dims.cp > 1 and t.seq_len % (2 * dims.cp):
+        token_data = OmegaConf.select(cfg, "data.tokenizer") is not None
+        if token_data and dims.cp > 1 and t.seq_len % (2 * dims.cp):
             raise ConfigError(f"seq_len {t.seq_len} not divisible by 2*cp")
         validate_parallel_modules(cfg, dims)
         family, args = args_of(cfg.model)
         family.check(args, dims, int(t.seq_len))
+        family.check_data(args, dims, cfg.data)
     except UserError as e:
         return str(e).splitlines()[0]
     return ""

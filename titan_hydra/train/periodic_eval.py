@@ -1,19 +1,24 @@
-"""Evaluation during training: the ``eval`` config group's object (``eval.freq`` steps apart).
+"""Evaluation during training: the ``eval`` config group's object.
 
-Every rank contributes its weights as full tensors (``gather_full_state``: FSDP / TP / EP shards
-all-gathered inside their groups, each pipeline stage's blocks from its own ranks); rank 0
-assembles one unsharded copy of the model on CPU, runs the lm-eval harness on it
-(``titan_hydra.evaluation``) and broadcasts the scores, which every rank logs as
-``eval/<task>/<metric>``. The training model is not touched (no mode switch, no cache), so the
-run continues exactly as without evaluation. The cost is one full copy of the weights on rank
-0's host memory for the duration: right for the model sizes this evaluates quickly; a sharded
-harness run is future work.
+Two things, each on its own schedule: the lm-eval harness (``eval.freq`` steps apart; language
+families) and sample pictures (``eval.sample_every`` steps apart; families that draw them, e.g.
+Flux: one picture per ``eval.sample_prompts`` entry, logged to TensorBoard and W&B and written as
+a PNG row under ``<run>/samples/``). Both run on one unsharded copy of the model: every rank
+contributes its weights as full tensors (``gather_full_state``: FSDP / TP / EP shards all-gathered
+inside their groups, each pipeline stage's blocks from its own ranks); rank 0 assembles the copy on
+CPU, runs the harness (``titan_hydra.evaluation``) and draws the pictures, and broadcasts the
+scores, which every rank logs as ``eval/<task>/<metric>``. The training model is not touched (no
+mode switch, no cache, its own random generator for the pictures' noise), so the run continues
+exactly as without evaluation. The cost is one full copy of the weights on rank 0's host memory
+for the duration: right for the model sizes this evaluates quickly; a sharded harness run is
+future work.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -23,35 +28,60 @@ from titan_hydra.parallel.full_state import gather_full_state
 
 class PeriodicEval:
     def __init__(self, freq: int = 0, tasks: list[str] | tuple[str, ...] = (), limit: int | None = None,
-                 batch_size: int = 8, max_seq_len: int | None = None):
+                 batch_size: int = 8, max_seq_len: int | None = None, sample_every: int = 0,
+                 sample_prompts: list[str] | tuple[str, ...] = (), sample_steps: int = 20,
+                 sample_guidance: float = 3.0, sample_seed: int = 0):
         if freq < 0:
             raise ConfigError(f"eval.freq={freq} must be >= 0 (0 = no evaluation during training)")
+        if sample_every < 0:
+            raise ConfigError(f"eval.sample_every={sample_every} must be >= 0 (0 = no sample pictures)")
+        if sample_steps <= 0:
+            raise ConfigError(f"eval.sample_steps={sample_steps} must be positive (sampler steps per picture)")
         self.freq, self.tasks, self.limit = int(freq), [str(t) for t in tasks], limit
         self.batch_size, self.max_seq_len = int(batch_size), max_seq_len
+        self.sample_every, self.sample_prompts = int(sample_every), [str(p) for p in sample_prompts]
+        self.sample_steps, self.sample_guidance, self.sample_seed = int(sample_steps), float(sample_guidance), int(sample_seed)
 
     @property
     def enabled(self) -> bool:
-        return self.freq > 0
+        return self.freq > 0 or self.sample_every > 0
 
-    def check(self) -> None:
-        """Before training: lm-eval importable and every task known (one line each)."""
-        if not self.enabled:
+    def check(self, family) -> None:
+        """Before training (one line each): lm-eval importable and every task known; a family
+        that draws pictures, and prompts to draw, for sample pictures."""
+        if self.sample_every > 0:
+            if not family.draws_samples:
+                raise ConfigError(f"eval.sample_every={self.sample_every}: model family {family.name!r} draws no "
+                                  "sample pictures; set eval.sample_every=0")
+            if not self.sample_prompts:
+                raise ConfigError(f"eval.sample_every={self.sample_every} needs prompts: set "
+                                  "eval.sample_prompts=['a red circle', ...]")
+        if self.freq <= 0:
             return
+        if family.objective.unit != "token":
+            raise ConfigError(f"eval.freq={self.freq}: the lm-eval harness scores language models, not model family "
+                              f"{family.name!r}; set eval.freq=0")
         try:
             import lm_eval  # noqa: F401
         except ImportError:
             raise ConfigError("eval.freq > 0 needs the lm-eval harness: pip install -e '.[eval]' "
                               "(or set eval=none)") from None
         from titan_hydra.evaluation import check_tasks  # lm-eval: the optional eval extra, loaded only when asked for
-
         check_tasks(self.tasks)
 
+    def _harness_due(self, step: int, last: bool) -> bool:
+        return self.freq > 0 and (step % self.freq == 0 or last)
+
+    def _samples_due(self, step: int, last: bool) -> bool:
+        return self.sample_every > 0 and (step % self.sample_every == 0 or last)
+
     def due(self, step: int, last: bool) -> bool:
-        return self.enabled and (step % self.freq == 0 or last)
+        return self._harness_due(step, last) or self._samples_due(step, last)
 
-    def run(self, parts: list[torch.nn.Module], family, args, tokenizer) -> dict[str, float]:
-        """The harness's scores of the current weights, the same dict on every rank."""
-
+    def run(self, parts: list[torch.nn.Module], family, args, dataset, step: int, last: bool
+            ) -> tuple[dict[str, float], dict[str, tuple[np.ndarray, list[str]]]]:
+        """(the harness's scores, the same dict on every rank; {key: (uint8 pictures [N, H, W, 3],
+        their prompts)} on rank 0, {} elsewhere) of the current weights."""
         state = gather_full_state(parts)  # collective inside each rank's sharding groups
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         rank = dist.get_rank() if distributed else 0
@@ -60,28 +90,41 @@ class PeriodicEval:
             dist.gather_object(state, pieces, dst=0)
             if rank == 0:
                 state = {k: v for piece in pieces for k, v in piece.items()}
-        scores: list[Any] = [None]
+        scores: list[Any] = [{}]
+        pictures: dict[str, tuple[np.ndarray, list[str]]] = {}
         if rank == 0:
-            scores[0] = self._evaluate(state, family, args, tokenizer)
+            model = self._full_copy(state, family, args)
+            if self._harness_due(step, last):
+                scores[0] = self._evaluate(model, args, dataset.tokenizer)
+            if self._samples_due(step, last):
+                images = family.sample_images(model, dataset, self.sample_prompts, steps=self.sample_steps,
+                                              guidance=self.sample_guidance, seed=self.sample_seed)
+                pictures["samples"] = (np.asarray(images), list(self.sample_prompts))
         if distributed:
             dist.broadcast_object_list(scores, src=0)
-        return scores[0]
+        return scores[0], pictures
 
-    def _evaluate(self, state: dict[str, torch.Tensor], family, args, tokenizer) -> dict[str, float]:
-        from titan_hydra.evaluation import TitanLM, run_harness  # lm-eval (optional extra): see check
-
+    @staticmethod
+    def _full_copy(state: dict[str, torch.Tensor], family, args) -> torch.nn.Module:
+        """An unsharded fp32 CPU model holding the gathered weights."""
         with torch.device("meta"):
             model = family.build(args)
         model.to_empty(device="cpu")
-        model.init_weights(buffer_device="cpu")
+        with torch.random.fork_rng(devices=[]):  # buffers only matter; the run's random stream stays as it was
+            model.init_weights(buffer_device="cpu")
         missing, _ = model.load_state_dict(state, strict=False)
         if hasattr(model, "tie_weights"):
             model.tie_weights()
         missing = [k for k in missing if not (k == "output.weight" and getattr(args, "tie_word_embeddings", False))]
         if missing:
             raise RuntimeError(f"evaluation copy of the model lacks {missing[:3]} after gathering every rank's weights")
+        return model.float().eval()
+
+    def _evaluate(self, model: torch.nn.Module, args, tokenizer) -> dict[str, float]:
+        from titan_hydra.evaluation import TitanLM, run_harness  # lm-eval (optional extra): see check
+
         window = min(self.max_seq_len or args.max_seq_len, args.max_seq_len)
         with torch.autocast("cpu", enabled=False):
-            results = run_harness(TitanLM(model.float(), tokenizer, window, self.batch_size), self.tasks, self.limit)
+            results = run_harness(TitanLM(model, tokenizer, window, self.batch_size), self.tasks, self.limit)
         return {f"eval/{task}/{metric}": float(value) for task, metrics in results.items()
                 for metric, value in metrics.items() if metric != "sample_len"}

@@ -238,12 +238,13 @@ def build_optimizer(cfg: DictConfig, built: BuiltModel):
 
 
 def periodic_eval_of(cfg: DictConfig, built: BuiltModel, data: DataPlan):
-    """(due, run) of the ``eval`` group for the trainer, or None when ``eval.freq`` is 0."""
+    """(due, run) of the ``eval`` group for the trainer, or None when it has nothing to do
+    (``eval.freq`` and ``eval.sample_every`` both 0)."""
     evaluator = instantiate(cfg.eval) if OmegaConf.select(cfg, "eval") is not None else None
     if evaluator is None or not evaluator.enabled:
         return None
-    tokenizer = data.dataset.tokenizer
-    return evaluator.due, lambda: evaluator.run(built.parts, built.family, built.args, tokenizer)
+    return evaluator.due, lambda step, last: evaluator.run(built.parts, built.family, built.args, data.dataset,
+                                                           step, last)
 
 
 def build_throughput(cfg: DictConfig, device: torch.device, rank: int, world_size: int,

@@ -200,7 +200,11 @@ class Trainer:
                 self.metric_logger.log(val, step)
                 self.throughput.reset()  # validation time is not training throughput
             if self.periodic_eval is not None and self.periodic_eval[0](step, step == self.steps):
-                self.metric_logger.log(self.periodic_eval[1](), step)
+                scores, pictures = self.periodic_eval[1](step, step == self.steps)
+                if scores:
+                    self.metric_logger.log(scores, step)
+                for key, (images, captions) in pictures.items():
+                    self.metric_logger.log_images(key, images, step, captions)
                 self.throughput.reset()
             if self.checkpointer is not None:
                 self.checkpointer.maybe_save(step, last=step == self.steps)

@@ -1,19 +1,20 @@
-"""Our FLUX.1 state dict <-> diffusers' ``FluxTransformer2DModel`` (names, fused rows, chunk order).
+"""Our FLUX.1 state dict <-> diffusers' ``FluxTransformer2DModel`` (names, fused tensors, chunk order).
 
 Every tensor maps bit for bit; only three things besides names differ:
 
-* fused rows: our double-block ``qkv`` is diffusers' ``to_q | to_k | to_v`` (image stream) or
-  ``add_q_proj | add_k_proj | add_v_proj`` (text stream) stacked along the output rows, and our
-  single-block ``linear1`` is ``to_q | to_k | to_v | proj_mlp``;
+* fused columns: diffusers' single-block ``proj_out`` reads the concatenation [attention | MLP]; ours
+  is two linears, ``attn_out`` (its first ``dim`` input columns, no bias) and ``mlp_out`` (the rest,
+  with its bias), whose outputs are summed. Every q/k/v and MLP projection is its own tensor on
+  both sides (BFL's original checkpoints fuse them; diffusers and we do not);
 * the final adaLN: ours is ordered (shift, scale), diffusers' ``norm_out.linear`` (scale, shift),
   so its two row halves swap; the block modulations share the (shift, scale, gate) order;
 * ``FluxTransformer2DModel`` hard-codes ``mlp_ratio`` 4, rope theta 10000, 256 timestep features
   and biases on every linear, so args that differ (e.g. ``qkv_bias=False``) cannot be converted.
 
-The mapping is one table of row pieces (``_layout``): each of our tensors is the concatenation,
-along dim 0, of whole diffusers tensors or row ranges of them; both directions read that table, so
-they are exact inverses. Renamed tensors are passed through (no copy); pieces of fused tensors are
-concatenated into new tensors, so no two outputs share storage (safetensors refuses that).
+The mapping is one table of pieces (``_layout``): each of our tensors is the concatenation of whole
+diffusers tensors or row/column ranges of them; both directions read that table, so they are exact
+inverses. Renamed tensors are passed through (no copy); pieces of fused tensors are concatenated
+into new tensors, so no two outputs share storage (safetensors refuses that).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import torch
 from titan_hydra.models.flux.model import PATCH, FluxArgs
 from titan_hydra.models.protocol import HFAdapter
 
-# One piece of one of our tensors: rows [start, stop) of a diffusers tensor.
-Piece = tuple[str, int, int]
+# One piece of one of our tensors: indices [start, stop) along dim (0: rows, 1: columns) of a diffusers tensor.
+Piece = tuple[str, int, int, int]
 
 # Keys of FluxTransformer2DModel's config that the published config.json files may omit, with the
 # values its constructor then uses; shape keys (layers, widths, heads) are required.
@@ -83,11 +84,11 @@ def args_from_diffusers_config(cfg: dict[str, Any]) -> FluxArgs:
 def _linear(ours: str, *theirs: tuple[str, int]) -> dict[str, list[Piece]]:
     """Weight and bias entries of one of our linears: the diffusers linears ``(name, out_features)``
     stacked along the output rows (one of them: a rename)."""
-    return {f"{ours}.{p}": [(f"{name}.{p}", 0, n) for name, n in theirs] for p in ("weight", "bias")}
+    return {f"{ours}.{p}": [(f"{name}.{p}", 0, 0, n) for name, n in theirs] for p in ("weight", "bias")}
 
 
 def _norm(ours: str, theirs: str, n: int) -> dict[str, list[Piece]]:
-    return {f"{ours}.weight": [(f"{theirs}.weight", 0, n)]}
+    return {f"{ours}.weight": [(f"{theirs}.weight", 0, 0, n)]}
 
 
 def _layout(args: FluxArgs) -> dict[str, list[Piece]]:
@@ -104,7 +105,7 @@ def _layout(args: FluxArgs) -> dict[str, list[Piece]]:
         **_linear("vector_in.out_layer", (f"{emb}.text_embedder.linear_2", d)),
         **_linear("final_layer.linear", ("proj_out", args.in_channels)),
         # ours (shift, scale) = diffusers' second half, then its first
-        **{f"final_layer.mod.{p}": [(f"norm_out.linear.{p}", d, 2 * d), (f"norm_out.linear.{p}", 0, d)]
+        **{f"final_layer.mod.{p}": [(f"norm_out.linear.{p}", 0, d, 2 * d), (f"norm_out.linear.{p}", 0, 0, d)]
            for p in ("weight", "bias")},
     }
     if args.guidance_embed:
@@ -118,7 +119,9 @@ def _layout(args: FluxArgs) -> dict[str, list[Piece]]:
                  "norm_added_q", "norm_added_k")):
             table.update({
                 **_linear(f"{o}.{ours}_mod", (f"{t}.{theirs}.linear", 6 * d)),
-                **_linear(f"{o}.{ours}_attn.qkv", (f"{t}.attn.{q}", d), (f"{t}.attn.{k}", d), (f"{t}.attn.{v}", d)),
+                **_linear(f"{o}.{ours}_attn.q", (f"{t}.attn.{q}", d)),
+                **_linear(f"{o}.{ours}_attn.k", (f"{t}.attn.{k}", d)),
+                **_linear(f"{o}.{ours}_attn.v", (f"{t}.attn.{v}", d)),
                 **_norm(f"{o}.{ours}_attn.q_norm", f"{t}.attn.{qn}", hd),
                 **_norm(f"{o}.{ours}_attn.k_norm", f"{t}.attn.{kn}", hd),
                 **_linear(f"{o}.{ours}_attn.proj", (f"{t}.attn.{out}", d)),
@@ -129,67 +132,77 @@ def _layout(args: FluxArgs) -> dict[str, list[Piece]]:
         o, t = f"single_blocks.{i}", f"single_transformer_blocks.{i}"
         table.update({
             **_linear(f"{o}.mod", (f"{t}.norm.linear", 3 * d)),
-            **_linear(f"{o}.linear1", (f"{t}.attn.to_q", d), (f"{t}.attn.to_k", d), (f"{t}.attn.to_v", d),
-                      (f"{t}.proj_mlp", m)),
+            **_linear(f"{o}.q", (f"{t}.attn.to_q", d)),
+            **_linear(f"{o}.k", (f"{t}.attn.to_k", d)),
+            **_linear(f"{o}.v", (f"{t}.attn.to_v", d)),
+            **_linear(f"{o}.mlp_in", (f"{t}.proj_mlp", m)),
             **_norm(f"{o}.q_norm", f"{t}.attn.norm_q", hd),
             **_norm(f"{o}.k_norm", f"{t}.attn.norm_k", hd),
-            **_linear(f"{o}.linear2", (f"{t}.proj_out", d)),
+            f"{o}.attn_out.weight": [(f"{t}.proj_out.weight", 1, 0, d)],
+            f"{o}.mlp_out.weight": [(f"{t}.proj_out.weight", 1, d, d + m)],
+            f"{o}.mlp_out.bias": [(f"{t}.proj_out.bias", 0, 0, d)],
         })
     return table
 
 
-def _diffusers_rows(table: dict[str, list[Piece]]) -> dict[str, int]:
-    """Rows of every diffusers tensor the table reads (the end of its last piece)."""
-    rows: dict[str, int] = {}
+def _extents(table: dict[str, list[Piece]]) -> dict[tuple[str, int], int]:
+    """(diffusers key, dim) -> its size along dim that the table reads (the end of its last piece)."""
+    sizes: dict[tuple[str, int], int] = {}
     for pieces in table.values():
-        for key, _, stop in pieces:
-            rows[key] = max(rows.get(key, 0), stop)
-    return rows
+        for key, dim, _, stop in pieces:
+            sizes[key, dim] = max(sizes.get((key, dim), 0), stop)
+    return sizes
 
 
-def _check(sd: dict[str, torch.Tensor], rows: dict[str, int], side: str) -> None:
-    """One-line ValueError unless ``sd`` holds exactly these keys with these first-dim sizes."""
-    missing, unexpected = sorted(set(rows) - set(sd)), sorted(set(sd) - set(rows))
+def _check(sd: dict[str, torch.Tensor], sizes: dict[tuple[str, int], int], side: str) -> None:
+    """One-line ValueError unless ``sd`` holds exactly these keys with these sizes along these dims."""
+    keys = {key for key, _ in sizes}
+    missing, unexpected = sorted(keys - set(sd)), sorted(set(sd) - keys)
     if missing or unexpected:
         raise ValueError(f"{side} state dict does not match the args: missing {missing[:4]} ({len(missing)}), "
                          f"unexpected {unexpected[:4]} ({len(unexpected)})")
-    wrong = [f"{k} {tuple(sd[k].shape)}" for k, n in rows.items() if sd[k].shape[0] != n]
+    wrong = [f"{k} {tuple(sd[k].shape)}" for (k, dim), n in sizes.items() if sd[k].dim() <= dim or sd[k].shape[dim] != n]
     if wrong:
         raise ValueError(f"{side} state dict tensors of the wrong size for the args: {wrong[:4]} ({len(wrong)})")
+
+
+def _is_rename(pieces: list[Piece], sizes: dict[tuple[str, int], int]) -> bool:
+    """One piece that is a whole diffusers tensor."""
+    key, dim, start, stop = pieces[0]
+    return len(pieces) == 1 and start == 0 and stop == sizes[key, dim]
 
 
 def from_diffusers_state(sd: dict[str, torch.Tensor], args: FluxArgs) -> dict[str, torch.Tensor]:
     """``FluxTransformer2DModel.state_dict()`` -> our state dict (same values, bit for bit)."""
     table = _layout(args)
-    rows = _diffusers_rows(table)
-    _check(sd, rows, "diffusers")
+    sizes = _extents(table)
+    _check(sd, sizes, "diffusers")
     out = {}
     for ours, pieces in table.items():
-        (key, start, stop), n = pieces[0], len(pieces)
-        if n == 1 and (start, stop) == (0, rows[key]):  # a rename
-            out[ours] = sd[key]
+        if _is_rename(pieces, sizes):
+            out[ours] = sd[pieces[0][0]]
         else:
-            out[ours] = torch.cat([sd[k][a:b] for k, a, b in pieces], dim=0)
+            out[ours] = torch.cat([sd[k].narrow(dim, a, b - a) for k, dim, a, b in pieces], dim=pieces[0][1])
     return out
 
 
 def to_diffusers_state(sd: dict[str, torch.Tensor], args: FluxArgs) -> dict[str, torch.Tensor]:
     """Our state dict -> ``FluxTransformer2DModel.state_dict()`` layout (same values, bit for bit)."""
     table = _layout(args)
-    _check(sd, {ours: sum(b - a for _, a, b in pieces) for ours, pieces in table.items()}, "our")
-    rows = _diffusers_rows(table)
+    _check(sd, {(ours, pieces[0][1]): sum(b - a for _, _, a, b in pieces) for ours, pieces in table.items()}, "our")
+    sizes = _extents(table)
     out: dict[str, torch.Tensor] = {}
-    parts: dict[str, list[tuple[int, torch.Tensor]]] = {}  # fused diffusers key -> [(its first row, our rows)]
+    parts: dict[str, list[tuple[int, int, torch.Tensor]]] = {}  # fused key -> [(dim, its first index, our slice)]
     for ours, pieces in table.items():
-        (key, start, stop), offset = pieces[0], 0
-        if len(pieces) == 1 and (start, stop) == (0, rows[key]):  # a rename
-            out[key] = sd[ours]
+        if _is_rename(pieces, sizes):
+            out[pieces[0][0]] = sd[ours]
             continue
-        for key, start, stop in pieces:
-            parts.setdefault(key, []).append((start, sd[ours][offset:offset + stop - start]))
+        offset = 0
+        for key, dim, start, stop in pieces:
+            parts.setdefault(key, []).append((dim, start, sd[ours].narrow(dim, offset, stop - start)))
             offset += stop - start
     for key, got in parts.items():  # cat copies, so no output shares storage with a fused tensor of ours
-        out[key] = torch.cat([t for _, t in sorted(got, key=lambda p: p[0])], dim=0)
+        out[key] = torch.cat([t for _, _, t in sorted(got, key=lambda p: p[1])], dim=got[0][0])
     return out
 
 

@@ -111,9 +111,10 @@ class FluxExamples:
         x_t = (1.0 - tt) * x0 + tt * noise
         inputs = {
             "img": patchify(x_t),
-            "img_ids": image_ids(h // 2, w // 2, batch=b),
+            # Own storage per sample (not expanded views): context parallel splits every batch tensor in place.
+            "img_ids": image_ids(h // 2, w // 2, batch=b).contiguous(),
             "txt": context,
-            "txt_ids": text_ids(context.shape[1]).expand(b, -1, -1),
+            "txt_ids": text_ids(context.shape[1], batch=b).contiguous(),
             "timesteps": t,
             "y": pooled,
         }

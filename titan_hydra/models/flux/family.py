@@ -5,11 +5,12 @@ The first family whose batch is not tokens and whose loss is not cross-entropy. 
 of keyword inputs (``examples.FluxExamples`` makes it); the engine's runner, trainer,
 checkpointing and metrics take it through the protocol without naming the family.
 
-Layouts: data parallel (FSDP, HSDP, DDP), activation checkpointing and compile per block run
-as for the language families. Tensor, pipeline, context and expert parallelism are refused with
-one line: the two-stream blocks would need their own TP plan, PP stages would pass the image
-and text streams plus the conditioning vector between stages, and CP would shard the joint
-image + text sequence; none of them exists yet.
+Layouts: data parallel (FSDP, HSDP, DDP), tensor parallel (``tp_plan``; without sequence
+parallel), context parallel over the joint image + text sequence (the objective names the
+tensors to shard: ``FlowMatching.sequence_buffers``), activation checkpointing and compile per
+block run as for the language families. Pipeline and expert parallelism are refused with one
+line: PP stages would pass the image and text streams plus the conditioning vector between
+stages, and Flux has no experts.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from titan_hydra.errors import ConfigError
 from titan_hydra.models.flux.diffusers_io import FluxDiffusersAdapter
 from titan_hydra.models.flux.examples import image_tokens_of
 from titan_hydra.models.flux.model import Flux, FluxArgs
+from titan_hydra.models.flux.sampling import sample_images
 from titan_hydra.models.objective import Objective
 from titan_hydra.models.protocol import ModelFamily, ModelShape
 
@@ -39,6 +41,13 @@ class FlowMatching(Objective):
 
     def units(self, inputs: dict[str, torch.Tensor]) -> int:
         return int(inputs["img"].shape[0])
+
+    def sequence_buffers(self, inputs: dict[str, torch.Tensor], target: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+        """Image tokens, text tokens, their position ids and the target velocity, each split along
+        its token dim. Joint attention is not causal, so each rank may hold any equal share of
+        image and text tokens: queries meet every rank's keys on the ring, and each token keeps the
+        rotary angle of its own position id."""
+        return [(inputs[name], 1) for name in ("img", "img_ids", "txt", "txt_ids")] + [(target, 1)]
 
 
 FLOW_MATCHING = FlowMatching()
@@ -120,13 +129,85 @@ class FluxFamily(ModelFamily):
         return self.flops_per_image(args, *self.tokens_of(data_cfg))
 
     def check(self, args: FluxArgs, dims: Any, seq_len: int) -> None:
-        for name, degree, why in (("tp", dims.tp, "the two-stream blocks have no tensor-parallel plan yet"),
-                                  ("pp", dims.pp, "pipeline stages would pass both streams and the conditioning"),
-                                  ("cp", dims.cp, "the joint image + text sequence is not sharded yet"),
+        for name, degree, why in (("pp", dims.pp, "pipeline stages would pass both streams and the conditioning"),
                                   ("ep", dims.ep, "Flux has no experts")):
             if degree > 1:
                 raise ConfigError(f"parallelism.{name}={degree} is not supported for model.family=flux ({why}); "
-                                  "use data parallelism (parallelism=fsdp, hsdp or ddp)")
+                                  "use data, tensor or context parallelism (fsdp, hsdp, ddp, tp, cp)")
+        if dims.tp > 1:
+            if args.n_heads % dims.tp:
+                raise ConfigError(f"parallelism.tp={dims.tp} must divide model.n_heads={args.n_heads} "
+                                  "(each rank computes whole heads)")
+            if args.mlp_hidden_dim % dims.tp:
+                raise ConfigError(f"parallelism.tp={dims.tp} must divide the MLP width {args.mlp_hidden_dim} "
+                                  "(model.dim * model.mlp_ratio)")
+            if dims.tp_sequence_parallel:
+                raise ConfigError("parallelism.tp_sequence_parallel=true is not supported for model.family=flux "
+                                  "(the image and text streams join mid-block); set "
+                                  "parallelism.tp_sequence_parallel=false")
+
+    def check_data(self, args: FluxArgs, dims: Any, data_cfg: Any) -> None:
+        """The examples feed a guidance scale iff the model embeds one; context parallel splits the
+        image and the text tokens of each sample into 2*cp equal chunks."""
+        image, text = self.tokens_of(data_cfg)
+        guidance = data_cfg.examples.get("guidance") if hasattr(data_cfg.examples, "get") else None
+        if args.guidance_embed and guidance is None:
+            raise ConfigError("model.guidance_embed=true (a guidance-distilled flavor like flux_dev) needs the scale "
+                              "it is trained at: set data.examples.guidance=3.5")
+        if not args.guidance_embed and guidance is not None:
+            raise ConfigError(f"data.examples.guidance={guidance}: model.guidance_embed=false has no guidance "
+                              "embedding to feed; set data.examples.guidance=null (or use model=flux_dev)")
+        if dims.cp <= 1:
+            return
+        for what, n, key in (("image", image, "data.image_size"), ("text", text, "data.examples.max_text_len")):
+            if n % (2 * dims.cp):
+                raise ConfigError(f"{what} tokens per sample ({n}) must be divisible by 2*parallelism.cp="
+                                  f"{2 * dims.cp} (context parallel splits them into equal chunks); change {key}")
+
+    # --- pictures (eval.sample_every) -------------------------------------------------------
+    draws_samples = True
+
+    def sample_images(self, model: Flux, dataset: Any, prompts: list[str], steps: int, guidance: float,
+                      seed: int) -> torch.Tensor:
+        return sample_images(model, dataset.examples, prompts, int(dataset.image_size), steps=steps,
+                             guidance=guidance, seed=seed)
+
+    # --- tensor parallel ------------------------------------------------------------------
+    def tp_plan(self, model: Flux, sequence_parallel: bool, loss_parallel: bool) -> dict:
+        """Megatron-style, one all-reduce per sub-layer: every q/k/v and MLP input projection is
+        column-wise (whole heads, a slice of the MLP per rank), every output projection row-wise;
+        the per-head QK norms run on the local heads; everything else (embedders, modulations,
+        final layer) is replicated. Tokens stay whole between sub-layers (no sequence parallel);
+        the output is a plain replicated tensor, so the loss needs no loss parallel."""
+        # Lazy, as in the decoder families' plan: torch.distributed.tensor takes about a second to
+        # import and only TP runs need it.
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        from titan_hydra.models.common.tp_styles import HeadShardedNorm, ReplicateParallel  # lazy: see above
+
+        plan: dict = {name: ReplicateParallel() for name in ("img_in", "txt_in", "time_in", "vector_in", "final_layer")}
+        if model.guidance_in is not None:
+            plan["guidance_in"] = ReplicateParallel()
+
+        def attention(prefix: str, out: str) -> None:
+            plan.update({f"{prefix}{w}": ColwiseParallel() for w in ("q", "k", "v")})
+            plan.update({f"{prefix}{n}": HeadShardedNorm() for n in ("q_norm", "k_norm")})
+            plan[f"{prefix}{out}"] = RowwiseParallel()
+
+        for name in model.double_blocks:
+            p = f"double_blocks.{name}."
+            for stream in ("img", "txt"):
+                plan[f"{p}{stream}_mod"] = ReplicateParallel()
+                attention(f"{p}{stream}_attn.", "proj")
+                plan[f"{p}{stream}_mlp.fc1"] = ColwiseParallel()
+                plan[f"{p}{stream}_mlp.fc2"] = RowwiseParallel()
+        for name in model.single_blocks:
+            p = f"single_blocks.{name}."
+            plan[f"{p}mod"] = ReplicateParallel()
+            attention(p, "attn_out")
+            plan[f"{p}mlp_in"] = ColwiseParallel()
+            plan[f"{p}mlp_out"] = RowwiseParallel()
+        return plan
 
     # --- layout ----------------------------------------------------------------------------
     def blocks(self, model: Flux) -> nn.ModuleDict:

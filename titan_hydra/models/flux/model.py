@@ -6,16 +6,18 @@ the flow time ``t`` in [0, 1] and, for the guidance-distilled dev model, a guida
 
 * Conditioning: ``vec = time_in(sin(1000 t)) [+ guidance_in(sin(1000 g))] + vector_in(y)``; every
   block reads ``vec`` through its own zero-initialized adaLN modulation (shift, scale, gate).
-* Double-stream blocks keep separate weights for text and image tokens (modulation, fused qkv,
+* Double-stream blocks keep separate weights for text and image tokens (modulation, q/k/v,
   QK RMSNorm, output projection, GELU-tanh MLP) but attend jointly over ``[txt, img]``.
-* Single-stream blocks run on the concatenated sequence: one linear yields q, k, v and the MLP
-  input; attention output and MLP activation are concatenated into one output linear.
+* Single-stream blocks run on the concatenated sequence: q, k, v and the MLP input are read off
+  the same tokens; attention output and MLP activation are projected back and summed.
 * Positions are 3-axis ids (``(0, row, col)`` for image patches, zeros for text); each axis owns a
   slice of the head dim and rotates interleaved pairs (2i, 2i+1) by ``id * theta^(-2i/d_axis)``.
 
-Layout choices (the converter in diffusers_io.py maps diffusers' names onto these): q, k and v of a
-stream are one fused linear, as in BFL's release; every modulation output is ordered (shift, scale,
-gate) per sub-block, the final layer's (shift, scale). Blocks take and return plain tensors, so the
+Layout choices (the converter in diffusers_io.py maps diffusers' names onto these): every projection
+is its own linear (BFL's release fuses q/k/v, and the single blocks' four input and two output
+projections; separate linears compute the same function and are what tensor parallel shards column-
+or row-wise); every modulation output is ordered (shift, scale, gate) per sub-block, the final
+layer's (shift, scale). Blocks take and return plain tensors, so the
 engine can wrap each one (activation checkpointing, compile, FSDP) on its own.
 """
 
@@ -40,8 +42,8 @@ MAX_PERIOD = 10000.0  # longest period of the sinusoidal timestep features
 @dataclass(kw_only=True)
 class FluxArgs:
     """Shape of a FLUX.1 MMDiT. Shape fields have no default: a flavor's shape lives in its
-    conf/model/*.yaml only. ``qkv_bias`` applies to the double blocks' qkv; the single blocks'
-    fused input linear always has a bias (it also feeds the MLP), as in FLUX.1."""
+    conf/model/*.yaml only. ``qkv_bias`` applies to the double blocks' q/k/v; the single blocks'
+    q/k/v always have a bias (FLUX.1 fuses them with the MLP input, which has one)."""
 
     dim: int
     n_heads: int
@@ -191,20 +193,23 @@ class MLP(nn.Module):
 
 
 class StreamAttention(nn.Module):
-    """One stream's share of a joint attention: fused qkv, per-head QK RMSNorm, output projection.
-    Heads are read off the projected width (``head_dim`` is fixed), so a sharded qkv needs no change."""
+    """One stream's share of a joint attention: q, k, v projections, per-head QK RMSNorm, output
+    projection. Heads are read off the projected width (``head_dim`` is fixed), so column-sharded
+    q/k/v (tensor parallel: whole heads per rank) need no change here."""
 
     def __init__(self, dim: int, head_dim: int, qkv_bias: bool):
         super().__init__()
         self.head_dim = head_dim
-        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.q = nn.Linear(dim, dim, bias=qkv_bias)
+        self.k = nn.Linear(dim, dim, bias=qkv_bias)
+        self.v = nn.Linear(dim, dim, bias=qkv_bias)
         self.q_norm = RMSNorm(head_dim, NORM_EPS)
         self.k_norm = RMSNorm(head_dim, NORM_EPS)
         self.proj = nn.Linear(dim, dim)
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v [B, L, H, head_dim] of tokens x [B, L, dim], q and k normalized."""
-        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in self.qkv(x).chunk(3, dim=-1))
+        q, k, v = (lin(x).unflatten(-1, (-1, self.head_dim)) for lin in (self.q, self.k, self.v))
         return self.q_norm(q), self.k_norm(k), v
 
 
@@ -240,25 +245,33 @@ class DoubleStreamBlock(nn.Module):
 
 
 class SingleStreamBlock(nn.Module):
-    """Parallel attention + MLP over the joint sequence: ``linear1`` yields [q | k | v | mlp_in],
-    ``linear2`` reads [attention output | GELU(mlp_in)]. ``forward(x, vec, cos, sin) -> x``."""
+    """Parallel attention + MLP over the joint sequence: q, k, v and the MLP input are projections
+    of the same modulated tokens; the block's output is ``attn_out(attention) + mlp_out(GELU(mlp_in))``.
+    FLUX.1 fuses the four input projections into one linear and the two output ones into one linear
+    over the concatenation [attention | MLP]; kept apart here (same function: the converter splits
+    and joins the fused tensors), each is a plain column- or row-wise linear for tensor parallel.
+    ``forward(x, vec, cos, sin) -> x``."""
 
     def __init__(self, args: FluxArgs):
         super().__init__()
-        self.dim, self.head_dim, self.mlp_hidden_dim = args.dim, args.head_dim, args.mlp_hidden_dim
+        self.head_dim = args.head_dim
         self.mod = nn.Linear(args.dim, 3 * args.dim)
-        self.linear1 = nn.Linear(args.dim, 3 * args.dim + args.mlp_hidden_dim)
+        self.q = nn.Linear(args.dim, args.dim)
+        self.k = nn.Linear(args.dim, args.dim)
+        self.v = nn.Linear(args.dim, args.dim)
+        self.mlp_in = nn.Linear(args.dim, args.mlp_hidden_dim)
         self.q_norm = RMSNorm(args.head_dim, NORM_EPS)
         self.k_norm = RMSNorm(args.head_dim, NORM_EPS)
-        self.linear2 = nn.Linear(args.dim + args.mlp_hidden_dim, args.dim)
+        self.attn_out = nn.Linear(args.dim, args.dim, bias=False)  # the fused output linear's one bias: mlp_out's
+        self.mlp_out = nn.Linear(args.mlp_hidden_dim, args.dim)
 
     def forward(self, x: torch.Tensor, vec: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shift, scale, gate = self.mod(F.silu(vec)).chunk(3, dim=-1)
-        h = self.linear1(modulate(x, shift, scale))
-        q, k, v, mlp_in = h.split((self.dim, self.dim, self.dim, self.mlp_hidden_dim), dim=-1)
-        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k, v))
+        h = modulate(x, shift, scale)
+        q, k, v = (lin(h).unflatten(-1, (-1, self.head_dim)) for lin in (self.q, self.k, self.v))
         out = attention(self.q_norm(q), self.k_norm(k), v, cos, sin)
-        return x + gate[:, None] * self.linear2(torch.cat((out, F.gelu(mlp_in, approximate="tanh")), dim=-1))
+        mlp = F.gelu(self.mlp_in(h), approximate="tanh")
+        return x + gate[:, None] * (self.attn_out(out) + self.mlp_out(mlp))
 
 
 class FinalLayer(nn.Module):
@@ -334,7 +347,7 @@ class Flux(nn.Module):
           reach the gates (they multiply non-zero branch outputs) and the final linear (it reads
           the non-zero normalized stream), so training moves them off zero at once;
         * the other linears are Xavier-uniform with zero bias, which keeps token activations at
-          unit scale through the projections whatever their fan-in/fan-out (fused qkv included);
+          unit scale through the projections whatever their fan-in/fan-out;
         * the timestep/guidance/pooled-vector MLPs are N(0, 0.02), as in DiT: ``vec`` reaches only
           the zero-initialized modulations, whose first updates scale with it, so a small ``vec``
           keeps those first steps gentle;
