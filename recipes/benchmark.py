@@ -118,13 +118,16 @@ SUITES: dict[str, dict[str, Variant]] = {
            )},
     },
     # FLUX.1 debug (images/s; MFU from FLOPs per image): fp32 and auto precision, regional
-    # compile, and fsdp on 2 ranks of 1 thread with the same global batch.
+    # compile, and fsdp / tp / cp on 2 ranks of 1 thread with the same global batch.
     "flux": {
         "flux_debug: fp32 eager": Variant(FLUX + DEBUG_FP32, group="flux"),
         "flux_debug: auto precision": Variant(FLUX, group="flux"),
         "flux_debug: compile, fp32": Variant(FLUX + DEBUG_FP32 + ("compile=model",), group="flux"),
         "flux_debug: fsdp 2 ranks, fp32": Variant(FLUX + DEBUG_FP32 + ("parallelism=fsdp", "training.local_batch_size=8"),
                                                   2, group="flux", threads=1),
+        "flux_debug: tp 2 ranks, fp32": Variant(FLUX + DEBUG_FP32 + ("parallelism=tp", "parallelism.tp_sequence_parallel=false"),
+                                                2, group="flux", threads=1),
+        "flux_debug: cp 2 ranks, fp32": Variant(FLUX + DEBUG_FP32 + ("parallelism=cp",), 2, group="flux", threads=1),
     },
 }
 
