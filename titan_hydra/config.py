@@ -57,7 +57,7 @@ Device = choice("Device", "cpu cuda")
 Backend = choice("Backend", "gloo nccl")
 Launcher = choice("Launcher", "local slurm")
 StartMethod = choice("StartMethod", "spawn fork forkserver")
-DataSource = choice("DataSource", "builtin json parquet text hf")
+DataSource = choice("DataSource", "builtin json parquet text hf prepared")
 ImageSource = choice("ImageSource", "shapes folder jsonl")
 AsyncMode = choice("AsyncMode", "disabled async")
 ExportDtype = choice("ExportDtype", "float32 bfloat16 float16")
@@ -192,7 +192,8 @@ class ClusterConfig:
 
 @dataclass
 class DataConfig:
-    """Dataset + tokenizer; ``source`` picks builtin / json / parquet / text / hf."""
+    """Dataset + tokenizer; ``source`` picks builtin / json / parquet / text / hf / prepared (shards
+    written once by recipes/prepare_data.py)."""
 
     _target_: str = "titan_hydra.data.dataset.TokenDataset"
     name: str = "builtin"

@@ -6,6 +6,8 @@ Sources (``source=``):
   parquet   local parquet files
   text      local text files, one document per blank-line-separated paragraph
   hf        a hub dataset ``hf_name``/``hf_config`` (e.g. allenai/c4 en, streaming)
+  prepared  a corpus tokenized once by ``recipes/prepare_data.py`` (``path`` = its directory): its
+            memory-mapped shards are read in place, at any size (``shards.py``)
 
 Packing: every document becomes ``[bos] + tokens + [eos]``; the documents of a split are
 concatenated into one flat int32 array and sample i is the window
@@ -33,11 +35,13 @@ from typing import Callable, Iterator
 import numpy as np
 
 from titan_hydra.data import corpus
+from titan_hydra.data.documents import json_texts
 from titan_hydra.errors import DataError, first_line
 from titan_hydra.data.loader import BatchLoader, StreamingBatchLoader, iter_chunks
+from titan_hydra.data.shards import ShardedTokens, read_manifest
 from titan_hydra.data.tokenizer import Tokenizer
 
-SOURCES = ("builtin", "json", "parquet", "text", "hf")
+SOURCES = ("builtin", "json", "parquet", "text", "hf", "prepared")
 SPLITS = ("train", "val")
 EXTENSIONS = {
     "json": (".jsonl", ".json", ".jsonl.gz", ".json.gz"),
@@ -68,10 +72,6 @@ def resolve_files(path: str, source: str, what: str = "data.path") -> list[str]:
             f"{'/'.join(EXTENSIONS[source])} files, or a glob)"
         )
     return sorted(files)
-
-
-def _open_text(path: str):
-    return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
 
 
 def check_text_file(path: str, whole: bool = True) -> None:
@@ -116,46 +116,14 @@ def check_text_file(path: str, whole: bool = True) -> None:
         raise DataError(f"data file {path} is empty (no text); remove it or point data.path elsewhere")
 
 
-def _check_record(rec, path: str, where: str, text_field: str) -> None:
-    if not isinstance(rec, dict):
-        raise DataError(f"bad record in {path} {where}: expected a JSON object, got {type(rec).__name__}")
-    if text_field not in rec:
-        raise DataError(
-            f"bad record in {path} {where}: missing text field {text_field!r} (set data.text_field=...)"
-        )
-    value = rec[text_field]
-    if value is not None and not isinstance(value, str):
-        raise DataError(
-            f"bad record in {path} {where}: text field {text_field!r} is {type(value).__name__}, expected a string"
-        )
-
-
 def validate_json_file(path: str, text_field: str) -> None:
     """Scan a JSON-lines (or JSON array) file and name the first bad record by line number.
 
     HF ``datasets`` reports malformed JSON without a line number; this cheap pass makes
     the error actionable. It runs only when tokens are not already cached.
     """
-    with _open_text(path) as f:
-        head = f.read(4096).lstrip()
-    if head.startswith("["):  # one JSON array of records
-        with _open_text(path) as f:
-            try:
-                records = json.load(f)
-            except json.JSONDecodeError as e:
-                raise DataError(f"bad record in {path} line {e.lineno}: invalid JSON ({e.msg})") from None
-        for i, rec in enumerate(records):
-            _check_record(rec, path, f"record {i + 1}", text_field)
-        return
-    with _open_text(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"bad record in {path} line {lineno}: invalid JSON ({e.msg})") from None
-            _check_record(rec, path, f"line {lineno}", text_field)
+    for _ in json_texts(path, text_field):
+        pass
 
 
 def _file_fingerprint(files: list[str]) -> list:
@@ -217,6 +185,9 @@ class TokenDataset:
             raise DataError(f"unknown data.source={source!r}; choose one of {', '.join(SOURCES)}")
         if source in ("json", "parquet", "text") and not path:
             raise DataError(f"data.source={source} needs data.path (a file, a directory or a glob)")
+        if source == "prepared" and (not path or streaming):
+            raise DataError("data.source=prepared needs data.path (a directory recipes/prepare_data.py wrote) "
+                            "and data.streaming=false (its shards are read in place)")
         if source == "hf" and not hf_name:
             raise DataError("data.source=hf needs data.hf_name (e.g. allenai/c4)")
         if source == "builtin" and streaming:
@@ -238,7 +209,9 @@ class TokenDataset:
         self.cache_hit = False
         self.cache_key: str | None = None
         self._tokens: dict[str, np.ndarray] = {}
-        if not streaming:
+        if source == "prepared":
+            self._open_prepared()
+        elif not streaming:
             self._build()
 
     @property
@@ -396,6 +369,20 @@ class TokenDataset:
         for split in SPLITS:
             _atomic_save(paths[split], self._tokens[split])
         _atomic_write_text(meta_path, json.dumps({"stats": self.stats, "key": key_material}, indent=1))
+
+    def _open_prepared(self) -> None:
+        meta = read_manifest(self.path)
+        made_with = meta["tokenizer"]
+        if made_with["hash"] != self.tokenizer.content_hash:
+            raise DataError(f"data.path={self.path} was prepared with tokenizer {made_with['name']!r}, which differs "
+                            f"from data.tokenizer={self.tokenizer.path}; set data.tokenizer={made_with['name']} or "
+                            "prepare the corpus again with this one")
+        for split in SPLITS:
+            self._tokens[split] = ShardedTokens(self.path, split, meta)
+            self.stats["tokens"][split] = len(self._tokens[split])
+            self.stats["documents"][split] = self._tokens[split].documents
+        self.cache_key = made_with["hash"][:24]
+        self.cache_hit = True
 
     def _check_cache_writable(self) -> None:
         try:
