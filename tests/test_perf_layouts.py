@@ -74,8 +74,13 @@ def eager_single(tmp_path_factory):
     "name,overrides,nproc,dp",
     [
         ("fsdp2 compile+ac_selective_op", ["parallelism=fsdp", "compile=model", "activation_checkpoint=selective_op"], 2, 2),
-        ("tp2 compile+ac_selective_op", ["parallelism=tp", "compile=model", "activation_checkpoint=selective_op"], 2, 1),
-        ("pp2 compile_loss+ac_selective_op", ["parallelism=pp", "compile=model_loss", "activation_checkpoint=selective_op"], 2, 1),
+        # tp and pp capture with aot_eager (dynamo + AOTAutograd, where layouts and compile meet: DTensor
+        # tracing, SAC tags, stage boundaries); inductor's CPU codegen is the fsdp case's and the
+        # single-process tests' (a cold inductor compile per rank cost ~20 s of CI each here).
+        ("tp2 compile+ac_selective_op", ["parallelism=tp", "compile=model", "compile.backend=aot_eager",
+                                         "activation_checkpoint=selective_op"], 2, 1),
+        ("pp2 compile_loss+ac_selective_op", ["parallelism=pp", "compile=model_loss", "compile.backend=aot_eager",
+                                              "activation_checkpoint=selective_op"], 2, 1),
     ],
 )
 def test_compile_composes_with_layouts(tmp_path, eager_single, name, overrides, nproc, dp):
