@@ -82,6 +82,12 @@ def test_same_seed_same_losses_and_other_seed_differs(tmp_path):
     c = train(tmp_path, args + ["training.seed=7"], "c")["losses"]
     assert a == b
     assert a != c
+    # deterministic mode is process-wide: the next run in this process (tests, Hydra's in-process
+    # multirun) gets its own setting, not this one's (inherited, it made a later compiled
+    # selective-AC run abort the test worker)
+    assert torch.are_deterministic_algorithms_enabled()
+    train(tmp_path, ["training.steps=1", "training.mixed_precision=fp32"], "d")
+    assert not torch.are_deterministic_algorithms_enabled()
 
 
 def test_bf16_and_fp32_both_train_and_agree_at_start(tmp_path):

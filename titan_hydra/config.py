@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
@@ -234,6 +234,22 @@ class ImageCaptionDataConfig:
 
 
 @dataclass
+class MixtureDataConfig:
+    """Prepared corpora mixed by weight (``data=mixture``): ``sources`` maps a name to
+    ``{path: <dir from recipes/prepare_data.py>, weight: <w>}``; weights need not sum to 1."""
+
+    _target_: str = "titan_hydra.data.mixture.MixtureDataset"
+    name: str = "mixture"
+    sources: Dict[str, Any] = field(default_factory=dict)
+    tokenizer: str = "builtin"
+    seq_len: int = "${training.seq_len}"  # type: ignore[assignment]
+    shuffle: bool = True
+    seed: int = "${training.seed}"  # type: ignore[assignment]
+    document_mask: bool = False
+    cache_dir: Optional[str] = None
+
+
+@dataclass
 class CheckpointConfig:
     """Distributed checkpointing (DCP); the recipe completes the partial with what it built."""
 
@@ -378,8 +394,8 @@ class TitanConfig:
     lr_scheduler: LRSchedulerConfig = MISSING
     float8: Float8Config = MISSING
     cluster: ClusterConfig = MISSING
-    # Typed by the chosen option's schema: token data (schema_data) or image-caption data
-    # (schema_data_image_caption).
+    # Typed by the chosen option's schema: token data (schema_data), a mixture of prepared
+    # corpora (schema_data_mixture) or image-caption data (schema_data_image_caption).
     data: Any = MISSING
     checkpoint: CheckpointConfig = MISSING
     activation_checkpoint: ActivationCheckpointConfig = MISSING
@@ -442,6 +458,7 @@ def register_configs() -> None:
     for group, schema in GROUP_SCHEMAS.items():
         cs.store(name=f"schema_{group}", node=schema)
     cs.store(name="schema_data_image_caption", node=ImageCaptionDataConfig)
+    cs.store(name="schema_data_mixture", node=MixtureDataConfig)
     register_schemas(cs)
 
 

@@ -120,7 +120,8 @@ def validate_parallel_modules(cfg: DictConfig, dims) -> None:
     ep.check_layout(dims, int(getattr(shape, "n_experts", 0) or 0), compile_mode, str(ac.mode))
     activation_checkpoint.check_settings(str(ac.mode), int(ac.get("selective_layer_freq", 2)),
                                          str(ac.get("selective_op_policy", "all_mm")))
-    compile_rules.check_settings(compile_mode, str(cfg.compile.backend), dims, str(ac.mode))
+    compile_rules.check_settings(compile_mode, str(cfg.compile.backend), dims, str(ac.mode),
+                                 bool(cfg.training.deterministic))
 
 
 def _validate_environment(cfg: DictConfig) -> None:
@@ -146,13 +147,19 @@ def family_vocab(cfg: DictConfig) -> int:
 
 def _validate_data(cfg: DictConfig) -> None:
     d = cfg.data
-    if d.source in ("json", "parquet", "text"):
+    source = OmegaConf.select(cfg, "data.source", default=None)
+    if d.name == "mixture" or OmegaConf.select(cfg, "data.sources") is not None:
+        _validate_mixture(d)
+    if source in ("json", "parquet", "text"):
         if OmegaConf.is_missing(d, "path") or not d.path:
             raise ConfigError(f"data={d.name} needs a file: set data.path=<file, directory or glob>")
         path = Path(d.path).expanduser()
         if not any(ch in d.path for ch in "*?[") and not path.exists():
             raise ConfigError(f"data.path={d.path} does not exist")
-    if d.source == "hf" and not d.hf_name:
+    if source == "prepared" and (OmegaConf.is_missing(d, "path") or not Path(str(d.path)).expanduser().is_dir()):
+        raise ConfigError(f"data=prepared needs data.path=<a directory recipes/prepare_data.py wrote>; "
+                          f"{OmegaConf.select(cfg, 'data.path', default='?')} is not one")
+    if source == "hf" and not d.hf_name:
         raise ConfigError("data.source=hf needs data.hf_name (e.g. allenai/c4)")
     if d.tokenizer != "builtin" and not Path(d.tokenizer).expanduser().exists():
         raise ConfigError(
@@ -165,6 +172,23 @@ def _validate_data(cfg: DictConfig) -> None:
             f"tokenizer vocab {tok.vocab_size} exceeds model.vocab_size={vocab}; "
             "raise model.vocab_size or use a smaller tokenizer"
         )
+
+
+def _validate_mixture(d: DictConfig) -> None:
+    sources = OmegaConf.to_container(d.sources, resolve=True) if d.get("sources") is not None else {}
+    if not sources:
+        raise ConfigError("data=mixture needs data.sources: +data.sources='{web: {path: prepared/web, weight: 0.7}, "
+                          "code: {path: prepared/code, weight: 0.3}}'")
+    for name, src in sources.items():
+        if not isinstance(src, dict) or not src.get("path"):
+            raise ConfigError(f"data.sources.{name} needs a path (a directory recipes/prepare_data.py wrote)")
+        if not Path(str(src["path"])).expanduser().is_dir():
+            raise ConfigError(f"data.sources.{name}.path={src['path']} does not exist")
+        weight = src.get("weight", 1.0)
+        if not isinstance(weight, (int, float)) or weight < 0 or weight != weight:
+            raise ConfigError(f"data.sources.{name}.weight={weight} must be a number >= 0")
+    if sum(float(src.get("weight", 1.0)) for src in sources.values()) <= 0:
+        raise ConfigError("data.sources weights sum to 0; give at least one source a positive weight")
 
 
 # --------------------------------------------------------------------------- value ranges, checkpoint, run dir
@@ -191,8 +215,9 @@ def _validate_ranges(cfg: DictConfig) -> None:
     betas = OmegaConf.select(cfg, "optimizer.betas")
     if betas is not None and not all(0.0 <= float(b) < 1.0 for b in betas):
         raise ConfigError(f"optimizer.betas={list(betas)} must each be within [0, 1)")
-    if not 0.0 <= cfg.data.val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be within [0, 1)")
+    val_fraction = OmegaConf.select(cfg, "data.val_fraction", default=0.0)
+    if not 0.0 <= val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={val_fraction} must be within [0, 1)")
     p = cfg.profiling
     if p.enable:
         for key in ("profile_freq", "active"):

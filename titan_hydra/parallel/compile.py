@@ -79,10 +79,18 @@ def build_loss_fn(compile_cfg, base: Callable) -> Callable:
     return torch.compile(base, backend=compile_cfg.backend)
 
 
-def check_settings(mode: str, backend: str, dims, ac_mode: str) -> None:
+def check_settings(mode: str, backend: str, dims, ac_mode: str, deterministic: bool = False) -> None:
     """Compile settings that cannot work (an unknown backend; a combination torch 2.13 fails)."""
     if mode != "none" and backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise ConfigError(f"compile.backend={backend!r} is not a torch.compile backend; use inductor")
+    if mode != "none" and backend == "inductor" and ac_mode == "selective_op" and deterministic:
+        # torch 2.13 on CPU: with torch.use_deterministic_algorithms(True), the inductor-compiled
+        # forward of a selectively checkpointed block aborts the process (SIGABRT/SIGSEGV in its
+        # first matmul); deterministic + compile, or deterministic + selective_op eager, both run.
+        raise ConfigError(
+            f"training.deterministic=true with compile={mode} and activation_checkpoint=selective_op crashes "
+            "torch 2.13's inductor; drop one of the three (e.g. activation_checkpoint=full)"
+        )
     if mode != "none" and backend != "eager" and dims.tp > 1 and ac_mode in ("full", "selective_layer"):
         # torch 2.13: AOTAutograd's compiled forward of a fully checkpointed TP block saves the
         # DeviceMesh among its tensors and asserts ("expected all tensors_saved_with_vc_check to

@@ -7,12 +7,13 @@ layout -> materialize + init -> optimizer / LR schedule -> (restore) -> train ->
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -54,8 +55,11 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+    # Set both ways: the mode is process-wide, and a run in the same process after a deterministic
+    # one (tests, Hydra's in-process multirun) must not inherit it (it also changes which kernels
+    # compile and run: see compile.check_settings).
+    torch.use_deterministic_algorithms(bool(deterministic))
     if deterministic:
-        torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
@@ -168,6 +172,8 @@ class DataPlan:
     train_loader: Any
     val_loader_factory: Callable[[], Any]
     grad_accum_steps: int
+    # a mixture's sources, each with its own held-out split: name -> loader factory (val/<name>/loss)
+    source_val_factories: dict[str, Callable[[], Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -196,9 +202,14 @@ def build_data(cfg: DictConfig, dims) -> DataPlan:
     def val_loader_factory():
         return dataset.loader("val", val_bs, dp_rank=dp_rank, dp_degree=dp_degree, infinite=False)
 
+    sources = {name: functools.partial(dataset.source_loader, name, "val", val_bs, dp_rank=dp_rank,
+                                       dp_degree=dp_degree, infinite=False)
+               for name in (dataset.val_sources() if hasattr(dataset, "val_sources") else [])}
     if training.val_freq:
         val_loader_factory()  # a validation split too small for one batch fails now, not at step val_freq
-    return DataPlan(dataset, train_loader, val_loader_factory, grad_accum)
+        for factory in sources.values():
+            factory()
+    return DataPlan(dataset, train_loader, val_loader_factory, grad_accum, sources)
 
 
 def build_parallel_model(cfg: DictConfig, dims, device: torch.device, grad_accum: int, rank: int,
@@ -308,6 +319,7 @@ def _run(
     trainer = Trainer(
         model_parts=built.parts, runner=built.runner, optimizer=optimizer, lr_scheduler=lr_scheduler,
         train_loader=data.train_loader, val_loader_factory=data.val_loader_factory, dims=dims,
+        source_val_factories=data.source_val_factories,
         steps=training.steps, grad_accum_steps=data.grad_accum_steps, max_norm=training.max_norm,
         log_freq=training.log_freq, val_freq=training.val_freq, val_steps=training.val_steps,
         metric_logger=metric_logger, throughput=build_throughput(cfg, device, rank, world_size, built),

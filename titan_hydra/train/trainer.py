@@ -79,6 +79,7 @@ class Trainer:
         step_hooks=(),
         periodic_eval=None,
         objective: Objective = NEXT_TOKEN,
+        source_val_factories: dict[str, Callable[[], Any]] | None = None,
     ) -> None:
         self.model_parts = model_parts
         self.runner = runner
@@ -105,6 +106,8 @@ class Trainer:
         # (due(step, last) -> bool, run() -> metrics): the eval group's harness tasks, None = off
         self.periodic_eval = periodic_eval
         self.objective = objective  # what a batch counts for throughput, what validation logs
+        # a data mixture's sources: each one's held-out loss is logged as val/<name>/loss
+        self.source_val_factories = dict(source_val_factories or {})
         self.state = state if state is not None else TrainState()
         self.last_val_loss: float | None = None
 
@@ -159,20 +162,26 @@ class Trainer:
     # --- validation ------------------------------------------------------------------
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """Mean loss over the first ``val_steps`` held-out batches (same batches every time)."""
+        """Mean loss over the first ``val_steps`` held-out batches (same batches every time), and
+        each data source's own (``val/<name>/loss``) when the data is a mixture."""
         for m in self.model_parts:
             m.eval()
+        metrics = self.objective.val_metrics(self._val_loss(self.val_loader_factory()))
+        for name, factory in self.source_val_factories.items():
+            metrics[f"val/{name}/loss"] = self._val_loss(factory())
+        for m in self.model_parts:
+            m.train()
+        return metrics
+
+    def _val_loss(self, loader) -> float:
         total = torch.zeros((), device=self.device)
         count = 0
-        for inputs, labels in self.val_loader_factory():
+        for inputs, labels in loader:
             if count >= self.val_steps:
                 break  # every rank reads the same number of batches, so all stop together
             total += self.runner.eval_loss(to_device(inputs, self.device), to_device(labels, self.device))
             count += 1
-        for m in self.model_parts:
-            m.train()
-        loss = self.dims.global_mean(total / max(count, 1))
-        return self.objective.val_metrics(loss)
+        return self.dims.global_mean(total / max(count, 1))
 
     # --- the loop --------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
