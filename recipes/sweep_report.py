@@ -3,7 +3,9 @@
     python recipes/sweep_report.py multirun/2025-01-31/12-00-00
 
 Writes into that dir: ``report.md`` and ``report.csv`` (overrides, final loss, validation loss,
-tok/s, MFU, peak memory, status) and ``loss_curves.png`` / ``throughput.png`` (matplotlib).
+tok/s, MFU, peak memory, status) and ``loss_curves.png`` / ``throughput.png`` (matplotlib); a
+sweep over a data mixture's weights adds each source's validation loss (``val/<name>/loss``) as
+columns and as ``source_val_curves.png``.
 Jobs come from the numbered run dirs and from ``jobs.json`` (written by the SLURM launcher
 before submission), so a job that failed, or never started, is a ``failed`` row rather than
 missing. A job's status is its ``status.json`` (titan_hydra.launch.sweep), else inferred from
@@ -38,6 +40,8 @@ class JobRow:
     error: str = ""
     curve: list[tuple[int, float]] = field(default_factory=list)
     tps_curve: list[float] = field(default_factory=list)
+    # a data mixture's sources: name -> [(step, val/<name>/loss)]
+    source_curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
 
 def _read_yaml(path: Path) -> Any:
@@ -76,6 +80,9 @@ def job_row(num: int, run_dir: Path, manifest_overrides: list[str] | None) -> Jo
     row.steps = max((s for s, _ in row.curve), default=0)
     row.final_loss = train[-1]["loss"] if train else None
     row.val_loss = val[-1]["val/loss"] if val else None
+    names = sorted({k[4:-5] for r in val for k in r if k.startswith("val/") and k.endswith("/loss") and k != "val/loss"})
+    row.source_curves = {n: [(int(r["step"]), float(r[f"val/{n}/loss"])) for r in val if f"val/{n}/loss" in r]
+                         for n in names}
     steady = train[1:] or train  # the first step includes warm-up
     row.tok_per_s = _mean([r["tps"] for r in steady if r.get("tps") is not None])
     row.mfu_pct = _mean([r["mfu"] for r in steady if r.get("mfu") is not None])
@@ -126,27 +133,43 @@ def _fmt(value: Any, spec: str) -> str:
     return "" if value is None else format(value, spec)
 
 
+def source_names(rows: list[JobRow]) -> list[str]:
+    """The data sources any job logged its own validation loss for (mixtures)."""
+    return sorted({n for r in rows for n in r.source_curves})
+
+
+def last_source_val(row: JobRow, name: str) -> float | None:
+    curve = row.source_curves.get(name)
+    return curve[-1][1] if curve else None
+
+
 def write_tables(rows: list[JobRow], sweep_dir: Path) -> None:
+    sources = source_names(rows)
     with open(sweep_dir / "report.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=COLUMNS + [f"val_loss/{n}" for n in sources])
         writer.writeheader()
         for r in rows:
-            writer.writerow({k: v for k, v in asdict(r).items() if k in COLUMNS})
+            writer.writerow({**{k: v for k, v in asdict(r).items() if k in COLUMNS},
+                             **{f"val_loss/{n}": last_source_val(r, n) for n in sources}})
     lines = [
         f"# Sweep report: {sweep_dir}",
         "",
         f"{sum(r.status == 'completed' for r in rows)} of {len(rows)} jobs completed.",
         "",
-        "| job | varies | status | final loss | val loss | tok/s | MFU % | peak mem GiB | steps |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|",
+        "| job | varies | status | final loss | val loss | " + "".join(f"val {n} | " for n in sources)
+        + "tok/s | MFU % | peak mem GiB | steps |",
+        "|---:|---|---|---:|---:|" + "---:|" * len(sources) + "---:|---:|---:|---:|",
     ]
     for r in rows:
         status = r.status if not r.error else f"{r.status}: {r.error}".replace("|", "/")
         lines.append(
             f"| {r.job} | `{r.label}` | {status} | {_fmt(r.final_loss, '.4f')} | {_fmt(r.val_loss, '.4f')} | "
-            f"{_fmt(r.tok_per_s, ',.0f')} | {_fmt(r.mfu_pct, '.2f')} | {_fmt(r.peak_mem_gib, '.2f')} | {r.steps} |"
+            + "".join(f"{_fmt(last_source_val(r, n), '.4f')} | " for n in sources)
+            + f"{_fmt(r.tok_per_s, ',.0f')} | {_fmt(r.mfu_pct, '.2f')} | {_fmt(r.peak_mem_gib, '.2f')} | {r.steps} |"
         )
     lines += ["", "![loss curves](loss_curves.png)", "", "![throughput](throughput.png)", ""]
+    if sources:
+        lines += ["![validation loss per data source](source_val_curves.png)", ""]
     (sweep_dir / "report.md").write_text("\n".join(lines))
 
 
@@ -168,6 +191,21 @@ def write_plots(rows: list[JobRow], sweep_dir: Path) -> None:
     fig.tight_layout()
     fig.savefig(sweep_dir / "loss_curves.png", dpi=100)
     plt.close(fig)
+
+    sources = source_names(rows)
+    if sources:  # a mixture sweep: each source's held-out loss, one panel per source
+        fig, axes = plt.subplots(1, len(sources), figsize=(5 * len(sources), 4), squeeze=False)
+        for ax, name in zip(axes[0], sources):
+            for r in rows:
+                if r.source_curves.get(name):
+                    ax.plot(*zip(*r.source_curves[name]), marker="o", label=f"#{r.job} {r.label}"[:60])
+            ax.set_xlabel("step")
+            ax.set_ylabel(f"val/{name}/loss")
+            ax.set_title(f"Validation loss on {name}")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(sweep_dir / "source_val_curves.png", dpi=100)
+        plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = [f"#{r.job}" for r in rows]

@@ -70,6 +70,31 @@ def test_report_lists_failed_job_as_failed(tmp_path):
     assert len(csv_lines) == 3 and csv_lines[2].startswith("1,optimizer.lr=0.2,optimizer.lr=0.2,failed")
 
 
+def test_report_shows_each_data_sources_validation_loss(tmp_path):
+    """A sweep over a mixture's weights: val/<source>/loss becomes a column per source (table and
+    CSV) and a panel per source in source_val_curves.png."""
+    sweep = tmp_path / "sweep"
+    for job, (weight, web, code) in enumerate([(0.1, 5.0, 6.0), (0.5, 5.5, 5.2)]):
+        run = sweep / str(job)
+        (run / ".hydra").mkdir(parents=True)
+        (run / ".hydra" / "config.yaml").write_text("training:\n  steps: 4\n")
+        (run / ".hydra" / "overrides.yaml").write_text(f"- data.sources.code.weight={weight}\n")
+        rows = [{"step": s, "loss": 7.0 - s} for s in range(1, 5)]
+        rows += [{"step": s, "val/loss": 6.0, "val/web/loss": web + 4 - s, "val/code/loss": code + 4 - s} for s in (2, 4)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sys.path.insert(0, str(REPO / "recipes"))
+    import sweep_report
+
+    rows = sweep_report.report(sweep)
+    assert rows[1].source_curves == {"code": [(2, pytest.approx(7.2)), (4, pytest.approx(5.2))],
+                                     "web": [(2, 7.5), (4, 5.5)]}
+    table = (sweep / "report.md").read_text()
+    assert "| val code | val web |" in table and "| 5.2000 | 5.5000 |" in table
+    assert (sweep / "source_val_curves.png").stat().st_size > 0 and "source_val_curves.png" in table
+    header, first, _ = (sweep / "report.csv").read_text().splitlines()
+    assert header.endswith("val_loss/code,val_loss/web") and first.endswith("6.0,5.0")
+
+
 def test_report_labels_jobs_by_what_varies(tmp_path):
     """Table cells and legend entries name the swept keys only; the CSV keeps every override."""
     sys.path.insert(0, str(REPO / "recipes"))
