@@ -17,6 +17,9 @@ are comparable; absolute numbers on shared 2-core machines are noisy.
     python recipes/benchmark.py --suite moe --threads 2       # MoE: grouped mm vs loop, fp32/bf16, ep
     python recipes/benchmark.py --suite flux --threads 2      # FLUX.1 debug: images/s, eager/compiled, fsdp
     python recipes/benchmark.py --steps 30 --threads 2 --out bench_out/foundation.json
+    python recipes/benchmark.py --suite data --corpus-mb 1024 --heap-cap-mb 400
+        # corpus preparation (tokens/s per process and in total, under a per-process heap cap) and
+        # the shard loader's tokens/s against what a training step consumes
 """
 
 from __future__ import annotations
@@ -190,15 +193,120 @@ def header_value(stdout: str, row: str) -> str:
     return "?"
 
 
+# --------------------------------------------------------------------------- the data suite
+
+WORDS = ("the of and to in is for that with as on by this be are from it at an or which not have data model token "
+         "train shard corpus python import return class def self value list dict").split()
+
+
+def generate_corpus(root: Path, megabytes: int, files: int = 8) -> Path:
+    """A JSON-lines corpus of about ``megabytes`` MB in ``files`` files (200-word documents)."""
+    import random
+
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(200)) for _ in range(512)]
+    root.mkdir(parents=True, exist_ok=True)
+    per_file = megabytes * (1 << 20) // files
+    for f in range(files):
+        with open(root / f"part{f:03d}.jsonl", "w") as out:
+            size, i = 0, 0
+            while size < per_file:
+                line = json.dumps({"text": f"{lines[i % len(lines)]} doc {f}-{i}"}) + "\n"
+                out.write(line)
+                size, i = size + len(line), i + 1
+    return root
+
+
+def _heap_cap(megabytes: int | None):
+    """preexec_fn capping each process's heap (RLIMIT_DATA: anonymous memory, not mapped libraries)."""
+    if not megabytes:
+        return None
+    import resource
+
+    limit = megabytes * (1 << 20)
+    return lambda: resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
+def data_suite(args, tmp: Path) -> tuple[list[str], dict]:
+    from titan_hydra.data.dataset import TokenDataset
+
+    corpus = generate_corpus(tmp / "corpus", args.corpus_mb)
+    corpus_bytes = sum(f.stat().st_size for f in corpus.iterdir())
+    rows = []
+    for workers in sorted({1, args.workers}):
+        out = tmp / f"prepared_{workers}"
+        t0 = time.time()
+        proc = subprocess.run([sys.executable, str(REPO / "recipes" / "prepare_data.py"), "data=json",
+                               f"data.path={corpus}", f"out={out}", f"workers={workers}"],
+                              capture_output=True, text=True, preexec_fn=_heap_cap(args.heap_cap_mb))
+        wall = time.time() - t0
+        if proc.returncode != 0:
+            raise SystemExit(f"prepare_data failed: {proc.stderr.strip().splitlines()[-1:]}")
+        manifest = json.loads((out / "manifest.json").read_text())
+        tokens = sum(s["tokens"] for s in manifest["splits"].values())
+        rows.append({"workers": workers, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+                     "tokens_per_s_per_process": tokens / wall / workers,
+                     "shard_bytes": sum(f.stat().st_size for f in out.rglob("*.bin"))})
+    prepared = tmp / f"prepared_{args.workers}"
+    ds = TokenDataset("prepared", path=str(prepared), seq_len=args.seq_len, seed=0)
+    loader = ds.loader("train", args.batch)
+    next(loader)
+    t0, served = time.perf_counter(), 0
+    while time.perf_counter() - t0 < 5.0:
+        served += next(loader)[0].numel()
+    loader_tps = served / (time.perf_counter() - t0)
+    run_dir = tmp / "train"
+    train = subprocess.run([sys.executable, str(REPO / "launch.py"), "data=prepared", f"data.path={prepared}",
+                            f"training.steps={args.steps}", f"training.seq_len={args.seq_len}",
+                            f"training.local_batch_size={args.batch}", "training.mixed_precision=fp32",
+                            "logger=minimal", "checkpoint=none", "training.val_freq=0",
+                            f"cluster.threads_per_proc={args.threads}", f"hydra.run.dir={run_dir}"],
+                           capture_output=True, text=True, cwd=tmp)
+    metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()] if train.returncode == 0 else []
+    steady = [m for m in metrics if "tps" in m and m["step"] > args.warmup]
+    train_tps = statistics.median(m["tps"] for m in steady) if steady else None
+    data_ms = statistics.median(1e3 * m["data_time"] for m in steady) if steady else None
+    result = {"suite": "data", "corpus_bytes": corpus_bytes, "heap_cap_mb": args.heap_cap_mb, "prepare": rows,
+              "loader_tokens_per_s": loader_tps, "train_tokens_per_s": train_tps, "data_time_ms": data_ms,
+              "seq_len": args.seq_len, "batch": args.batch}
+    cap = f", each process capped at {args.heap_cap_mb} MiB of heap" if args.heap_cap_mb else ""
+    lines = [f"suite `data` — {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, a generated "
+             f"{corpus_bytes / 1e9:.2f} GB JSON-lines corpus{cap}", "",
+             "| what | workers | tokens | wall s | tokens/s total | tokens/s per process | shards MB |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| prepare_data | {r['workers']} | {r['tokens']:,} | {r['wall_s']:.1f} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['tokens_per_s_per_process']:,.0f} | {r['shard_bytes'] / 1e6:,.0f} |")
+    lines += ["", f"loader over the shards (shuffled, {args.batch} x {args.seq_len}): {loader_tps:,.0f} tokens/s; "
+              f"the debug model's training step consumes {train_tps or 0:,.0f} tokens/s "
+              f"(data_time {data_ms or 0:.2f} ms per step; loader/consumption "
+              f"{loader_tps / train_tps if train_tps else float('nan'):,.0f}x)"]
+    return lines, result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", default="precision", choices=sorted(SUITES))
+    p.add_argument("--suite", default="precision", choices=sorted([*SUITES, "data"]))
+    p.add_argument("--corpus-mb", type=int, default=1024, help="data suite: generated corpus size")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="data suite: preparation workers")
+    p.add_argument("--heap-cap-mb", type=int, default=None, help="data suite: RLIMIT_DATA per process")
+    p.add_argument("--seq-len", type=int, default=256, help="data suite: loader and training sequence length")
+    p.add_argument("--batch", type=int, default=8, help="data suite: loader and training batch")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5, help="steps excluded from the medians")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--out", default=None, help="JSON path (default bench_out/<suite>.json)")
     p.add_argument("extra", nargs="*", help="extra Hydra overrides for every variant")
     args = p.parse_args()
+    if args.suite == "data":
+        with tempfile.TemporaryDirectory(prefix="titan_bench_data_") as tmp:
+            lines, result = data_suite(args, Path(tmp))
+        print("\n".join(lines))
+        out = Path(args.out or "bench_out/data.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {out}")
+        return
 
     import torch
 

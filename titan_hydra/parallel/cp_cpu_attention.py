@@ -98,6 +98,23 @@ def _wrap(api: SimpleNamespace, local: torch.Tensor, mesh) -> torch.Tensor:
     return api.DTensor(local, spec, requires_grad=local.requires_grad)
 
 
+def _dense(op):
+    """``op`` called with contiguous tensors. torch's ring code hands the kernel half-sequence views
+    (``chunk`` along the sequence dim of [B, H, S, D]: strided, not dense) of q, k, v, out and
+    grad_out under causal load balancing; CUDA's kernels take any strides, and the CPU flash
+    kernels' results were right with them too, but a CI run aborted once with heap corruption
+    ("malloc(): unaligned tcache chunk detected") in the exchange right after this backward
+    under fsdp x cp. Dense copies of half-sequence blocks cost little and rule out the kernels'
+    stride handling as the cause."""
+
+    def call(*args, **kwargs):
+        args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        return op(*args, **kwargs)
+
+    return call
+
+
 def _reject_unsupported(dropout_p: float, attn_mask) -> None:
     if attn_mask is not None:
         raise NotImplementedError("CPU ring attention supports is_causal=True/False only, not attn_mask")
@@ -116,7 +133,7 @@ def _flash_cpu_forward(op_call, args, kwargs):
     is_causal = rest[1] if len(rest) > 1 else kwargs.get("is_causal", False)
     _reject_unsupported(dropout_p, kwargs.get("attn_mask"))
     out, lse = api.cp_attn._templated_ring_attention(
-        mesh.get_group(), SEQ_DIM, _FWD, query=q, key=k, value=v,
+        mesh.get_group(), SEQ_DIM, _dense(_FWD), query=q, key=k, value=v,
         is_causal=is_causal, dropout_p=dropout_p, scale=kwargs.get("scale"),
     )
     return _wrap(api, out, mesh), _wrap(api, lse, mesh)
@@ -128,7 +145,7 @@ def _flash_cpu_backward(op_call, args, kwargs):
     mesh, (grad_out, q, k, v, out, lse, dropout_p, is_causal) = _unwrap(api, args)
     _reject_unsupported(dropout_p, kwargs.get("attn_mask"))
     grads = api.cp_attn._templated_ring_attention_backward(
-        mesh.get_group(), SEQ_DIM, _BWD, grad_out=grad_out, grad_out_name="grad_out",
+        mesh.get_group(), SEQ_DIM, _dense(_BWD), grad_out=grad_out, grad_out_name="grad_out",
         query=q, key=k, value=v, out=out, logsumexp=lse, is_causal=is_causal,
         dropout_p=dropout_p, scale=kwargs.get("scale"),
     )
