@@ -37,7 +37,7 @@ def _check_layout(local_batch_size: int, dp_rank: int, dp_degree: int) -> None:
         raise DataError(f"need 0 <= dp_rank < dp_degree, got dp_rank={dp_rank} dp_degree={dp_degree}")
 
 
-def _to_batch(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+def windows_to_batch(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, seq_len+1] windows -> (inputs, labels) as int64 tensors, labels shifted by one."""
     w = torch.from_numpy(np.ascontiguousarray(windows, dtype=np.int64))
     return w[:, :-1].contiguous(), w[:, 1:].contiguous()
@@ -198,7 +198,7 @@ class BatchLoader(SampleStream):
 
     def fetch(self, indices: np.ndarray, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         offsets = indices[:, None] * self.seq_len + np.arange(self.seq_len + 1)[None, :]
-        return _to_batch(self.tokens[offsets])
+        return windows_to_batch(self.tokens[offsets])
 
 
 class StreamingBatchLoader:
@@ -292,7 +292,7 @@ class StreamingBatchLoader:
         self.calls += 1
         toks = self.stats.setdefault("tokens", {})
         toks[self.split] = toks.get(self.split, 0) + need - 1
-        return _to_batch(flat[offsets])
+        return windows_to_batch(flat[offsets])
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from titan_hydra.data.dataset import TokenDataset
-from titan_hydra.data.loader import SampleStream, _to_batch
+from titan_hydra.data.loader import SampleStream, windows_to_batch
 from titan_hydra.data.tokenizer import Tokenizer
 from titan_hydra.errors import DataError
 
@@ -111,7 +111,7 @@ class MixtureLoader(SampleStream):
         for s in np.unique(indices[:, 0]):
             m = indices[:, 0] == s
             windows[m] = self.tokens[s][indices[m, 1][:, None] * self.seq_len + span[None, :]]
-        return _to_batch(windows)
+        return windows_to_batch(windows)
 
 
 class MixtureDataset:
