@@ -13,8 +13,9 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from titan_hydra.checkpoint.state import CATEGORIES
+from titan_hydra.data.mixture import check_sources
 from titan_hydra.data.tokenizer import Tokenizer
-from titan_hydra.errors import ConfigError, check_writable_dir  # check_writable_dir: also imported from here
+from titan_hydra.errors import ConfigError, DataError, check_writable_dir  # check_writable_dir: also imported from here
 from titan_hydra.errors import instantiate_checked as instantiate
 from titan_hydra.models.registry import args_of
 from titan_hydra.parallel import ac as activation_checkpoint
@@ -148,7 +149,7 @@ def family_vocab(cfg: DictConfig) -> int:
 def _validate_data(cfg: DictConfig) -> None:
     d = cfg.data
     source = OmegaConf.select(cfg, "data.source", default=None)
-    if d.name == "mixture" or OmegaConf.select(cfg, "data.sources") is not None:
+    if "sources" in d:  # data=mixture
         _validate_mixture(d)
     if source in ("json", "parquet", "text"):
         if OmegaConf.is_missing(d, "path") or not d.path:
@@ -175,20 +176,10 @@ def _validate_data(cfg: DictConfig) -> None:
 
 
 def _validate_mixture(d: DictConfig) -> None:
-    sources = OmegaConf.to_container(d.sources, resolve=True) if d.get("sources") is not None else {}
-    if not sources:
-        raise ConfigError("data=mixture needs data.sources: +data.sources='{web: {path: prepared/web, weight: 0.7}, "
-                          "code: {path: prepared/code, weight: 0.3}}'")
-    for name, src in sources.items():
-        if not isinstance(src, dict) or not src.get("path"):
-            raise ConfigError(f"data.sources.{name} needs a path (a directory recipes/prepare_data.py wrote)")
-        if not Path(str(src["path"])).expanduser().is_dir():
-            raise ConfigError(f"data.sources.{name}.path={src['path']} does not exist")
-        weight = src.get("weight", 1.0)
-        if not isinstance(weight, (int, float)) or weight < 0 or weight != weight:
-            raise ConfigError(f"data.sources.{name}.weight={weight} must be a number >= 0")
-    if sum(float(src.get("weight", 1.0)) for src in sources.values()) <= 0:
-        raise ConfigError("data.sources weights sum to 0; give at least one source a positive weight")
+    try:
+        check_sources(OmegaConf.to_container(d.sources, resolve=True) if d.get("sources") is not None else {})
+    except DataError as e:
+        raise ConfigError(str(e)) from None
 
 
 # --------------------------------------------------------------------------- value ranges, checkpoint, run dir

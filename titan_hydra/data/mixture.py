@@ -19,6 +19,7 @@ what the weights say, exactly and in every layout, and a sweep over one weight
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,12 +43,29 @@ def block_counts(weights: list[float], block: int = BLOCK) -> np.ndarray:
     return counts
 
 
-def check_weights(weights: dict[str, float]) -> None:
-    bad = {name: w for name, w in weights.items() if not isinstance(w, (int, float)) or not np.isfinite(w) or w < 0}
-    if bad:
-        raise DataError(f"data.sources weights must be finite and >= 0: {bad}")
+def check_weights(weights: dict[str, Any]) -> None:
+    """One-line DataError unless every weight is a number >= 0 and one is positive."""
+    for name, w in weights.items():
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not np.isfinite(w) or w < 0:
+            raise DataError(f"data.sources.{name}.weight={w} must be a number >= 0")
     if sum(weights.values()) <= 0:
-        raise DataError(f"data.sources weights sum to 0 ({weights}); give at least one source a positive weight")
+        raise DataError("data.sources weights sum to 0; give at least one source a positive weight")
+
+
+def check_sources(sources: dict[str, Any]) -> dict[str, float]:
+    """The weights of ``data.sources`` ({name: {path, weight}}), or a one-line DataError: no sources,
+    a source without a path or with one that does not exist, a bad weight (before anything is read)."""
+    if not sources:
+        raise DataError("data=mixture needs data.sources: +data.sources='{web: {path: prepared/web, weight: 0.7}, "
+                        "code: {path: prepared/code, weight: 0.3}}'")
+    for name, src in sources.items():
+        if not isinstance(src, dict) or not src.get("path"):
+            raise DataError(f"data.sources.{name} needs a path (a directory recipes/prepare_data.py wrote)")
+        if not Path(str(src["path"])).expanduser().is_dir():
+            raise DataError(f"data.sources.{name}.path={src['path']} does not exist")
+    weights = {name: src.get("weight", 1.0) for name, src in sources.items()}
+    check_weights(weights)
+    return weights
 
 
 class MixtureLoader(SampleStream):
@@ -124,13 +142,7 @@ class MixtureDataset:
 
     def __init__(self, sources: dict[str, dict[str, Any]], tokenizer: str = "builtin", seq_len: int = 256,
                  shuffle: bool = True, seed: int = 0, document_mask: bool = False, cache_dir: str | None = None):
-        if not sources:
-            raise DataError("data=mixture needs data.sources: {<name>: {path: <prepared dir>, weight: <w>}, ...}")
-        missing = [n for n, s in sources.items() if not isinstance(s, dict) or not s.get("path")]
-        if missing:
-            raise DataError(f"data.sources.{missing[0]} needs a path (a directory recipes/prepare_data.py wrote)")
-        self.weights = {n: s.get("weight", 1.0) for n, s in sources.items()}
-        check_weights(self.weights)
+        self.weights = check_sources(sources)
         self.seq_len, self.shuffle, self.seed = int(seq_len), bool(shuffle), int(seed)
         self.tokenizer = Tokenizer(tokenizer)
         self.vocab_size = self.tokenizer.vocab_size

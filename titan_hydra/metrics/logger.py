@@ -135,12 +135,13 @@ class MetricLogger:
         the others (console, metrics.jsonl). Returns the PNG's path (None off rank 0)."""
         if not self.backends:
             return None
-        path = save_grid(np.asarray(images), Path(self.run_dir) / "samples" / f"{key.replace('/', '_')}-step{step:06d}.png")
+        images = np.asarray(images)
+        path = save_grid(images, Path(self.run_dir) / "samples" / f"{key.replace('/', '_')}-step{step:06d}.png")
         for name in list(self.backends):
             backend = self.backends[name]
             try:
                 if hasattr(backend, "log_images"):
-                    backend.log_images(key, np.asarray(images), step, captions)
+                    backend.log_images(key, images, step, captions)
                 else:
                     backend.log({key: str(path)}, step)
             except Exception as e:  # noqa: BLE001 - see module docstring

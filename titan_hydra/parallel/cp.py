@@ -59,7 +59,7 @@ def cp_context(parts: list[torch.nn.Module], rope_buffers: tuple[str, ...], dims
     from torch.distributed.tensor.experimental import context_parallel
 
     mesh = dims.submesh("cp")
-    # Several sequence lengths: streams joined in one non-causal attention (Flux: image and text
+    # Several sequence lengths: streams joined in one non-causal attention (e.g. image and text
     # tokens). torch's load balancer permutes one length only and serves causal attention only;
     # a non-causal ring needs none, so each tensor is cut into cp contiguous chunks here and the
     # context shards only the rope tables (if any).
@@ -67,17 +67,18 @@ def cp_context(parts: list[torch.nn.Module], rope_buffers: tuple[str, ...], dims
     cp_cpu_attention.configure_ring_attention(dims.cp_rotate_method, mesh.device_type, load_balance=not joined)
     first, first_dim = batch[0]
     seq_len = first.shape[first_dim]
-    buffers, seq_dims = [t for t, _ in batch], [d for _, d in batch]
     for tensor, dim in batch:
         if tensor.shape[dim] % (2 * dims.cp):
             raise ValueError(f"a batch tensor of shape {tuple(tensor.shape)} cannot be split along dim {dim} "
                              f"into 2*cp={2 * dims.cp} equal chunks")
-    batch_tensors = set(buffers)
     if joined:
         _keep_own_chunk(batch, mesh.get_local_rank(), dims.cp)
         # context_parallel wants one buffer at least (it reads the device off the first): a
         # scratch one, sharded on entry and restored on exit, that nothing reads.
         buffers, seq_dims, batch_tensors = [torch.zeros(2 * dims.cp, device=first.device)], [0], set()
+    else:
+        buffers, seq_dims = [t for t, _ in batch], [d for _, d in batch]
+        batch_tensors = set(buffers)  # sharded for good: the batch is not restored on exit
     for part in parts:
         tables = fit_rope_buffers(part, seq_len, rope_buffers)
         buffers += tables

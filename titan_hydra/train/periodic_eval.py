@@ -1,9 +1,9 @@
 """Evaluation during training: the ``eval`` config group's object.
 
 Two things, each on its own schedule: the lm-eval harness (``eval.freq`` steps apart; language
-families) and sample pictures (``eval.sample_every`` steps apart; families that draw them, e.g.
-Flux: one picture per ``eval.sample_prompts`` entry, logged to TensorBoard and W&B and written as
-a PNG row under ``<run>/samples/``). Both run on one unsharded copy of the model: every rank
+families) and sample pictures (``eval.sample_every`` steps apart; families that draw them, e.g. a
+text-to-image model: one picture per ``eval.sample_prompts`` entry, logged to TensorBoard and W&B
+and written as a PNG row under ``<run>/samples/``). Both run on one unsharded copy of the model: every rank
 contributes its weights as full tensors (``gather_full_state``: FSDP / TP / EP shards all-gathered
 inside their groups, each pipeline stage's blocks from its own ranks); rank 0 assembles the copy on
 CPU, runs the harness (``titan_hydra.evaluation``) and draws the pictures, and broadcasts the
