@@ -252,9 +252,6 @@ def with_env(var: str, value: str, overrides: list[str] | Callable[[Path], list[
 CATALOGUE: list[Row] = [
     # --- config: value ranges
     config("steps_zero", ["training.steps=0"], r"^training\.steps=0 must be > 0$"),
-    config("deterministic_compiled_selective_ac", ["training.deterministic=true", "compile=model",
-                                                   "activation_checkpoint=selective_op"],
-           r"training\.deterministic=true with compile=model and activation_checkpoint=selective_op crashes"),
     config("samples_from_a_language_model", ["eval.sample_every=10", "eval.sample_prompts=[a cat]"],
            r"eval\.sample_every=10: model family 'llama3' draws no sample pictures; set eval\.sample_every=0"),
     config("local_batch_zero", ["training.local_batch_size=0"], r"training\.local_batch_size=0 must be > 0"),

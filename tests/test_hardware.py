@@ -3,6 +3,8 @@ and a faked CUDA device, the run header's reason, and Muon's Newton-Schulz dtype
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -121,3 +123,24 @@ def test_onednn_isa_cap_below_bf16_turns_auto_to_fp32(monkeypatch):
     assert "ONEDNN_MAX_CPU_ISA=avx2" in hardware.isa_env_key()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")  # a cap that keeps bf16
     assert resolve_precision("auto", "cpu").value == "bf16"
+
+
+def test_inductor_cache_is_separate_under_an_aten_capability_override(monkeypatch, tmp_path):
+    """A capped run (ATEN_CPU_CAPABILITY) gets its own inductor cache: inductor's graph cache does not
+    key on the vector width, so sharing one with an uncapped run corrupts the heap."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    default = os.path.abspath(default_cache_dir())
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert hardware.inductor_cache_for_isa() is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "AVX2")
+    assert hardware.inductor_cache_for_isa() == default + "_avx2"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == default + "_avx2"
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default)  # what inductor writes back once it ran
+    assert hardware.inductor_cache_for_isa() == default + "_avx2"
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the user's own choice stays
+    assert hardware.inductor_cache_for_isa() is None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)

@@ -25,10 +25,12 @@ import json
 import logging
 import os
 import platform
+import re
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 log = logging.getLogger("titan_hydra")
 
@@ -96,6 +98,26 @@ def isa_env_key() -> str:
     caps = [f"{k}={os.environ[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
             if os.environ.get(k)]
     return "|" + ",".join(caps) if caps else ""
+
+
+def inductor_cache_for_isa() -> str | None:
+    """Give inductor its own on-disk cache under an ``ATEN_CPU_CAPABILITY`` override; the new path
+    (None where nothing changed).
+
+    Why: inductor writes its generated C++ for the vector width that variable selects, but its
+    FX-graph cache key does not include it, while each kernel is compiled for the width of the
+    process that loads it. A graph cached by an ``ATEN_CPU_CAPABILITY=avx2`` run and loaded by an
+    uncapped one on an AVX-512 machine stores 16-wide vectors where 8 were planned and writes
+    past its buffers (heap corruption, seen as ``malloc(): unaligned tcache chunk`` aborts).
+    A path the user set stays as it is."""
+    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    default = os.path.abspath(default_cache_dir())
+    if not cap or (current is not None and os.path.abspath(current) != default):
+        return None
+    path = f"{default}_{re.sub(r'[^a-z0-9]+', '_', cap)}"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    return path
 
 
 class Resolved(NamedTuple):

@@ -121,8 +121,7 @@ def validate_parallel_modules(cfg: DictConfig, dims) -> None:
     ep.check_layout(dims, int(getattr(shape, "n_experts", 0) or 0), compile_mode, str(ac.mode))
     activation_checkpoint.check_settings(str(ac.mode), int(ac.get("selective_layer_freq", 2)),
                                          str(ac.get("selective_op_policy", "all_mm")))
-    compile_rules.check_settings(compile_mode, str(cfg.compile.backend), dims, str(ac.mode),
-                                 bool(cfg.training.deterministic))
+    compile_rules.check_settings(compile_mode, str(cfg.compile.backend), dims, str(ac.mode))
 
 
 def _validate_environment(cfg: DictConfig) -> None:

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from titan_hydra.errors import ConfigError
+from titan_hydra.hardware import inductor_cache_for_isa
 
 MODES = ("none", "model", "model_loss")
 
@@ -46,6 +47,7 @@ def apply_compile(part: torch.nn.Module, layers: torch.nn.ModuleDict, compile_cf
     """Compile each block of ``layers`` (``family.blocks(part)``) in place; returns how many."""
     if compile_cfg.mode == "none":
         return 0
+    inductor_cache_for_isa()
     # Blocks differ only in layer_id; let dynamo reuse one graph for all of them.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     for block in layers.values():
@@ -76,21 +78,14 @@ def build_loss_fn(compile_cfg, base: Callable) -> Callable:
     """``base`` compiled under ``model_loss``, else ``base`` itself."""
     if compile_cfg.mode != "model_loss":
         return base
+    inductor_cache_for_isa()
     return torch.compile(base, backend=compile_cfg.backend)
 
 
-def check_settings(mode: str, backend: str, dims, ac_mode: str, deterministic: bool = False) -> None:
+def check_settings(mode: str, backend: str, dims, ac_mode: str) -> None:
     """Compile settings that cannot work (an unknown backend; a combination torch 2.13 fails)."""
     if mode != "none" and backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise ConfigError(f"compile.backend={backend!r} is not a torch.compile backend; use inductor")
-    if mode != "none" and backend == "inductor" and ac_mode == "selective_op" and deterministic:
-        # torch 2.13 on CPU: with torch.use_deterministic_algorithms(True), the inductor-compiled
-        # forward of a selectively checkpointed block aborts the process (SIGABRT/SIGSEGV in its
-        # first matmul); deterministic + compile, or deterministic + selective_op eager, both run.
-        raise ConfigError(
-            f"training.deterministic=true with compile={mode} and activation_checkpoint=selective_op crashes "
-            "torch 2.13's inductor; drop one of the three (e.g. activation_checkpoint=full)"
-        )
     if mode != "none" and backend != "eager" and dims.tp > 1 and ac_mode in ("full", "selective_layer"):
         # torch 2.13: AOTAutograd's compiled forward of a fully checkpointed TP block saves the
         # DeviceMesh among its tensors and asserts ("expected all tensors_saved_with_vc_check to
