@@ -1,13 +1,17 @@
 """Tokenize a corpus once into memory-mapped token shards; train on them at any size.
 
     python recipes/prepare_data.py data=json data.path=corpus/ out=prepared/corpus workers=8
+    python recipes/prepare_data.py data=c4 data.hf_name=HuggingFaceFW/fineweb-edu data.hf_config=sample-10BT \
+        data.tokenizer=<dir> out=prepared/fineweb-edu
     python launch.py data=prepared data.path=prepared/corpus
 
 Configured by Hydra (``conf/prepare_data.yaml``): ``data`` is the training data group (json,
 parquet or text files: ``data.path`` a file, directory or glob; ``data.text_field``,
 ``data.tokenizer``; ``data.val_fraction`` holds out every n-th document), ``out`` the directory,
-``workers`` the processes (0: one per core), ``shard_tokens`` the shard size. A killed run is
-resumed by running the same command again. Errors are one line.
+``workers`` the processes (0: one per core), ``shard_tokens`` the shard size. ``data.source=hf``
+streams a hub dataset (or a local dataset directory) shard by shard instead: ``data.hf_name``,
+``data.hf_config``, the ``train`` split. A killed run is resumed by running the same command
+again. Errors are one line.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 import titan_hydra.config  # noqa: E402,F401  (registers schemas and resolvers before composing)
 from titan_hydra.data.dataset import resolve_files  # noqa: E402
+from titan_hydra.data.documents import hub_shards  # noqa: E402
 from titan_hydra.data.prepare import PrepareSettings, prepare, val_every_of  # noqa: E402
 from titan_hydra.errors import UserError, first_line  # noqa: E402
 
@@ -31,11 +36,17 @@ from titan_hydra.errors import UserError, first_line  # noqa: E402
 def run(cfg: DictConfig) -> int:
     data = cfg.data
     source = str(data.source)
-    if source not in ("json", "parquet", "text"):
-        raise UserError(f"data.source={source} cannot be prepared: give local files with data=json, parquet or text")
-    if not data.path:
+    if source == "hf":
+        if not data.hf_name:
+            raise UserError("data.source=hf needs data.hf_name (a hub dataset or a local dataset directory)")
+        files = hub_shards(str(data.hf_name), data.hf_config, "train")
+    elif source not in ("json", "parquet", "text"):
+        raise UserError(f"data.source={source} cannot be prepared: give local files with data=json, parquet or "
+                        "text, or a hub dataset with data=c4 data.hf_name=...")
+    elif not data.path:
         raise UserError(f"data={data.name} needs data.path (a file, a directory or a glob)")
-    files = resolve_files(str(data.path), source)
+    else:
+        files = resolve_files(str(data.path), source)
     workers = int(cfg.workers) or (os.cpu_count() or 1)
     settings = PrepareSettings(source=source, text_field=str(data.text_field), tokenizer=str(data.tokenizer),
                                val_every=val_every_of(float(data.val_fraction)), shard_tokens=int(cfg.shard_tokens),
@@ -45,7 +56,7 @@ def run(cfg: DictConfig) -> int:
     seconds = time.perf_counter() - started
     splits = manifest["splits"]
     total = sum(s["tokens"] for s in splits.values())
-    print(f"prepared {len(files)} file(s) with {min(workers, len(files))} worker(s) in {seconds:.1f} s: "
+    print(f"prepared {len(files)} {'shard' if source == 'hf' else 'file'}(s) with {min(workers, len(files))} worker(s) in {seconds:.1f} s: "
           + ", ".join(f"{name} {s['tokens']:,} tokens / {s['documents']:,} documents / {len(s['shards'])} shards"
                       for name, s in splits.items())
           + f" ({manifest['dtype']}; {total / max(seconds, 1e-9):,.0f} tokens/s)")

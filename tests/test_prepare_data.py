@@ -7,6 +7,7 @@ over the same tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import torch
 
 from helpers import REPO, TINY, compose_cfg
 from titan_hydra.data.dataset import TokenDataset
+from titan_hydra.data.documents import hub_shards
 from titan_hydra.data.loader import BatchLoader
 from titan_hydra.data.prepare import PrepareSettings, prepare
 from titan_hydra.data.shards import ShardedTokens
@@ -93,6 +95,20 @@ def test_shards_hold_the_documents_in_file_order(corpus):
     assert np.array_equal(tokens[idx], want["train"][idx])
 
 
+def test_a_streamed_hf_dataset_is_prepared_shard_by_shard_like_its_files(corpus, tmp_path):
+    """data.source=hf: the dataset's data files are its shards and the units of work; a local dataset
+    directory streams through HF datasets as a hub one would, so the shards equal data=json's."""
+    files, out, _ = corpus
+    shards = hub_shards(str(files[0].parent), None, "train")
+    assert [(s.index, s.count) for s in shards] == [(i, 3) for i in range(3)]
+    hub = tmp_path / "hub"
+    prepare(shards, dataclasses.replace(settings(hub), source="hf"), workers=2)
+    for split in ("train", "val"):
+        assert np.array_equal(ShardedTokens(hub, split)[:], ShardedTokens(out, split)[:])
+    with pytest.raises(DataError, match=r"^could not stream dataset .*no_such_dataset"):
+        hub_shards(str(tmp_path / "no_such_dataset"))
+
+
 def test_workers_do_not_change_the_result(corpus, tmp_path):
     files, out, _ = corpus
     prepare([str(f) for f in files], settings(tmp_path / "two"), workers=2)
@@ -149,6 +165,28 @@ def test_the_loader_serves_the_packed_paths_batches(corpus):
         for _ in range(5):
             (x, y), (rx, ry) = next(got), next(ref)
             assert torch.equal(x, rx) and torch.equal(y, ry)
+
+
+def test_a_two_rank_position_resumes_in_one_process_at_the_same_global_batch(corpus):
+    """The order depends on seed, data and global batch only: what fsdp(2) saved resumes as a single
+    process (and the reverse) on exactly the samples an uninterrupted run would take next."""
+    _, out, _ = corpus
+    ds = TokenDataset("prepared", path=str(out), seq_len=32, seed=3)
+    ranks = [ds.loader("train", 4, dp_rank=r, dp_degree=2) for r in range(2)]
+    for _ in range(7):
+        for r in ranks:
+            next(r)
+    single = ds.loader("train", 8)
+    single.load_state_dict(json.loads(json.dumps(ranks[0].state_dict())))  # as a checkpoint carries it
+    for _ in range(3):
+        x, y = next(single)
+        parts = [next(r) for r in ranks]
+        assert torch.equal(x, torch.cat([p[0] for p in parts])) and torch.equal(y, torch.cat([p[1] for p in parts]))
+    back = [ds.loader("train", 4, dp_rank=r, dp_degree=2) for r in range(2)]
+    for r in back:
+        r.load_state_dict(single.state_dict())
+    x, _ = next(single)
+    assert torch.equal(x, torch.cat([next(r)[0] for r in back]))
 
 
 def test_training_and_the_command_line(corpus, tmp_path):

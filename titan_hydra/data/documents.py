@@ -8,7 +8,10 @@ here with the standard library or pyarrow:
   text under ``text_field``; a file whose first character is ``[`` is one array (read whole);
   the packed path checks its files with the same reader (``dataset.validate_json_file``);
 * parquet: the ``text_field`` column, batch by batch;
-* text: paragraphs separated by blank lines (as the packed path's ``sample_by="paragraph"``).
+* text: paragraphs separated by blank lines (as the packed path's ``sample_by="paragraph"``);
+* hf: one shard (``HubShard``) of a dataset streamed by HF ``datasets`` (a hub name such as
+  ``HuggingFaceFW/fineweb-edu`` or a local dataset directory): the dataset's own data files are
+  its shards, so each is a unit of work as a local file is, and nothing is downloaded whole.
 
 Empty documents are skipped; a bad record fails with one line naming the file and the line.
 """
@@ -17,11 +20,56 @@ from __future__ import annotations
 
 import gzip
 import json
-from typing import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator, Union
 
 from titan_hydra.errors import DataError, first_line
 
 PARQUET_BATCH_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class HubShard:
+    """Shard ``index`` of ``count`` of a streamed HF dataset split: preparation's unit of work
+    for ``data.source=hf`` (a local file is the unit for the other sources)."""
+
+    name: str
+    config: str | None
+    split: str
+    index: int
+    count: int
+
+    def key(self) -> dict[str, Any]:
+        """What identifies this input in the resume records and the settings file."""
+        return {"hf": self.name, **{k: v for k, v in asdict(self).items() if k != "name"}}
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.config or 'default'}) {self.split} shard {self.index + 1}/{self.count}"
+
+
+Input = Union[str, HubShard]  # a local file's path, or a hub shard
+
+
+def _stream(name: str, config: str | None, split: str):
+    import datasets  # heavy and only needed for hub sources
+
+    try:
+        return datasets.load_dataset(name, config, split=split, streaming=True)
+    except Exception as e:  # datasets raises many types (missing dataset, config, split, network)
+        raise DataError(f"could not stream dataset {name} ({config or 'default'}) split {split}: "
+                        f"{first_line(e)}") from None
+
+
+def hub_shards(name: str, config: str | None = None, split: str = "train") -> list[HubShard]:
+    """The shards of a streamed dataset split (its data files), in the dataset's order."""
+    count = int(_stream(name, config, split).n_shards)
+    return [HubShard(name, config, split, i, count) for i in range(count)]
+
+
+def _hub_documents(shard: HubShard, field: str) -> Iterator[str]:
+    ds = _stream(shard.name, shard.config, shard.split).shard(num_shards=shard.count, index=shard.index)
+    for i, rec in enumerate(ds):
+        yield check_record(rec, str(shard), f"record {i + 1}", field)
 
 
 def open_text(path: str):
@@ -97,16 +145,18 @@ def _text_documents(path: str) -> Iterator[str]:
         yield "".join(para).rstrip("\n")
 
 
-def iter_documents(path: str, source: str, text_field: str = "text") -> Iterator[str]:
-    """The non-empty documents of one file, in file order."""
-    if source == "json":
+def iter_documents(path: Input, source: str, text_field: str = "text") -> Iterator[str]:
+    """The non-empty documents of one file (or hub shard), in order."""
+    if isinstance(path, HubShard):
+        docs = _hub_documents(path, text_field)
+    elif source == "json":
         docs = json_texts(path, text_field)
     elif source == "parquet":
         docs = _parquet_documents(path, text_field)
     elif source == "text":
         docs = _text_documents(path)
     else:
-        raise DataError(f"data.source={source} cannot be prepared from files; use json, parquet or text")
+        raise DataError(f"data.source={source} cannot be prepared; use json, parquet, text or hf")
     try:
         for doc in docs:
             if doc.strip():

@@ -7,8 +7,9 @@ machine's memory and its time by one process. Here:
 * memory is bounded whatever the corpus size: documents are streamed from each file
   (``documents.py``) and at most ``shard_tokens`` tokens per split are buffered before they go to
   disk (uint16 where the vocab fits);
-* the work is split by input file over worker processes; shard names carry the file's index, so
-  the result is identical whatever the number of workers;
+* the work is split by input file (for a streamed HF dataset: by its shards, i.e. its data
+  files) over worker processes; shard names carry the input's index, so the result is identical
+  whatever the number of workers;
 * a kill loses at most the files in flight: each finished file leaves a ``done`` record, a rerun
   with the same settings skips those files and redoes the others (their partial shards are
   deleted first), and ``manifest.json`` is written last.
@@ -27,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from titan_hydra.data.documents import iter_documents
+from titan_hydra.data.documents import HubShard, Input, iter_documents
 from titan_hydra.data.loader import iter_chunks
 from titan_hydra.data.shards import (
     FORMAT_VERSION, MANIFEST, SPLITS, ShardBuffer, remove_partial, token_dtype, write_json_atomic,
@@ -56,7 +57,10 @@ def val_every_of(val_fraction: float) -> int:
     return 0 if val_fraction == 0 else max(2, round(1.0 / val_fraction))
 
 
-def input_key(path: str) -> dict[str, Any]:
+def input_key(path: Input) -> dict[str, Any]:
+    """What identifies an input: a file's path, size and mtime (an edited file is redone), or a hub shard."""
+    if isinstance(path, HubShard):
+        return path.key()
     st = os.stat(path)
     return {"path": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
@@ -71,8 +75,8 @@ def _tokenizer(name: str) -> Tokenizer:
     return _TOKENIZERS[name]
 
 
-def prepare_file(task: tuple[int, str, PrepareSettings]) -> dict[str, Any]:
-    """Tokenize one input file into its shards; returns (and records) what it wrote."""
+def prepare_file(task: tuple[int, Input, PrepareSettings]) -> dict[str, Any]:
+    """Tokenize one input (a file or a hub shard) into its shards; returns (and records) what it wrote."""
     index, path, settings = task
     out = Path(settings.out)
     done = out / "done" / f"{index:06d}.json"
@@ -110,7 +114,7 @@ def _check_settings(out: Path, payload: dict[str, Any]) -> None:
         write_json_atomic(path, payload)
 
 
-def prepare(files: list[str], settings: PrepareSettings, workers: int = 1) -> dict[str, Any]:
+def prepare(files: list[Input], settings: PrepareSettings, workers: int = 1) -> dict[str, Any]:
     """Prepare ``files`` (in this order) into ``settings.out``; returns the manifest."""
     if not files:
         raise DataError("no input files to prepare")
