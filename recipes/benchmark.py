@@ -229,6 +229,7 @@ def _heap_cap(megabytes: int | None):
 
 def data_suite(args, tmp: Path) -> tuple[list[str], dict]:
     from titan_hydra.data.dataset import TokenDataset
+    from titan_hydra.data.tokenizer import BUILTIN_PATH, Tokenizer
 
     corpus = generate_corpus(tmp / "corpus", args.corpus_mb)
     corpus_bytes = sum(f.stat().st_size for f in corpus.iterdir())
@@ -244,9 +245,23 @@ def data_suite(args, tmp: Path) -> tuple[list[str], dict]:
             raise SystemExit(f"prepare_data failed: {proc.stderr.strip().splitlines()[-1:]}")
         manifest = json.loads((out / "manifest.json").read_text())
         tokens = sum(s["tokens"] for s in manifest["splits"].values())
-        rows.append({"workers": workers, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+        rows.append({"system": "titan_hydra prepare_data", "workers": workers, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
                      "tokens_per_s_per_process": tokens / wall / workers,
                      "shard_bytes": sum(f.stat().st_size for f in out.rglob("*.bin"))})
+    if args.datatrove_python:  # the same corpus, tokenizer, workers and cap through datatrove's pipeline
+        for workers in sorted({1, args.workers}):
+            out = tmp / f"datatrove_{workers}"
+            proc = subprocess.run([args.datatrove_python, str(REPO / "recipes" / "datatrove_tokenize.py"),
+                                   "--corpus", str(corpus), "--tokenizer", str(BUILTIN_PATH), "--out", str(out),
+                                   "--workers", str(workers), "--eos", Tokenizer("builtin").eos_token],
+                                  capture_output=True, text=True, preexec_fn=_heap_cap(args.heap_cap_mb))
+            if proc.returncode != 0:
+                raise SystemExit(f"datatrove failed: {proc.stderr.strip().splitlines()[-1:]}")
+            got = json.loads(proc.stdout.strip().splitlines()[-1])
+            rows.append({"system": "datatrove 0.10.1", "workers": workers, "tokens": got["tokens"],
+                         "wall_s": got["wall_s"], "tokens_per_s": got["tokens"] / got["wall_s"],
+                         "tokens_per_s_per_process": got["tokens"] / got["wall_s"] / workers,
+                         "shard_bytes": sum(f.stat().st_size for f in out.rglob("*.ds"))})
     prepared = tmp / f"prepared_{args.workers}"
     ds = TokenDataset("prepared", path=str(prepared), seq_len=args.seq_len, seed=0)
     loader = ds.loader("train", args.batch)
@@ -275,7 +290,7 @@ def data_suite(args, tmp: Path) -> tuple[list[str], dict]:
              "| what | workers | tokens | wall s | tokens/s total | tokens/s per process | shards MB |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| prepare_data | {r['workers']} | {r['tokens']:,} | {r['wall_s']:.1f} | {r['tokens_per_s']:,.0f} | "
+        lines.append(f"| {r['system']} | {r['workers']} | {r['tokens']:,} | {r['wall_s']:.1f} | {r['tokens_per_s']:,.0f} | "
                      f"{r['tokens_per_s_per_process']:,.0f} | {r['shard_bytes'] / 1e6:,.0f} |")
     lines += ["", f"loader over the shards (shuffled, {args.batch} x {args.seq_len}): {loader_tps:,.0f} tokens/s; "
               f"the debug model's training step consumes {train_tps or 0:,.0f} tokens/s "
@@ -288,6 +303,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", default="precision", choices=sorted([*SUITES, "data"]))
     p.add_argument("--corpus-mb", type=int, default=1024, help="data suite: generated corpus size")
+    p.add_argument("--datatrove-python", default=None,
+                   help="data suite: the python of a venv with datatrove (recipes/datatrove_tokenize.py): "
+                        "its tokenization of the same corpus is timed beside prepare_data's")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="data suite: preparation workers")
     p.add_argument("--heap-cap-mb", type=int, default=None, help="data suite: RLIMIT_DATA per process")
     p.add_argument("--seq-len", type=int, default=256, help="data suite: loader and training sequence length")

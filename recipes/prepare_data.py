@@ -8,7 +8,8 @@
 Configured by Hydra (``conf/prepare_data.yaml``): ``data`` is the training data group (json,
 parquet or text files: ``data.path`` a file, directory or glob; ``data.text_field``,
 ``data.tokenizer``; ``data.val_fraction`` holds out every n-th document), ``out`` the directory,
-``workers`` the processes (0: one per core), ``shard_tokens`` the shard size. ``data.source=hf``
+``workers`` the processes (0: one per core), ``shard_tokens`` the shard size; ``cluster=slurm``
+(any SLURM cluster config) spreads the inputs over one job's tasks instead. ``data.source=hf``
 streams a hub dataset (or a local dataset directory) shard by shard instead: ``data.hf_name``,
 ``data.hf_config``, the ``train`` split. A killed run is resumed by running the same command
 again. Errors are one line.
@@ -31,6 +32,8 @@ from titan_hydra.data.dataset import resolve_files  # noqa: E402
 from titan_hydra.data.documents import hub_shards  # noqa: E402
 from titan_hydra.data.prepare import PrepareSettings, prepare, val_every_of  # noqa: E402
 from titan_hydra.errors import UserError, first_line  # noqa: E402
+from titan_hydra.launch.prepare_jobs import submit_prepare  # noqa: E402
+from titan_hydra.launch.submitit_jobs import JobFailed  # noqa: E402
 
 
 def run(cfg: DictConfig) -> int:
@@ -52,11 +55,16 @@ def run(cfg: DictConfig) -> int:
                                val_every=val_every_of(float(data.val_fraction)), shard_tokens=int(cfg.shard_tokens),
                                out=str(Path(str(cfg.out)).expanduser().resolve()))
     started = time.perf_counter()
-    manifest = prepare(files, settings, workers=workers)
+    if cfg.cluster.launcher == "slurm":
+        manifest, tasks = submit_prepare(cfg, files, settings)
+        where = f"{tasks} SLURM task(s) x {int(cfg.cluster.cpus_per_task or 1)} worker(s)"
+    else:
+        manifest = prepare(files, settings, workers=workers)
+        where = f"{min(workers, len(files))} worker(s)"
     seconds = time.perf_counter() - started
     splits = manifest["splits"]
     total = sum(s["tokens"] for s in splits.values())
-    print(f"prepared {len(files)} {'shard' if source == 'hf' else 'file'}(s) with {min(workers, len(files))} worker(s) in {seconds:.1f} s: "
+    print(f"prepared {len(files)} {'shard' if source == 'hf' else 'file'}(s) with {where} in {seconds:.1f} s: "
           + ", ".join(f"{name} {s['tokens']:,} tokens / {s['documents']:,} documents / {len(s['shards'])} shards"
                       for name, s in splits.items())
           + f" ({manifest['dtype']}; {total / max(seconds, 1e-9):,.0f} tokens/s)")
@@ -72,6 +80,9 @@ def main(cfg: DictConfig) -> int:
     except UserError as e:
         print(f"error: {first_line(e)}", file=sys.stderr)
         sys.exit(2)
+    except JobFailed as e:  # a SLURM task died: its one-line error and log
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -3,20 +3,25 @@
 (a) a 2-task gloo FSDP job through ``launch.py cluster=slurm_local`` gives the same losses as
     the same layout launched locally; (b) a 2-point multirun becomes one SLURM array and the
     sweep report lists both jobs with the losses they logged; bad input (unknown partition,
-    a sweep key that does not exist, no sbatch) fails with one ``error:`` line.
+    a sweep key that does not exist, no sbatch) fails with one ``error:`` line; (c) corpus
+    preparation spread over the tasks of one job gives the corpus one machine makes.
 Skipped only when this machine cannot install SLURM (not root, or no apt-get); CI is root.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from helpers import BASE, GLOBAL_BATCH, REPO, STEPS, run_launch, run_layout, series
 from slurm_fixtures import slurm  # noqa: F401  (the session fixture)
+from titan_hydra.data.prepare import PrepareSettings, prepare
+from titan_hydra.data.shards import ShardedTokens
 
 pytestmark = pytest.mark.slow
 
@@ -122,3 +127,29 @@ def test_job_port_is_below_the_ephemeral_range(tmp_path):
     narrow = tmp_path / "range"
     narrow.write_text("50000\t60999\n")
     assert ephemeral_low(str(narrow)) == 50000 and ephemeral_low(str(tmp_path / "missing")) == 32768
+
+
+def test_corpus_preparation_spreads_over_the_tasks_of_one_job(slurm, tmp_path):
+    """recipes/prepare_data.py cluster=slurm_local: 2 tasks split 4 input files and the corpus is
+    byte-identical to one made on this machine (shard names carry the file's index)."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    words = "tokens from four files prepared by two tasks of one job".split()
+    for f in range(4):
+        (raw / f"part{f}.jsonl").write_text("".join(
+            json.dumps({"text": " ".join(words[(i + f) % len(words):] + words[:i % 5])}) + "\n" for i in range(30)))
+    out = tmp_path / "slurm_corpus"
+    proc = subprocess.run([sys.executable, str(REPO / "recipes" / "prepare_data.py"), "data=json", f"data.path={raw}",
+                           f"out={out}", "cluster=slurm_local", "cluster.tasks_per_node=2", "data.val_fraction=0.1"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "submitted SLURM job" in proc.stdout and "with 2 SLURM task(s) x 1 worker(s)" in proc.stdout, proc.stdout
+    here = tmp_path / "here"
+    prepare(sorted(str(p) for p in raw.glob("*.jsonl")),
+            PrepareSettings(source="json", text_field="text", tokenizer="builtin", val_every=10,
+                            shard_tokens=16777216, out=str(here)))
+    for split in ("train", "val"):
+        assert len(ShardedTokens(out, split)) > 0
+        assert np.array_equal(ShardedTokens(out, split)[:], ShardedTokens(here, split)[:]), split
+    records = sorted((out / "done").glob("*.json"))
+    assert len(records) == 4  # every file has its own record, whichever task did it

@@ -285,6 +285,21 @@ class CompileConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    """``fault_tolerance``: torchft replica groups (``runtime/fault_tolerance.py``)."""
+
+    _target_: str = "titan_hydra.runtime.fault_tolerance.FaultTolerance"
+    name: str = "none"
+    replica_groups: int = 1  # replica groups the local launcher starts (each cluster.nproc_per_node ranks)
+    min_replicas: int = 1  # a step commits only with at least this many groups in the quorum
+    lighthouse: Optional[str] = None  # http://host:port of a running Lighthouse; None: launcher starts one
+    timeout_s: float = 60.0  # collectives and checkpoint transfer between groups
+    quorum_timeout_s: float = 60.0  # how long a step waits for its quorum
+    join_timeout_ms: int = 1000  # Lighthouse: how long a forming quorum waits for more groups
+    max_restarts: int = 3  # local launcher: restarts of a group that died, per group
+
+
+@dataclass
 class ConsoleBackendConfig:
     _target_: str = "titan_hydra.metrics.backends.ConsoleBackend"
 
@@ -403,6 +418,7 @@ class TitanConfig:
     logger: LoggerConfig = MISSING
     profiling: ProfilingConfig = MISSING
     eval: EvalConfig = MISSING
+    fault_tolerance: FaultToleranceConfig = MISSING
     training: TrainingConfig = field(default_factory=TrainingConfig)
     dry_run: bool = False
     run_name: Optional[str] = None
@@ -422,6 +438,7 @@ GROUP_SCHEMAS = {
     "logger": LoggerConfig,
     "profiling": ProfilingConfig,
     "eval": EvalConfig,
+    "fault_tolerance": FaultToleranceConfig,
 }
 
 _RUN_STAMP: Optional[str] = None

@@ -160,6 +160,16 @@ def _apply(run: RunParts, path: Path, got: dict, model_sd: dict, optim_sd: dict,
            load_rank: bool, rank_key: str) -> None:
     extra = tensor_json(got["extra"]) if "extra" in got and not model_only else {}
     own = tensor_json(got[rank_key]) if load_rank else {}
+    model = {k[len("model."):]: got[k] for k in model_sd}
+    optim = {k: (got[f"optim.{k}"] if isinstance(v, torch.Tensor) else v) for k, v in optim_sd.items()}
+    apply_state(run, model, optim, extra, own, exclude=exclude, model_only=model_only, source=f"checkpoint {path}")
+
+
+def apply_state(run: RunParts, model: dict, optim: dict, extra: dict, own: dict, *, exclude: set = frozenset(),
+                model_only: bool = False, source: str = "the state") -> None:
+    """Put a run's state (model entries by FQN, the flattened optimizer state, the shared JSON
+    ``extra`` and this rank's ``own`` JSON) into ``run``: a checkpoint load, or a replica group
+    recovering from a live peer (``checkpoint/live.py``)."""
     if not model_only and "dataloader" not in exclude:
         # First: the only part that can still refuse (other data, seq_len, seed), before anything changed.
         loader_sd = extra.get("dataloader") or own.get("dataloader")
@@ -167,15 +177,14 @@ def _apply(run: RunParts, path: Path, got: dict, model_sd: dict, optim_sd: dict,
             try:
                 run.train_loader.load_state_dict(loader_sd)
             except UserError as e:
-                raise CheckpointError(f"checkpoint {path}: {first_line(e)}") from None
-    if model_sd:
-        set_model_state_dict(run.module, {k[len("model."):]: got[k] for k in model_sd})
+                raise CheckpointError(f"{source}: {first_line(e)}") from None
+    if model:
+        set_model_state_dict(run.module, model)
     if model_only:
         return
-    if optim_sd:
-        new = {k: (got[f"optim.{k}"] if isinstance(v, torch.Tensor) else v) for k, v in optim_sd.items()}
+    if optim:
         options = StateDictOptions(flatten_optimizer_state_dict=True)
-        set_optimizer_state_dict(run.module, members(run.optimizer), new, options=options)
+        set_optimizer_state_dict(run.module, members(run.optimizer), optim, options=options)
         _apply_groups(run.optimizer, extra.get("optimizer_groups", []))
     if "lr_scheduler" not in exclude and "lr_scheduler" in extra:
         _restore_schedule(run, extra["lr_scheduler"])

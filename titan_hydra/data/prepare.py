@@ -114,28 +114,53 @@ def _check_settings(out: Path, payload: dict[str, Any]) -> None:
         write_json_atomic(path, payload)
 
 
-def prepare(files: list[Input], settings: PrepareSettings, workers: int = 1) -> dict[str, Any]:
-    """Prepare ``files`` (in this order) into ``settings.out``; returns the manifest."""
+def begin(files: list[Input], settings: PrepareSettings) -> Path:
+    """Check the inputs and settings (a bad tokenizer or another corpus in ``out`` fails here, before
+    any worker or job starts) and record the settings; returns the output directory."""
     if not files:
         raise DataError("no input files to prepare")
     if settings.shard_tokens < 1:
         raise DataError(f"shard_tokens={settings.shard_tokens} must be >= 1")
-    tok = _tokenizer(settings.tokenizer)  # a bad tokenizer fails here, before any worker starts
+    tok = _tokenizer(settings.tokenizer)
     out = Path(settings.out).expanduser()
     payload = {"version": FORMAT_VERSION, "settings": {k: v for k, v in asdict(settings).items() if k != "out"},
                "tokenizer_hash": tok.content_hash, "inputs": [input_key(f) for f in files]}
     _check_settings(out, payload)
     (out / "done").mkdir(parents=True, exist_ok=True)
-    tasks = [(i, f, settings) for i, f in enumerate(files)]
-    workers = max(1, min(int(workers), len(files)))
+    return out
+
+
+def prepare_part(files: list[Input], settings: PrepareSettings, workers: int = 1,
+                 part: int = 0, parts: int = 1) -> int:
+    """Prepare inputs ``part``, ``part + parts``, ... of ``files`` with ``workers`` processes (one
+    SLURM task's share when ``parts`` > 1); returns how many inputs it covered. Shard names carry
+    the input's index in ``files``, so how the inputs are split changes nothing on disk."""
+    tasks = [(i, f, settings) for i, f in enumerate(files) if i % parts == part]
+    workers = max(1, min(int(workers), len(tasks)))
     if workers == 1:
-        records = [prepare_file(t) for t in tasks]
+        for t in tasks:
+            prepare_file(t)
     else:
         # Spawned workers: a clean interpreter each (no inherited tokenizer thread pools), one
         # Rust thread each so that the workers, not the tokenizer's threads, share the cores.
         os.environ.setdefault("RAYON_NUM_THREADS", "1")
         with multiprocessing.get_context("spawn").Pool(workers) as pool:
-            records = pool.map(prepare_file, tasks, chunksize=1)
+            pool.map(prepare_file, tasks, chunksize=1)
+    return len(tasks)
+
+
+def finish(files: list[Input], settings: PrepareSettings) -> dict[str, Any]:
+    """Write ``manifest.json`` from every input's ``done`` record (last: a corpus without one is
+    unfinished); one line naming the first input that is not done."""
+    out = Path(settings.out).expanduser()
+    tok = _tokenizer(settings.tokenizer)
+    records = []
+    for i, f in enumerate(files):
+        done = out / "done" / f"{i:06d}.json"
+        record = json.loads(done.read_text()) if done.is_file() else None
+        if record is None or record.get("input") != input_key(f):
+            raise DataError(f"input {i} ({f}) of {out} is not prepared; run the same command again to finish it")
+        records.append(record)
     splits = {}
     for split in SPLITS:
         shards = [shard for r in records for shard in r["splits"][split]]
@@ -153,3 +178,9 @@ def prepare(files: list[Input], settings: PrepareSettings, workers: int = 1) -> 
     write_json_atomic(out / MANIFEST, manifest)
     return manifest
 
+
+def prepare(files: list[Input], settings: PrepareSettings, workers: int = 1) -> dict[str, Any]:
+    """Prepare ``files`` (in this order) into ``settings.out`` on this machine; returns the manifest."""
+    begin(files, settings)
+    prepare_part(files, settings, workers)
+    return finish(files, settings)

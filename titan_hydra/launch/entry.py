@@ -15,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from titan_hydra.errors import UserError
+from titan_hydra.launch.ft_local import run_groups
 from titan_hydra.launch.local import run_local
 from titan_hydra.launch.run_lock import RunDirLock, owns_run
 from titan_hydra.launch.slurm import export_dist_env, in_slurm_step, in_submitit_job, submit
@@ -23,6 +24,7 @@ from titan_hydra.launch.sweep import apply_sweep_identity
 from titan_hydra.launch.sweep_check import submit_host_view
 from titan_hydra.planner.auto import resolve_auto
 from titan_hydra.planner.plan import plan
+from titan_hydra.runtime.fault_tolerance import GROUP_ENV
 from titan_hydra.train.pretrain import run
 from titan_hydra.validate import build_dims, validate, world_size_of
 
@@ -55,12 +57,16 @@ def launch(cfg: DictConfig) -> float | None:
     run_dir = run_dir_of(cfg)
     apply_sweep_identity(cfg)  # W&B group / name of a multirun job
     inside_rank = "LOCAL_RANK" in os.environ or world_size_of(cfg) == 1
+    # torchft: this process starts the replica groups (each a launch.py run of its own)
+    ft_groups = cfg.fault_tolerance.name == "torchft" and GROUP_ENV not in os.environ
     lock = RunDirLock(run_dir)
     try:
-        if owns_run(submit_to_slurm):
+        if owns_run(submit_to_slurm) and not ft_groups:  # group 0 holds the run dir's lock
             lock.acquire()  # one run per run dir; released when this process ends, however
         if submit_to_slurm:
             summary = submit(cfg, run_dir)
+        elif ft_groups:
+            summary = run_groups(cfg, run_dir, list(HydraConfig.get().overrides.task))
         elif inside_rank:
             summary = run(cfg, run_dir)
         else:

@@ -36,6 +36,8 @@ def run_header(*, flavor: str, family: str, shape, dims, world_size: int, precis
     mesh = " x ".join(f"{n} {d}" for n, d in degrees if d > 1) or "one process"
     if getattr(dims, "ep", 1) > 1:  # EP adds no ranks: it splits the experts over dp_shard x cp
         mesh += f"; routed experts split over ep {dims.ep} of the dp_shard x cp ranks"
+    if getattr(dims, "replica_groups", 1) > 1:  # torchft: this mesh is one of several groups
+        mesh += f"; torchft replica group {dims.replica_group} of {dims.replica_groups}"
     mixed_precision, precision_reason = precision
     params = "bf16 params (FSDP), fp32 reduce" if mixed_precision == "bf16" and dims.fsdp_enabled else (
         "bf16 autocast, fp32 params" if mixed_precision == "bf16" else "fp32 params and compute")
@@ -51,7 +53,7 @@ def run_header(*, flavor: str, family: str, shape, dims, world_size: int, precis
                  else f"{data_name}: {data_summary}"),
         ("batch", (f"global {global_batch} sequences = {global_batch * seq_len:,} tokens per step " if data_summary is None
                    else f"global {global_batch} images per step ")
-                  + f"(local {local_batch} x data parallel {dims.dp_degree} x accumulation {grad_accum}); {steps} steps"),
+                  + f"(local {local_batch} x data parallel {dims.data_degree} x accumulation {grad_accum}); {steps} steps"),
         ("run dir", str(run_dir)),
     ]
     width = max(len(k) for k, _ in rows)

@@ -52,6 +52,11 @@ class ParallelDims:
     pp_split_points: list[str] = field(default_factory=list)
     cp_rotate_method: str = "allgather"
     ep: int = 1
+    # torchft replica groups (the ``fault_tolerance`` group): this mesh is one of ``replica_groups``
+    # identical groups that average gradients through torchft; all of them together read
+    # ``data_degree`` batch slices per step. 1 without fault tolerance.
+    replica_groups: int = 1
+    replica_group: int = 0
 
     def __post_init__(self) -> None:
         for key in ("dp_replicate", "tp", "pp", "cp"):
@@ -108,19 +113,24 @@ class ParallelDims:
         """Data-parallel degree: how many different batches one step consumes."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def data_degree(self) -> int:
+        """Batch slices one step consumes across every replica group (= dp_degree without torchft)."""
+        return self.dp_degree * self.replica_groups
+
     def batch_plan(self, local_batch_size: int, global_batch_size: int) -> tuple[int, int]:
         """(global batch, gradient-accumulation steps); ``global_batch_size <= 0`` = no accumulation.
 
         The one place this is computed (trainer, pipeline loss scaling, estimator, validation).
         Raises ConfigError when the global batch is not a whole number of local batches.
         """
-        per_step = local_batch_size * self.dp_degree
+        per_step = local_batch_size * self.data_degree
         if global_batch_size <= 0:
             return per_step, 1
         if global_batch_size % per_step:
             raise ConfigError(
                 f"training.global_batch_size={global_batch_size} is not a multiple of local_batch_size "
-                f"{local_batch_size} x data-parallel degree {self.dp_degree}"
+                f"{local_batch_size} x data-parallel degree {self.data_degree}"
             )
         return global_batch_size, global_batch_size // per_step
 
@@ -240,6 +250,10 @@ class ParallelDims:
         """This rank's index among data-parallel replicas (which slice of the batch it reads)."""
         dp = self.submesh("dp")
         return 0 if dp is None else dp.get_local_rank()
+
+    def data_rank(self) -> int:
+        """Which of the ``data_degree`` batch slices this rank reads (its replica group's block first)."""
+        return self.replica_group * self.dp_degree + self.dp_rank()
 
     def global_mean(self, value: torch.Tensor) -> float:
         """Mean of a per-rank scalar over the data-parallel (+ context-parallel) ranks."""

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+from titan_hydra.checkpoint.live import live_state_fns
 from titan_hydra.config import mixed_precision_of, precision_choice_of, to_container
 from titan_hydra.errors import UserError
 from titan_hydra.errors import instantiate_checked as instantiate
@@ -193,7 +194,7 @@ def build_data(cfg: DictConfig, dims) -> DataPlan:
     """Dataset and this rank's loaders. Runs before the model: bad records fail before anything big."""
     training = cfg.training
     dataset = build_dataset(cfg)
-    dp_rank, dp_degree = dims.dp_rank(), dims.dp_degree
+    dp_rank, dp_degree = dims.data_rank(), dims.data_degree
     local_bs = training.local_batch_size
     _, grad_accum = dims.batch_plan(local_bs, training.global_batch_size)
     train_loader = dataset.loader("train", local_bs, dp_rank=dp_rank, dp_degree=dp_degree)
@@ -301,6 +302,9 @@ def _run(
     seed_everything(training.seed, training.deterministic)
     dims = instantiate(cfg.parallelism, world_size=world_size, _convert_="all")
     dims.build_mesh(device.type)
+    ft = instantiate(cfg.fault_tolerance)
+    if ft.enabled:  # this run is one of several torchft replica groups: they split the data
+        dims.replica_groups, dims.replica_group = ft.replica_groups, ft.group
     data = build_data(cfg, dims)
     built = build_parallel_model(cfg, dims, device, data.grad_accum_steps, rank, world_size, data.dataset)
     optimizer, lr_scheduler = build_optimizer(cfg, built)
@@ -327,6 +331,7 @@ def _run(
         preemption=watch_for_preemption(rank, world_size, device),  # None outside SLURM
         profiler=profiler, step_hooks=built.family.step_hooks(built.parts, dims),
         periodic_eval=periodic_eval_of(cfg, built, data), objective=built.family.objective,
+        fault_tolerance=ft if ft.enabled else None,
     )
     if rank == 0:
         print(header_of(cfg, dims, data, built, world_size, run_dir), flush=True)
@@ -334,9 +339,12 @@ def _run(
         checkpointer.restore()
         if checkpointer.seed_only:
             trainer.steps = 0
+        if ft.enabled:  # after the restore: the quorum compares the groups' steps
+            ft.start(*live_state_fns(checkpointer.run), rank=rank, world_size=world_size, step=state.step)
         summary = trainer.train()
         checkpointer.close()
     finally:
+        ft.close()
         outputs = metric_logger.outputs()
         metric_logger.close()
         if profiler is not None:

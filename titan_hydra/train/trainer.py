@@ -80,6 +80,7 @@ class Trainer:
         periodic_eval=None,
         objective: Objective = NEXT_TOKEN,
         source_val_factories: dict[str, Callable[[], Any]] | None = None,
+        fault_tolerance=None,
     ) -> None:
         self.model_parts = model_parts
         self.runner = runner
@@ -108,6 +109,9 @@ class Trainer:
         self.objective = objective  # what a batch counts for throughput, what validation logs
         # a data mixture's sources: each one's held-out loss is logged as val/<name>/loss
         self.source_val_factories = dict(source_val_factories or {})
+        # torchft replica groups (runtime/fault_tolerance.py): quorum, gradient average and commit
+        # across groups around each step; None: this run is the whole data-parallel world
+        self.fault_tolerance = fault_tolerance
         self.state = state if state is not None else TrainState()
         self.last_val_loss: float | None = None
 
@@ -118,6 +122,10 @@ class Trainer:
 
     # --- one optimizer step -----------------------------------------------------------
     def train_step(self) -> dict[str, float]:
+        """One optimizer step; the metrics say ``committed: False`` when torchft dropped it."""
+        ft = self.fault_tolerance
+        if ft is not None:
+            ft.begin_step()
         self.optimizer.zero_grad(set_to_none=True)
         data_time = 0.0
         losses = []
@@ -129,6 +137,10 @@ class Trainer:
             tokens += self.objective.units(inputs)
             losses.append(self.forward_backward(inputs, labels))
         params = [p for m in self.model_parts for p in m.parameters()]
+        local_loss = torch.stack(losses).mean()
+        if ft is not None:  # the other replica groups' gradients (and losses, for the log)
+            ft.reduce_gradients(params)
+            local_loss = ft.mean(local_loss)
         grad_norm = clip_grad_norm_(params, self.max_norm, pp_group=self.dims.pp_group())
         lr = self.optimizer.param_groups[0]["lr"]
         # named groups (optimizer.param_groups) with their own LR (Muon's peak differs): lr/<name>
@@ -138,9 +150,10 @@ class Trainer:
             if "group_name" in g and g.get("initial_lr") != first_peak}
         for hook in self.step_hooks:
             hook_metrics.update(hook())
-        self.optimizer.step()
-        self.lr_scheduler.step()
-        local_loss = torch.stack(losses).mean()
+        committed = ft is None or ft.commit()
+        if committed:
+            self.optimizer.step()
+            self.lr_scheduler.step()
         loss = self.dims.global_mean(local_loss)
         if not math.isfinite(loss):
             raise TrainingDiverged(
@@ -150,13 +163,15 @@ class Trainer:
         # Per-device throughput: the tokens of this data-parallel replica are shared by its
         # tp*pp*cp devices (each computes that fraction of the FLOPs).
         self.throughput.update(tokens / (self.dims.tp * self.dims.pp * self.dims.cp))
-        self.state.tokens_seen += tokens * self.dims.dp_degree
+        self.state.tokens_seen += tokens * self.dims.data_degree
         return {
             "loss": loss,
             "grad_norm": float(grad_norm.item()),
             "lr": lr,
             "data_time": data_time,
+            "committed": committed,
             **hook_metrics,
+            **(ft.metrics() if ft is not None else {}),
         }
 
     # --- validation ------------------------------------------------------------------
@@ -191,6 +206,8 @@ class Trainer:
         self.memory.reset_peak()
         while self.state.step < self.steps:
             metrics = self.train_step()
+            if not metrics.pop("committed"):
+                continue  # torchft dropped the step (a group failed mid-step): the next batch retries it
             self.state.step += 1
             self.state.losses.append(metrics["loss"])
             step = self.state.step

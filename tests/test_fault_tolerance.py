@@ -1,0 +1,113 @@
+"""fault_tolerance=torchft on CPU (gloo): replica groups launched by launch.py around a Lighthouse.
+
+(a) fault-free, 2 groups x 1 rank give the losses of DDP over 2 ranks (same global batch);
+(b) SIGKILL of group 1's rank mid-run: group 0 keeps stepping alone (min_replicas=1), the launcher
+    restarts group 1, which receives the live state from group 0 (not from disk) and rejoins; both
+    end with identical weights, and the final loss stays near the undisturbed run's;
+(c) a Lighthouse nobody answers at is one line, before any group starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import REPO, series
+from titan_hydra.checkpoint.storage import load_plain, read_metadata, tensor_entries
+
+pytestmark = pytest.mark.slow
+STEPS = 24
+TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "training.seq_len=64",
+        f"training.steps={STEPS}", "training.global_batch_size=8", "training.local_batch_size=4",
+        "training.mixed_precision=fp32", "training.val_freq=0", "data.max_documents=60", "logger=minimal",
+        "cluster.threads_per_proc=1", "lr_scheduler.warmup_steps=2"]
+FT = ["fault_tolerance=torchft", "fault_tolerance.replica_groups=2", "fault_tolerance.quorum_timeout_s=30",
+      "fault_tolerance.timeout_s=30"]
+
+
+def launch(run_dir: Path, extra: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    return subprocess.Popen([sys.executable, str(REPO / "launch.py"), *TINY, *extra, f"hydra.run.dir={run_dir}"],
+                            cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def finish(proc: subprocess.Popen, timeout: int = 300) -> tuple[str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-3000:]}\n{err[-4000:]}"
+    return out, err
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ddp") / "run"
+    finish(launch(run_dir, ["parallelism=ddp", "cluster.nproc_per_node=2"]))
+    return series(run_dir, "loss")
+
+
+def test_two_replica_groups_match_ddp(tmp_path, ddp):
+    run_dir = tmp_path / "run"
+    out, _ = finish(launch(run_dir, [*FT, "fault_tolerance.min_replicas=2"]))
+    assert "torchft replica group 0 of 2" in out
+    losses = series(run_dir, "loss")
+    assert len(losses) == len(ddp) == STEPS
+    diff = max(abs(a - b) for a, b in zip(losses, ddp))
+    assert diff <= 1e-5, f"max |torchft - ddp| = {diff:.3g}\ntorchft: {losses}\nddp: {ddp}"
+    # group 1 ran in its own run dir and logged the same (averaged) losses
+    assert series(run_dir / "replica_groups" / "1", "loss") == losses
+
+
+def _steps_together(path: Path) -> int:
+    """The last step ``path``'s group logged with both groups in the quorum (0: none yet)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if '"loss"' in line] if path.is_file() else []
+    return max((r["step"] for r in rows if r.get("ft/participants") == 2), default=0)
+
+
+def test_a_killed_group_restarts_recovers_from_its_peer_and_rejoins(tmp_path, ddp):
+    run_dir = tmp_path / "run"
+    group1 = run_dir / "replica_groups" / "1"
+    proc = launch(run_dir, [*FT, "fault_tolerance.min_replicas=1", "checkpoint=default",
+                            f"checkpoint.interval={10 * STEPS}", "training.log_freq=1"])
+    deadline = time.time() + 120
+    # kill group 1 a few steps after both groups train together (the first to start trains alone)
+    while _steps_together(group1 / "metrics.jsonl") < 4:
+        assert proc.poll() is None and time.time() < deadline, "the groups never trained together for 4 steps"
+        time.sleep(0.02)
+    pid = subprocess.run(["pgrep", "-f", f"hydra.run.dir={group1}"], capture_output=True, text=True).stdout.split()
+    assert len(pid) == 1, pid
+    killed_at = _steps_together(group1 / "metrics.jsonl")
+    os.kill(int(pid[0]), signal.SIGKILL)
+    out, _ = finish(proc)
+    assert "replica group 1 exited with -9; restart 1/3" in out
+    assert "replica group 0 exited" not in out  # the survivor was never restarted
+    steps0 = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert [m["step"] for m in steps0] == list(range(1, STEPS + 1))  # every step, none lost or repeated
+    alone = [m["step"] for m in steps0 if m["ft/participants"] == 1]
+    assert alone and min(alone) > killed_at - 2, (alone, killed_at)  # it went on alone after the kill
+    rejoined = [json.loads(line) for line in (group1 / "metrics.jsonl").read_text().splitlines()
+                if '"ft/recoveries": 1' in line]
+    assert rejoined, "the restarted group 1 did not recover from a peer"
+    assert steps0[-1]["ft/participants"] == 2  # and both finished together
+    # both groups hold the same final weights (their own last checkpoints)
+    paths = [run_dir / "checkpoint" / f"step-{STEPS}", group1 / "checkpoint" / f"step-{STEPS}"]
+    model = [k for k in tensor_entries(read_metadata(paths[0])) if k.startswith("model.")]
+    a, b = (load_plain(p, model) for p in paths)
+    assert model and all(torch.equal(a[k], b[k]) for k in model)
+    # group 0 trained on half the data for a few steps: near, not equal to, the undisturbed run
+    assert abs(steps0[-1]["loss"] - ddp[-1]) < 0.05, (steps0[-1]["loss"], ddp[-1])
+
+
+def test_an_unreachable_lighthouse_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "launch.py"), *TINY, *FT,
+                           "fault_tolerance.lighthouse=http://127.0.0.1:9", f"hydra.run.dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: cannot reach the torchft Lighthouse at http://127.0.0.1:9"), last

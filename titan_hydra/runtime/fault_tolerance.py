@@ -1,0 +1,199 @@
+"""Replica groups that come and go: torchft around the same training loop (``fault_tolerance``).
+
+Without it a lost rank stops the job, and the job resumes from its last checkpoint. With
+``fault_tolerance=torchft`` the data-parallel replicas are split into ``replica_groups`` groups,
+each an ordinary run of this platform (``cluster.nproc_per_node`` ranks, any layout inside it).
+The groups do not share a process group; each step:
+
+1. ``begin_step``: the group asks torchft's Lighthouse for the quorum of live groups (async);
+2. backward as usual inside the group (FSDP/TP/... over the group's own mesh);
+3. ``reduce_gradients``: every gradient is averaged over the groups in the quorum through
+   torchft's managed process group (gloo here, NCCL on GPUs), whose failures do not raise;
+4. ``commit``: the optimizer steps only if every rank of every participating group succeeded
+   and at least ``min_replicas`` groups took part; otherwise the step is dropped and retried.
+
+A group that joins late or comes back after a crash is told so by the quorum: it receives the
+live groups' state (``checkpoint/live.py``: model, optimizer, schedule, loader position, step)
+from a peer over the network, not from disk, and steps on with them. The groups read different
+slices of every global batch (``ParallelDims.data_rank``), so a fault-free run equals a
+data-parallel run of ``replica_groups x dp`` ranks.
+
+The launcher (``launch/ft_local.py``) starts the Lighthouse and the groups and restarts a group
+that died; each group learns its index and the Lighthouse from the environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from titan_hydra.errors import ConfigError, UserError
+
+GROUP_ENV = "TITAN_HYDRA_FT_GROUP"  # this process's replica group (the launcher sets it)
+LIGHTHOUSE_ENV = "TITAN_HYDRA_FT_LIGHTHOUSE"  # http://host:port (the launcher sets it)
+# a directory where the groups of a fresh launch wait for each other once (not set on a restart)
+START_BARRIER_ENV = "TITAN_HYDRA_FT_START_BARRIER"
+NAMES = ("none", "torchft")
+
+
+class FaultTolerance:
+    """The ``fault_tolerance`` group's object (``_target_``)."""
+
+    def __init__(self, name: str = "none", replica_groups: int = 1, min_replicas: int = 1,
+                 lighthouse: str | None = None, timeout_s: float = 60.0, quorum_timeout_s: float = 60.0,
+                 join_timeout_ms: int = 1000, max_restarts: int = 3) -> None:
+        if name not in NAMES:
+            raise ConfigError(f"fault_tolerance={name!r} is not one of {', '.join(NAMES)}")
+        if replica_groups < 1 or not 1 <= min_replicas <= replica_groups:
+            raise ConfigError(f"fault_tolerance.min_replicas={min_replicas} must be in [1, replica_groups="
+                              f"{replica_groups}]")
+        self.name, self.replica_groups, self.min_replicas = name, int(replica_groups), int(min_replicas)
+        self.lighthouse, self.timeout_s, self.quorum_timeout_s = lighthouse, timeout_s, quorum_timeout_s
+        self.join_timeout_ms, self.max_restarts = int(join_timeout_ms), int(max_restarts)
+        self.manager = None
+        self.recoveries = 0
+        self.recover_s = 0.0
+        self._store = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.name == "torchft"
+
+    @property
+    def group(self) -> int:
+        """This process's replica group (0 outside a fault-tolerant launch)."""
+        return int(os.environ.get(GROUP_ENV, "0"))
+
+    def lighthouse_addr(self) -> str:
+        addr = os.environ.get(LIGHTHOUSE_ENV) or self.lighthouse
+        if not addr:
+            raise ConfigError("fault_tolerance=torchft needs a Lighthouse: launch through launch.py (it starts "
+                              "one) or set fault_tolerance.lighthouse=http://host:port")
+        return addr if "://" in addr else f"http://{addr}"
+
+    # ------------------------------------------------------------------ lifetime
+    def start(self, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None], *, rank: int,
+              world_size: int, step: int = 0) -> None:
+        """Create this rank's torchft manager (after the group's own process group exists); ``step``
+        is where this group stands (a resumed checkpoint's step): the quorum heals groups that are
+        behind from one that is furthest."""
+        # torchft logs every quorum and commit at INFO (Rust and Python) and warns at each quorum
+        # that CPU runs have no NCCL flight recorder: the console keeps its own step line and the
+        # ft/* metrics instead, and torchft's errors; RUST_LOG / the loggers' levels bring the rest back.
+        os.environ.setdefault("RUST_LOG", "warn")
+        for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+        from torchft import Manager, ProcessGroupGloo  # only fault-tolerant runs load torchft
+
+        timed_load = self._timed(load_state_dict)
+        check_lighthouse(self.lighthouse_addr())
+        if dist.is_initialized():  # the group's rendezvous store hosts the manager's keys too
+            addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        else:  # a one-rank group: a store of its own
+            addr, port = "127.0.0.1", _free_port()
+            self._store = dist.TCPStore(addr, port, 1, is_master=True, wait_for_workers=False)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=self.timeout_s)), min_replica_size=self.min_replicas,
+            load_state_dict=timed_load, state_dict=state_dict, replica_id=f"group{self.group}",
+            lighthouse_addr=self.lighthouse_addr(), rank=rank, world_size=world_size, store_addr=addr,
+            store_port=port, timeout=timedelta(seconds=self.timeout_s),
+            quorum_timeout=timedelta(seconds=self.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=self.quorum_timeout_s),
+            # every group initializes its weights from training.seed: step 0 needs no copy (with one,
+            # the first step averages in the copying group's zeros)
+            init_sync=False,
+        )
+        if step:
+            self.manager.load_state_dict({"step": int(step), "batches_committed": int(step) * self.replica_groups})
+        self._wait_for_the_other_groups(rank)
+
+    def _wait_for_the_other_groups(self, rank: int) -> None:
+        """On a fresh launch, start stepping when every group's manager is up: the Lighthouse only
+        waits (join_timeout_ms) for groups that already heartbeat, and a group still importing
+        torch would otherwise find the others some steps ahead and have to copy their state."""
+        barrier = os.environ.get(START_BARRIER_ENV)
+        if not barrier:
+            return
+        path = Path(barrier)
+        (path / f"{self.group}.{rank}").touch()
+        deadline = time.monotonic() + self.quorum_timeout_s
+        while len(list(path.glob("*.*"))) < self.replica_groups * max(1, _group_size()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def _timed(self, load: Callable[[dict], None]) -> Callable[[dict], None]:
+        def timed(sd: dict) -> None:
+            t0 = time.perf_counter()
+            load(sd)
+            self.recoveries += 1
+            self.recover_s += time.perf_counter() - t0
+        return timed
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None
+
+    # ------------------------------------------------------------------ one step
+    def begin_step(self) -> None:
+        self.manager.start_quorum()
+
+    def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """Average every gradient over the replica groups in the quorum (a group that is healing
+        contributes zeros and is not counted)."""
+        works = []
+        for p in params:
+            if p.grad is None:
+                continue
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # a DTensor's local shard
+            works.append(self.manager.allreduce(grad))
+        for work in works:
+            work.wait()
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` averaged over the replica groups in the quorum (the loss the console shows)."""
+        value = value.detach().float().clone()
+        self.manager.allreduce(value).wait()
+        return value
+
+    def commit(self) -> bool:
+        """Whether this step may update the weights (every group of the quorum agrees)."""
+        return bool(self.manager.should_commit())
+
+    def metrics(self) -> dict[str, float]:
+        return {"ft/participants": float(self.manager.num_participants()), "ft/recoveries": float(self.recoveries),
+                "ft/recover_s": self.recover_s}
+
+    def describe(self) -> str:
+        return (f"torchft, replica group {self.group} of {self.replica_groups} (min {self.min_replicas} per step), "
+                f"Lighthouse {self.lighthouse_addr()}")
+
+
+def _group_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_lighthouse(addr: str, timeout_s: float = 5.0) -> None:
+    """One line when nothing answers at the Lighthouse's address (before any group starts)."""
+    hostport = addr.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            return
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot reach the torchft Lighthouse at {addr} ({e}); start one (torchft_lighthouse "
+                        "--bind host:port) or leave fault_tolerance.lighthouse unset for launch.py to start one") from None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
