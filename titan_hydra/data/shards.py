@@ -59,15 +59,22 @@ class ShardBuffer:
     shard_tokens: int
 
     def __post_init__(self) -> None:
-        self.parts: list[np.ndarray] = []
+        # One growing array of the shard's tokens (no per-document arrays, no concatenation at
+        # flush): a worker holds at most about one shard per split, whatever the corpus size.
+        self.buffer = np.empty(0, dtype=self.dtype)
         self.doc_starts: list[int] = []
         self.size = 0
         self.written: list[dict[str, Any]] = []
 
     def add(self, doc: list[int]) -> None:
         self.doc_starts.append(self.size)
-        self.parts.append(np.asarray(doc, dtype=self.dtype))
-        self.size += len(doc)
+        end = self.size + len(doc)
+        if end > len(self.buffer):
+            grown = np.empty(max(end, min(2 * len(self.buffer), self.shard_tokens), 1 << 16), dtype=self.dtype)
+            grown[: self.size] = self.buffer[: self.size]
+            self.buffer = grown
+        self.buffer[self.size:end] = doc
+        self.size = end
         if self.size >= self.shard_tokens:
             self.flush()
 
@@ -77,11 +84,11 @@ class ShardBuffer:
             return
         name = f"{self.split}/{self.file_index:06d}-{len(self.written):04d}"
         (self.out / self.split).mkdir(parents=True, exist_ok=True)
-        np.concatenate(self.parts).tofile(self.out / f"{name}.bin.tmp")
+        self.buffer[: self.size].tofile(self.out / f"{name}.bin.tmp")
         with open(self.out / f"{name}.docs.npy.tmp", "wb") as f:
             np.save(f, np.asarray(self.doc_starts, dtype=np.int64))
         self.written.append({"file": f"{name}.bin", "tokens": int(self.size), "documents": len(self.doc_starts)})
-        self.parts, self.doc_starts, self.size = [], [], 0
+        self.doc_starts, self.size = [], 0
 
     def commit(self) -> list[dict[str, Any]]:
         """Flush, then give every shard of this file its final name."""
