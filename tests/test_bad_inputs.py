@@ -252,6 +252,10 @@ def with_env(var: str, value: str, overrides: list[str] | Callable[[Path], list[
 CATALOGUE: list[Row] = [
     # --- config: value ranges
     config("steps_zero", ["training.steps=0"], r"^training\.steps=0 must be > 0$"),
+    config("ft_min_replicas_above_groups", ["fault_tolerance=torchft", "fault_tolerance.min_replicas=3"],
+           r"^fault_tolerance\.min_replicas=3 must be in \[1, replica_groups=2\]$"),
+    config("ft_on_slurm", ["fault_tolerance=torchft", "cluster=slurm_local"],
+           r"^fault_tolerance=torchft starts its replica groups on this machine; one SLURM job per group"),
     config("samples_from_a_language_model", ["eval.sample_every=10", "eval.sample_prompts=[a cat]"],
            r"eval\.sample_every=10: model family 'llama3' draws no sample pictures; set eval\.sample_every=0"),
     config("local_batch_zero", ["training.local_batch_size=0"], r"training\.local_batch_size=0 must be > 0"),

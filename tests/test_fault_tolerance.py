@@ -1,6 +1,7 @@
 """fault_tolerance=torchft on CPU (gloo): replica groups launched by launch.py around a Lighthouse.
 
-(a) fault-free, 2 groups x 1 rank give the losses of DDP over 2 ranks (same global batch);
+(a) fault-free, 2 groups x 1 rank, and 2 groups x fsdp(2), give the losses of DDP over 2 ranks
+    (same global batch);
 (b) SIGKILL of group 1's rank mid-run: group 0 keeps stepping alone (min_replicas=1), the launcher
     restarts group 1, which receives the live state from group 0 (not from disk) and rejoins; both
     end with identical weights, and the final loss stays near the undisturbed run's;
@@ -62,6 +63,18 @@ def test_two_replica_groups_match_ddp(tmp_path, ddp):
     assert diff <= 1e-5, f"max |torchft - ddp| = {diff:.3g}\ntorchft: {losses}\nddp: {ddp}"
     # group 1 ran in its own run dir and logged the same (averaged) losses
     assert series(run_dir / "replica_groups" / "1", "loss") == losses
+
+
+def test_groups_with_fsdp_inside_match_ddp(tmp_path, ddp):
+    """2 groups x fsdp(2): each group shards its model over its own 2 ranks, and the groups average the
+    gradient shards rank by rank; the same global batch gives DDP(2)'s (and HSDP(2x2)'s) losses."""
+    run_dir = tmp_path / "run"
+    out, _ = finish(launch(run_dir, [*FT, "fault_tolerance.min_replicas=2", "parallelism=fsdp",
+                                     "cluster.nproc_per_node=2", "training.local_batch_size=2"]))
+    assert "2 rank(s): dp_shard 2; torchft replica group 0 of 2" in out
+    losses = series(run_dir, "loss")
+    diff = max(abs(a - b) for a, b in zip(losses, ddp))
+    assert len(losses) == STEPS and diff <= 1e-5, f"max |torchft x fsdp - ddp| = {diff:.3g}"
 
 
 def _steps_together(path: Path) -> int:

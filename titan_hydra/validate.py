@@ -44,7 +44,10 @@ def world_size_of(cfg: DictConfig) -> int:
 
 
 def build_dims(cfg: DictConfig):
-    return instantiate(cfg.parallelism, world_size=world_size_of(cfg), _convert_="all")
+    dims = instantiate(cfg.parallelism, world_size=world_size_of(cfg), _convert_="all")
+    if OmegaConf.select(cfg, "fault_tolerance.name", default="none") == "torchft":  # groups split the batch
+        dims.replica_groups = int(cfg.fault_tolerance.replica_groups)
+    return dims
 
 
 def validate(cfg: DictConfig) -> None:
@@ -93,6 +96,18 @@ def validate(cfg: DictConfig) -> None:
         instantiate(cfg.eval).check(family)  # lm-eval installed, tasks known, pictures drawable: before any model is built
     _validate_ranges(cfg)
     _validate_checkpoint(cfg, world_size_of(cfg))
+    _validate_fault_tolerance(cfg)
+
+
+def _validate_fault_tolerance(cfg: DictConfig) -> None:
+    ft = OmegaConf.select(cfg, "fault_tolerance")
+    if ft is None or ft.name == "none":
+        return
+    instantiate(ft)  # its own value rules (name, replica_groups, min_replicas), one line each
+    if cfg.cluster.launcher == "slurm":
+        raise ConfigError("fault_tolerance=torchft starts its replica groups on this machine; one SLURM job per "
+                          "group is not built yet: use a local cluster, or start each group with torchrun "
+                          "(TITAN_HYDRA_FT_GROUP=<g>) and fault_tolerance.lighthouse=http://host:port")
 
 
 def _validate_document_mask(family, dims) -> None:

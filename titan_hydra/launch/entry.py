@@ -58,7 +58,8 @@ def launch(cfg: DictConfig) -> float | None:
     apply_sweep_identity(cfg)  # W&B group / name of a multirun job
     inside_rank = "LOCAL_RANK" in os.environ or world_size_of(cfg) == 1
     # torchft: this process starts the replica groups (each a launch.py run of its own)
-    ft_groups = cfg.fault_tolerance.name == "torchft" and GROUP_ENV not in os.environ
+    # (a rank that torchrun started is already inside its group: TITAN_HYDRA_FT_GROUP, or group 0)
+    ft_groups = cfg.fault_tolerance.name == "torchft" and GROUP_ENV not in os.environ and "LOCAL_RANK" not in os.environ
     lock = RunDirLock(run_dir)
     try:
         if owns_run(submit_to_slurm) and not ft_groups:  # group 0 holds the run dir's lock

@@ -76,9 +76,10 @@ def run_groups(cfg: DictConfig, run_dir: str, overrides: list[str]) -> dict[str,
         if first:  # the groups of this launch wait for each other once; a restarted group joins alone
             env[START_BARRIER_ENV] = str(barrier)
         cmd = [sys.executable, str(Path(sys.argv[0]).resolve()), *overrides, f"hydra.run.dir={out}"]
-        log = (out / "group.log").open("a")
-        # group 0 speaks on this console; the others write to their run dir's group.log
-        return subprocess.Popen(cmd, env=env, stdout=None if group == 0 else log, stderr=None if group == 0 else log)
+        if group == 0:  # group 0 speaks on this console; the others write to their run dir's group.log
+            return subprocess.Popen(cmd, env=env)
+        with (out / "group.log").open("a") as log:
+            return subprocess.Popen(cmd, env=env, stdout=log, stderr=log)
 
     try:
         for g in restarts:
