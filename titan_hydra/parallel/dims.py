@@ -192,9 +192,10 @@ class ParallelDims:
             "dp_shard_cp": [n for n in ("dp_shard", "cp") if n in names],
             "dp_cp": [n for n in ("dp_replicate", "dp_shard", "cp") if n in names],
         }
-        for flat_name, parts in flat.items():
-            if len(parts) > 1:
-                mesh[tuple(parts)]._flatten(mesh_dim_name=flat_name)
+        # The flattened meshes are kept here: slicing a flattened dim off the root mesh is deprecated
+        # (torch 2.13 warns on every rank of an HSDP run).
+        self._flat = {flat_name: mesh[tuple(parts)]._flatten(mesh_dim_name=flat_name)
+                      for flat_name, parts in flat.items() if len(parts) > 1}
         self._mesh = mesh
         if self.ep_enabled:
             self._expert_mesh = self._build_expert_mesh(mesh)
@@ -244,7 +245,7 @@ class ParallelDims:
             return None
         if len(present) == 1:
             return mesh[present[0]]
-        return mesh[name]
+        return self._flat[name]
 
     def dp_rank(self) -> int:
         """This rank's index among data-parallel replicas (which slice of the batch it reads)."""
