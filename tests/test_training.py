@@ -193,7 +193,9 @@ def eager_losses(run_cache, family: str) -> list[float]:
     return run_cache.once(("eager", family), lambda path: train(path, FAMILIES[family] + SHORT)["losses"])
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+# Llama 3 only through the trainer (an inductor compile costs ~25 s of CI); Qwen3's blocks are
+# compiled with selective-op AC in test_perf_features.test_regional_compile_with_ac_and_compiled_loss_matches_eager.
+@pytest.mark.parametrize("family", ["llama3"])
 def test_compile_with_selective_ac_matches_eager(tmp_path, run_cache, record_property, monkeypatch, family):
     from titan_hydra.parallel import ac, compile as compile_mod
 
