@@ -16,6 +16,7 @@ environment (unwritable directories, a bad ``WORLD_SIZE``, no GPU).
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import os
 import pickle
@@ -502,3 +503,11 @@ def test_launch_refuses_in_one_line_without_traceback(name, launched):
     errors = [line for line in lines if line.startswith("error:")]
     assert len(errors) == 1 and lines[-1] == errors[0], proc.stderr[-3000:]
     assert re.search(LAUNCHED[name][2], errors[0]), errors[0]
+
+
+def test_float8_without_torchao_is_one_line(monkeypatch):
+    """A broken install (torchao missing) fails while validating, not with a traceback at model build."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"^float8=tensorwise needs torchao, which is not installed; pip install"):
+        validate(compose_cfg(["float8=tensorwise"]))

@@ -5,6 +5,7 @@ Each rule raises ConfigError with one line: what is wrong, and which key fixes i
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -97,6 +98,14 @@ def validate(cfg: DictConfig) -> None:
     _validate_ranges(cfg)
     _validate_checkpoint(cfg, world_size_of(cfg))
     _validate_fault_tolerance(cfg)
+    _validate_float8(cfg)
+
+
+def _validate_float8(cfg: DictConfig) -> None:
+    """float8 converts through torchao: a missing one is one line now, not a traceback at model build."""
+    if str(OmegaConf.select(cfg, "float8.recipe", default="none")) != "none" and importlib.util.find_spec("torchao") is None:
+        raise ConfigError(f"float8={cfg.float8.recipe} needs torchao, which is not installed; "
+                          "pip install torchao==0.18.0, or float8=none")
 
 
 def _validate_fault_tolerance(cfg: DictConfig) -> None:

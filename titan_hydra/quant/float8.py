@@ -31,8 +31,13 @@ from titan_hydra.errors import UserError
 from titan_hydra.quiet import import_quietly
 
 def import_torchao_quietly() -> None:
-    """Import ``torchao.float8`` once with its import-time warnings silenced (titan_hydra.quiet)."""
-    import_quietly("torchao.float8")
+    """Import ``torchao.float8`` once with its import-time warnings silenced (titan_hydra.quiet);
+    one line when torchao is not installed (it is a pinned dependency: a broken install)."""
+    try:
+        import_quietly("torchao.float8")
+    except ModuleNotFoundError as e:
+        raise UserError(f"float8 needs torchao, which cannot be imported here ({e}); "
+                        "pip install torchao==0.18.0, or float8=none") from None
 
 log = logging.getLogger("titan_hydra")
 

@@ -81,7 +81,7 @@ class FaultTolerance:
 
     # ------------------------------------------------------------------ lifetime
     def start(self, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None], *, rank: int,
-              world_size: int, step: int = 0) -> None:
+              world_size: int, step: int = 0, device: torch.device = torch.device("cpu")) -> None:
         """Create this rank's torchft manager (after the group's own process group exists); ``step``
         is where this group stands (a resumed checkpoint's step): the quorum heals groups that are
         behind from one that is furthest."""
@@ -91,7 +91,7 @@ class FaultTolerance:
         os.environ.setdefault("RUST_LOG", "warn")
         for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
             logging.getLogger(name).setLevel(logging.ERROR)
-        from torchft import Manager, ProcessGroupGloo  # only fault-tolerant runs load torchft
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL  # only fault-tolerant runs load torchft
 
         timed_load = self._timed(load_state_dict)
         check_lighthouse(self.lighthouse_addr())
@@ -101,7 +101,9 @@ class FaultTolerance:
             addr, port = "127.0.0.1", _free_port()
             self._store = dist.TCPStore(addr, port, 1, is_master=True, wait_for_workers=False)
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timedelta(seconds=self.timeout_s)), min_replica_size=self.min_replicas,
+            # gradients on GPUs cross groups through NCCL; on CPU through gloo
+            pg=(ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout=timedelta(seconds=self.timeout_s)),
+            min_replica_size=self.min_replicas,
             load_state_dict=timed_load, state_dict=state_dict, replica_id=f"group{self.group}",
             lighthouse_addr=self.lighthouse_addr(), rank=rank, world_size=world_size, store_addr=addr,
             store_port=port, timeout=timedelta(seconds=self.timeout_s),

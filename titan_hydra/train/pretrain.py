@@ -340,7 +340,8 @@ def _run(
         if checkpointer.seed_only:
             trainer.steps = 0
         if ft.enabled:  # after the restore: the quorum compares the groups' steps
-            ft.start(*live_state_fns(checkpointer.run), rank=rank, world_size=world_size, step=state.step)
+            ft.start(*live_state_fns(checkpointer.run), rank=rank, world_size=world_size, step=state.step,
+                     device=device)
         summary = trainer.train()
         checkpointer.close()
     finally:
