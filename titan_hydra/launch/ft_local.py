@@ -25,8 +25,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from titan_hydra.errors import RankFailed, UserError
-from titan_hydra.launch.local import free_port
 from titan_hydra.runtime.fault_tolerance import GROUP_ENV, LIGHTHOUSE_ENV, START_BARRIER_ENV, check_lighthouse
+from titan_hydra.runtime.rendezvous import free_port
 
 GROUPS_DIR = "replica_groups"
 POLL_S = 0.2

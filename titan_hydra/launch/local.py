@@ -21,7 +21,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import uuid
 from typing import Any
 
@@ -30,13 +29,8 @@ from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from titan_hydra.errors import RankFailed, UserError
+from titan_hydra.runtime.rendezvous import free_port
 from titan_hydra.train.pretrain import build_dataset
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # The per-rank program the workers run, as "module:function" (a string pickles to any start

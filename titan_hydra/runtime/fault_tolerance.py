@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from titan_hydra.errors import ConfigError, UserError
+from titan_hydra.runtime.rendezvous import free_port
 
 GROUP_ENV = "TITAN_HYDRA_FT_GROUP"  # this process's replica group (the launcher sets it)
 LIGHTHOUSE_ENV = "TITAN_HYDRA_FT_LIGHTHOUSE"  # http://host:port (the launcher sets it)
@@ -98,7 +99,7 @@ class FaultTolerance:
         if dist.is_initialized():  # the group's rendezvous store hosts the manager's keys too
             addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         else:  # a one-rank group: a store of its own
-            addr, port = "127.0.0.1", _free_port()
+            addr, port = "127.0.0.1", free_port()
             self._store = dist.TCPStore(addr, port, 1, is_master=True, wait_for_workers=False)
         self.manager = Manager(
             # gradients on GPUs cross groups through NCCL; on CPU through gloo
@@ -115,9 +116,9 @@ class FaultTolerance:
         )
         if step:
             self.manager.load_state_dict({"step": int(step), "batches_committed": int(step) * self.replica_groups})
-        self._wait_for_the_other_groups(rank)
+        self._wait_for_the_other_groups(rank, world_size)
 
-    def _wait_for_the_other_groups(self, rank: int) -> None:
+    def _wait_for_the_other_groups(self, rank: int, world_size: int) -> None:
         """On a fresh launch, start stepping when every group's manager is up: the Lighthouse only
         waits (join_timeout_ms) for groups that already heartbeat, and a group still importing
         torch would otherwise find the others some steps ahead and have to copy their state."""
@@ -127,7 +128,7 @@ class FaultTolerance:
         path = Path(barrier)
         (path / f"{self.group}.{rank}").touch()
         deadline = time.monotonic() + self.quorum_timeout_s
-        while len(list(path.glob("*.*"))) < self.replica_groups * max(1, _group_size()) and time.monotonic() < deadline:
+        while len(list(path.glob("*.*"))) < self.replica_groups * world_size and time.monotonic() < deadline:
             time.sleep(0.05)
 
     def _timed(self, load: Callable[[dict], None]) -> Callable[[dict], None]:
@@ -178,10 +179,6 @@ class FaultTolerance:
                 f"Lighthouse {self.lighthouse_addr()}")
 
 
-def _group_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def check_lighthouse(addr: str, timeout_s: float = 5.0) -> None:
     """One line when nothing answers at the Lighthouse's address (before any group starts)."""
     hostport = addr.split("://", 1)[-1].rstrip("/")
@@ -194,8 +191,4 @@ def check_lighthouse(addr: str, timeout_s: float = 5.0) -> None:
                         "--bind host:port) or leave fault_tolerance.lighthouse unset for launch.py to start one") from None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 

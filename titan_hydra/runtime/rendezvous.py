@@ -33,6 +33,13 @@ from titan_hydra.errors import UserError
 # ---------------------------------------------------------------- the master's address
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (a local rendezvous, store or Lighthouse binds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def node_addr_of(scontrol_output: str) -> str | None:
     """``NodeAddr=`` of ``scontrol show node <name>`` output (None when it has none)."""
     match = re.search(r"(?:^|\s)NodeAddr=(\S+)", scontrol_output)
