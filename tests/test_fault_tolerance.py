@@ -5,7 +5,13 @@
 (b) SIGKILL of group 1's rank mid-run: group 0 keeps stepping alone (min_replicas=1), the launcher
     restarts group 1, which receives the live state from group 0 (not from disk) and rejoins; both
     end with identical weights, and the final loss stays near the undisturbed run's;
-(c) a Lighthouse nobody answers at is one line, before any group starts.
+(c) a Lighthouse nobody answers at is one line, before any group starts;
+(d) a group started on its own (fault_tolerance.group) against a running Lighthouse, after the
+    other has stepped: it receives the live state and both end with identical weights;
+(e) semi-synchronous: DiLoCo with one inner step per meeting, plain SGD inside and an outer SGD
+    of lr 1 is data parallelism (weights equal DDP(2)'s); LocalSGD and DiLoCo with their real
+    settings train, meet every sync_every steps and end with identical weights, sending one
+    model's worth of bytes per meeting.
 """
 
 from __future__ import annotations
@@ -115,6 +121,102 @@ def test_a_killed_group_restarts_recovers_from_its_peer_and_rejoins(tmp_path, dd
     assert model and all(torch.equal(a[k], b[k]) for k in model)
     # group 0 trained on half the data for a few steps: near, not equal to, the undisturbed run
     assert abs(steps0[-1]["loss"] - ddp[-1]) < 0.05, (steps0[-1]["loss"], ddp[-1])
+
+
+def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    path = run_dir / "checkpoint" / f"step-{STEPS}"
+    keys = [k for k in tensor_entries(read_metadata(path)) if k.startswith("model.")]
+    return load_plain(path, keys)
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys() and a
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+SGD = ["optimizer=sgd", "optimizer.lr=0.5", "checkpoint=default", f"checkpoint.interval={STEPS}", "training.log_freq=1"]
+
+
+def test_diloco_with_one_inner_step_and_outer_lr_1_is_data_parallel(tmp_path):
+    """pseudo-gradient = lr x own gradient; averaged and applied with outer SGD(lr 1) = one DDP
+    SGD step. Each group logs its own loss: their mean is DDP's global loss."""
+    ddp_dir, ft_dir = tmp_path / "ddp", tmp_path / "ft"
+    finish(launch(ddp_dir, [*SGD, "parallelism=ddp", "cluster.nproc_per_node=2"]))
+    out, _ = finish(launch(ft_dir, [*SGD, *FT, "fault_tolerance.min_replicas=2", "fault_tolerance.semi_sync=diloco",
+                                    "fault_tolerance.sync_every=1", "fault_tolerance.outer_lr=1",
+                                    "fault_tolerance.outer_momentum=0", "fault_tolerance.outer_nesterov=false"]))
+    assert "diloco every 1 steps" in out
+    diff = _max_diff(_final_weights(ft_dir), _final_weights(ddp_dir))
+    assert diff <= 1e-5, f"max |diloco(H=1) - ddp| weight = {diff:.3g}"
+    assert _max_diff(_final_weights(ft_dir), _final_weights(ft_dir / "replica_groups" / "1")) == 0
+    mean = [(a + b) / 2 for a, b in zip(series(ft_dir, "loss"), series(ft_dir / "replica_groups" / "1", "loss"))]
+    ddp = series(ddp_dir, "loss")
+    assert len(mean) == len(ddp) == STEPS and max(abs(a - b) for a, b in zip(mean, ddp)) <= 1e-5
+
+
+@pytest.mark.parametrize("method", ["local_sgd", "diloco"])
+def test_semi_synchronous_groups_meet_every_sync_every_steps(tmp_path, method):
+    run_dir = tmp_path / "run"
+    finish(launch(run_dir, [*FT, "fault_tolerance.min_replicas=2", f"fault_tolerance.semi_sync={method}",
+                            "fault_tolerance.sync_every=4", "checkpoint=default", f"checkpoint.interval={STEPS}",
+                            "training.log_freq=1", "optimizer.lr=4e-3"]))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert [r["ft/syncs"] for r in rows] == [s // 4 for s in range(1, STEPS + 1)]  # a meeting after every 4th step
+    losses = [r["loss"] for r in rows]
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5, losses  # it trains
+    # between meetings nothing is sent; at each, every weight once (fp32)
+    params = sum(t.numel() for t in _final_weights(run_dir).values())
+    assert rows[-1]["ft/sent_mb"] == pytest.approx(STEPS // 4 * params * 4 / 2**20)
+    assert rows[5]["ft/sent_mb"] == rows[4]["ft/sent_mb"] == rows[3]["ft/sent_mb"] > 0
+    # the last step was a meeting: both groups hold the same weights
+    assert _max_diff(_final_weights(run_dir), _final_weights(run_dir / "replica_groups" / "1")) == 0
+
+
+def test_a_group_started_on_its_own_joins_late_and_heals(tmp_path):
+    """Two launches of one group each (as on two machines or two SLURM jobs) and a Lighthouse the
+    user runs: group 1 starts after group 0 has stepped alone, receives its live state, and both
+    finish with the same weights; group 0's quorum changed when group 1 joined."""
+    from titan_hydra.launch.ft_local import lighthouse_binary
+    from titan_hydra.runtime.rendezvous import free_port
+
+    port = free_port()
+    lighthouse = subprocess.Popen([lighthouse_binary(), "--min_replicas", "1", "--quorum_tick_ms", "100",
+                                   "--join_timeout_ms", "500", "--bind", f"127.0.0.1:{port}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    steps = 48
+    own = [*FT, "fault_tolerance.min_replicas=1", f"fault_tolerance.lighthouse=http://127.0.0.1:{port}",
+           f"training.steps={steps}", "checkpoint=default", f"checkpoint.interval={steps}", "training.log_freq=1"]
+    try:
+        first = launch(tmp_path / "g0", [*own, "fault_tolerance.group=0"])
+        deadline = time.time() + 120
+        while len(series(tmp_path / "g0", "loss") if (tmp_path / "g0" / "metrics.jsonl").is_file() else []) < 3:
+            assert first.poll() is None and time.time() < deadline, "group 0 never stepped"
+            time.sleep(0.02)
+        # group 0 steps alone in ~40 ms, group 1 needs seconds to start: hold group 0 until group 1
+        # has built its model (its header), so that it is still running when group 1 comes
+        os.kill(first.pid, signal.SIGSTOP)
+        try:
+            second = launch(tmp_path / "g1", [*own, "fault_tolerance.group=1"])
+            for line in second.stdout:
+                if line.startswith("titan_hydra run"):
+                    break
+        finally:
+            os.kill(first.pid, signal.SIGCONT)
+        finish(first)
+        finish(second)
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    rows0 = [json.loads(line) for line in (tmp_path / "g0" / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    rows1 = [json.loads(line) for line in (tmp_path / "g1" / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert [r["step"] for r in rows0] == list(range(1, steps + 1))
+    assert rows0[0]["ft/participants"] == 1 and rows0[-1]["ft/participants"] == 2
+    assert rows0[-1]["ft/quorums"] >= 2  # alone, then with group 1
+    assert rows1[-1]["ft/recoveries"] == 1 and rows1[-1]["step"] == steps  # healed once, from group 0's state
+    a = load_plain(tmp_path / "g0" / "checkpoint" / f"step-{steps}", keys := [
+        k for k in tensor_entries(read_metadata(tmp_path / "g0" / "checkpoint" / f"step-{steps}")) if k.startswith("model.")])
+    b = load_plain(tmp_path / "g1" / "checkpoint" / f"step-{steps}", keys)
+    assert keys and all(torch.equal(a[k], b[k]) for k in keys)
 
 
 def test_an_unreachable_lighthouse_is_one_line(tmp_path):

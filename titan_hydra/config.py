@@ -112,9 +112,10 @@ class OptimizerConfig:
     _target_: str = "torch.optim.AdamW"
     _partial_: bool = True
     lr: float = 8e-4
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
+    betas: Optional[List[float]] = field(default_factory=lambda: [0.9, 0.95])
+    eps: Optional[float] = 1e-8
     weight_decay: float = 0.1
+    momentum: Optional[float] = None  # SGD's (null settings are not passed to the optimizer)
     foreach: Optional[bool] = None
     # per-group settings / other optimizers by parameter name and shape (train/optimizers.py):
     # [{name, match: [fnmatch FQN patterns], ndim, _target_?, <settings>}]
@@ -297,6 +298,16 @@ class FaultToleranceConfig:
     quorum_timeout_s: float = 60.0  # how long a step waits for its quorum
     join_timeout_ms: int = 1000  # Lighthouse: how long a forming quorum waits for more groups
     max_restarts: int = 3  # local launcher: restarts of a group that died, per group
+    # this run is replica group <group> alone (started on its own: another machine, a SLURM job),
+    # meeting the others at fault_tolerance.lighthouse; None: launch.py starts every group here
+    group: Optional[int] = None
+    # null: every step averages gradients over the groups; local_sgd / diloco: each group steps on
+    # its own and the groups meet every sync_every steps (weights averaged / DiLoCo outer step)
+    semi_sync: Optional[str] = None
+    sync_every: int = 20
+    outer_lr: float = 0.7  # DiLoCo's outer optimizer: SGD with Nesterov momentum (the paper's values)
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
 
 
 @dataclass

@@ -112,11 +112,15 @@ def _validate_fault_tolerance(cfg: DictConfig) -> None:
     ft = OmegaConf.select(cfg, "fault_tolerance")
     if ft is None or ft.name == "none":
         return
-    instantiate(ft)  # its own value rules (name, replica_groups, min_replicas), one line each
-    if cfg.cluster.launcher == "slurm":
-        raise ConfigError("fault_tolerance=torchft starts its replica groups on this machine; one SLURM job per "
-                          "group is not built yet: use a local cluster, or start each group with torchrun "
-                          "(TITAN_HYDRA_FT_GROUP=<g>) and fault_tolerance.lighthouse=http://host:port")
+    instantiate(ft)  # its own value rules (name, replica_groups, min_replicas, group, semi_sync), one line each
+    if ft.group is not None and not ft.lighthouse:
+        raise ConfigError(f"fault_tolerance.group={ft.group} starts that replica group on its own: it needs the "
+                          "Lighthouse every group meets at, fault_tolerance.lighthouse=http://host:port "
+                          "(start one with: torchft_lighthouse --min_replicas 1 --bind 0.0.0.0:29510)")
+    if cfg.cluster.launcher == "slurm" and ft.group is None:
+        raise ConfigError("fault_tolerance=torchft on SLURM runs one job per replica group: submit them as a sweep, "
+                          "-m fault_tolerance.group=0,1,... with fault_tolerance.lighthouse=http://host:port of a "
+                          "Lighthouse you run beside them (torchft_lighthouse --bind 0.0.0.0:<port>)")
 
 
 def _validate_document_mask(family, dims) -> None:

@@ -59,7 +59,9 @@ def launch(cfg: DictConfig) -> float | None:
     inside_rank = "LOCAL_RANK" in os.environ or world_size_of(cfg) == 1
     # torchft: this process starts the replica groups (each a launch.py run of its own)
     # (a rank that torchrun started is already inside its group: TITAN_HYDRA_FT_GROUP, or group 0)
-    ft_groups = cfg.fault_tolerance.name == "torchft" and GROUP_ENV not in os.environ and "LOCAL_RANK" not in os.environ
+    # (fault_tolerance.group=<g>: this launch is that one group, started on its own)
+    ft_groups = (cfg.fault_tolerance.name == "torchft" and cfg.fault_tolerance.group is None
+                 and GROUP_ENV not in os.environ and "LOCAL_RANK" not in os.environ)
     lock = RunDirLock(run_dir)
     try:
         if owns_run(submit_to_slurm) and not ft_groups:  # group 0 holds the run dir's lock

@@ -25,7 +25,7 @@ def run_header(*, flavor: str, family: str, shape, dims, world_size: int, precis
                data_stats: Mapping[str, Any], seq_len: int, local_batch: int, global_batch: int,
                grad_accum: int, steps: int, run_dir: str,
                attention_kernel: tuple[str, str] = ("sdpa", "set explicitly"),
-               data_summary: str | None = None) -> str:
+               data_summary: str | None = None, fault_tolerance: str | None = None) -> str:
     """``precision`` and ``attention_kernel``: (what was chosen, why), e.g. ("fp32", "auto: this
     CPU has no native bf16 matmuls"); the header prints both, so an ``auto`` choice is never silent.
     ``data_summary``: a dataset that is not token sequences describes itself (its samples are then
@@ -54,6 +54,7 @@ def run_header(*, flavor: str, family: str, shape, dims, world_size: int, precis
         ("batch", (f"global {global_batch} sequences = {global_batch * seq_len:,} tokens per step " if data_summary is None
                    else f"global {global_batch} images per step ")
                   + f"(local {local_batch} x data parallel {dims.data_degree} x accumulation {grad_accum}); {steps} steps"),
+        *([("torchft", fault_tolerance)] if fault_tolerance else []),
         ("run dir", str(run_dir)),
     ]
     width = max(len(k) for k, _ in rows)

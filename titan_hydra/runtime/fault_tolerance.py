@@ -12,6 +12,13 @@ The groups do not share a process group; each step:
 4. ``commit``: the optimizer steps only if every rank of every participating group succeeded
    and at least ``min_replicas`` groups took part; otherwise the step is dropped and retried.
 
+Semi-synchronous training (``semi_sync=local_sgd|diloco``) lets each group take ``sync_every``
+optimizer steps on its own and meets the others only then: LocalSGD averages the weights,
+DiLoCo averages the pseudo-gradient (weights at the last meeting minus weights now) and steps an
+outer optimizer (Nesterov SGD) with it. torchft's own ``LocalSGD`` / ``DiLoCo`` do this from
+hooks on the (inner) optimizer, so the training loop is the same; between meetings the groups
+send nothing, and a failed meeting rolls the group back to the last one.
+
 A group that joins late or comes back after a crash is told so by the quorum: it receives the
 live groups' state (``checkpoint/live.py``: model, optimizer, schedule, loader position, step)
 from a peer over the network, not from disk, and steps on with them. The groups read different
@@ -43,6 +50,7 @@ LIGHTHOUSE_ENV = "TITAN_HYDRA_FT_LIGHTHOUSE"  # http://host:port (the launcher s
 # a directory where the groups of a fresh launch wait for each other once (not set on a restart)
 START_BARRIER_ENV = "TITAN_HYDRA_FT_START_BARRIER"
 NAMES = ("none", "torchft")
+SEMI_SYNC = ("local_sgd", "diloco")
 
 
 class FaultTolerance:
@@ -50,19 +58,33 @@ class FaultTolerance:
 
     def __init__(self, name: str = "none", replica_groups: int = 1, min_replicas: int = 1,
                  lighthouse: str | None = None, timeout_s: float = 60.0, quorum_timeout_s: float = 60.0,
-                 join_timeout_ms: int = 1000, max_restarts: int = 3) -> None:
+                 join_timeout_ms: int = 1000, max_restarts: int = 3, group: int | None = None,
+                 semi_sync: str | None = None, sync_every: int = 20, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, outer_nesterov: bool = True) -> None:
         if name not in NAMES:
             raise ConfigError(f"fault_tolerance={name!r} is not one of {', '.join(NAMES)}")
         if replica_groups < 1 or not 1 <= min_replicas <= replica_groups:
             raise ConfigError(f"fault_tolerance.min_replicas={min_replicas} must be in [1, replica_groups="
                               f"{replica_groups}]")
+        if group is not None and not 0 <= group < replica_groups:
+            raise ConfigError(f"fault_tolerance.group={group} must be in [0, replica_groups={replica_groups})")
+        if semi_sync is not None and semi_sync not in SEMI_SYNC:
+            raise ConfigError(f"fault_tolerance.semi_sync={semi_sync!r} is not one of null, {', '.join(SEMI_SYNC)}")
+        if sync_every < 1:
+            raise ConfigError(f"fault_tolerance.sync_every={sync_every} must be >= 1 (optimizer steps between syncs)")
+        self._group = group
+        self.semi_sync, self.sync_every = semi_sync, int(sync_every)
+        self.outer = {"lr": float(outer_lr), "momentum": float(outer_momentum), "nesterov": bool(outer_nesterov)}
         self.name, self.replica_groups, self.min_replicas = name, int(replica_groups), int(min_replicas)
         self.lighthouse, self.timeout_s, self.quorum_timeout_s = lighthouse, timeout_s, quorum_timeout_s
         self.join_timeout_ms, self.max_restarts = int(join_timeout_ms), int(max_restarts)
         self.manager = None
         self.recoveries = 0
         self.recover_s = 0.0
+        self.sent_bytes = 0  # what this rank handed to the cross-group allreduce (gradients, weights)
+        self._quorum_ids: set[int] = set()
         self._store = None
+        self._sync = None  # torchft's LocalSGD / DiLoCo, while semi-synchronous
 
     @property
     def enabled(self) -> bool:
@@ -70,8 +92,11 @@ class FaultTolerance:
 
     @property
     def group(self) -> int:
-        """This process's replica group (0 outside a fault-tolerant launch)."""
-        return int(os.environ.get(GROUP_ENV, "0"))
+        """This process's replica group: the launcher's (environment), else ``fault_tolerance.group``
+        (a group started on its own), else 0."""
+        if GROUP_ENV in os.environ:
+            return int(os.environ[GROUP_ENV])
+        return int(self._group or 0)
 
     def lighthouse_addr(self) -> str:
         addr = os.environ.get(LIGHTHOUSE_ENV) or self.lighthouse
@@ -82,10 +107,12 @@ class FaultTolerance:
 
     # ------------------------------------------------------------------ lifetime
     def start(self, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None], *, rank: int,
-              world_size: int, step: int = 0, device: torch.device = torch.device("cpu")) -> None:
+              world_size: int, step: int = 0, device: torch.device = torch.device("cpu"),
+              model_parts: list[torch.nn.Module] | None = None, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Create this rank's torchft manager (after the group's own process group exists); ``step``
         is where this group stands (a resumed checkpoint's step): the quorum heals groups that are
-        behind from one that is furthest."""
+        behind from one that is furthest. Semi-synchronous runs hook ``optimizer`` (the inner one)
+        to meet the other groups every ``sync_every`` steps over ``model_parts``' weights."""
         # torchft logs every quorum and commit at INFO (Rust and Python) and warns at each quorum
         # that CPU runs have no NCCL flight recorder: the console keeps its own step line and the
         # ft/* metrics instead, and torchft's errors; RUST_LOG / the loggers' levels bring the rest back.
@@ -113,10 +140,40 @@ class FaultTolerance:
             # every group initializes its weights from training.seed: step 0 needs no copy (with one,
             # the first step averages in the copying group's zeros)
             init_sync=False,
+            # LocalSGD / DiLoCo form the quorum at a meeting and heal before averaging (synchronously)
+            use_async_quorum=self.semi_sync is None,
         )
-        if step:
-            self.manager.load_state_dict({"step": int(step), "batches_committed": int(step) * self.replica_groups})
+        self._count_sent_bytes()
+        if step:  # the manager counts meetings: every step when synchronous, every sync_every otherwise
+            meetings = int(step) // (self.sync_every if self.semi_sync else 1)
+            self.manager.load_state_dict({"step": meetings, "batches_committed": meetings * self.replica_groups})
+        if self.semi_sync is not None:
+            self._attach(model_parts, optimizer)
         self._wait_for_the_other_groups(rank, world_size)
+
+    def _attach(self, model_parts: list[torch.nn.Module] | None, optimizer: torch.optim.Optimizer | None) -> None:
+        from torchft.local_sgd import DiLoCo, LocalSGD
+
+        if not model_parts or optimizer is None:
+            raise ValueError("semi-synchronous fault tolerance needs the model parts and the inner optimizer")
+        model = torch.nn.ModuleList(model_parts)  # every stage of this rank as one module (its parameters)
+        if self.semi_sync == "local_sgd":
+            self._sync = LocalSGD(self.manager, model, optimizer, self.sync_every)
+        else:  # one fragment: the whole model meets at once (streaming DiLoCo would split it)
+            outer = torch.optim.SGD(model.parameters(), **self.outer)
+            self._sync = DiLoCo(self.manager, [model], optimizer, outer, self.sync_every)
+        self._sync.__enter__()  # registers the optimizer hooks; close() removes them
+
+    def _count_sent_bytes(self) -> None:
+        """Count what goes through the manager's allreduce (ours and LocalSGD's / DiLoCo's): the
+        communication a layout costs, measured rather than computed."""
+        allreduce = self.manager.allreduce
+
+        def counted(tensor: torch.Tensor, *args, **kwargs):
+            self.sent_bytes += tensor.numel() * tensor.element_size()
+            return allreduce(tensor, *args, **kwargs)
+
+        self.manager.allreduce = counted
 
     def _wait_for_the_other_groups(self, rank: int, world_size: int) -> None:
         """On a fresh launch, start stepping when every group's manager is up: the Lighthouse only
@@ -140,17 +197,26 @@ class FaultTolerance:
         return timed
 
     def close(self) -> None:
+        if self._sync is not None:
+            self._sync.__exit__(None, None, None)
+            self._sync = None
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None
 
     # ------------------------------------------------------------------ one step
+    # Synchronous: a quorum, a gradient average and a commit every step. Semi-synchronous: none of
+    # these (the optimizer hooks meet the other groups every sync_every steps); the loss logged is
+    # the group's own.
     def begin_step(self) -> None:
-        self.manager.start_quorum()
+        if self.semi_sync is None:
+            self.manager.start_quorum()
 
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Average every gradient over the replica groups in the quorum (a group that is healing
         contributes zeros and is not counted)."""
+        if self.semi_sync is not None:
+            return
         works = []
         for p in params:
             if p.grad is None:
@@ -162,21 +228,30 @@ class FaultTolerance:
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` averaged over the replica groups in the quorum (the loss the console shows)."""
+        if self.semi_sync is not None:
+            return value
         value = value.detach().float().clone()
         self.manager.allreduce(value).wait()
         return value
 
     def commit(self) -> bool:
         """Whether this step may update the weights (every group of the quorum agrees)."""
-        return bool(self.manager.should_commit())
+        return self.semi_sync is not None or bool(self.manager.should_commit())
 
     def metrics(self) -> dict[str, float]:
+        """ft/participants: groups in the last quorum; ft/quorums: distinct quorums this group has
+        been in (a group leaving or joining forms a new one); ft/recoveries and ft/recover_s: states
+        received from a peer and the seconds spent applying them; ft/sent_mb: cumulative MB this
+        rank sent to the other groups; ft/syncs: meetings committed."""
+        self._quorum_ids.add(int(getattr(self.manager, "_quorum_id", -1)))  # torchft keeps it private
         return {"ft/participants": float(self.manager.num_participants()), "ft/recoveries": float(self.recoveries),
-                "ft/recover_s": self.recover_s}
+                "ft/recover_s": self.recover_s, "ft/quorums": float(len(self._quorum_ids - {-1})),
+                "ft/sent_mb": self.sent_bytes / 2**20, "ft/syncs": float(self.manager.current_step())}
 
     def describe(self) -> str:
-        return (f"torchft, replica group {self.group} of {self.replica_groups} (min {self.min_replicas} per step), "
-                f"Lighthouse {self.lighthouse_addr()}")
+        mode = (f"{self.semi_sync} every {self.sync_every} steps" if self.semi_sync else "synchronous")
+        return (f"torchft, replica group {self.group} of {self.replica_groups} ({mode}, at least {self.min_replicas} "
+                f"group(s) per quorum), Lighthouse {self.lighthouse_addr()}")
 
 
 def check_lighthouse(addr: str, timeout_s: float = 5.0) -> None:

@@ -73,7 +73,9 @@ def _plain(node: Any) -> dict[str, Any]:
 
 
 def _kwargs(node: Mapping[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in node.items() if not k.startswith("_") and k not in SELECTORS and k != "param_groups"}
+    # a null setting is one this optimizer does not take (SGD has no betas): left to its default
+    out = {k: v for k, v in node.items()
+           if not k.startswith("_") and k not in SELECTORS and k != "param_groups" and v is not None}
     if isinstance(out.get("betas"), list):
         out["betas"] = tuple(out["betas"])
     return out

@@ -276,7 +276,8 @@ def build_throughput(cfg: DictConfig, device: torch.device, rank: int, world_siz
     return ThroughputMeter(built.flops_per_unit, peak, world_size=world_size, rate_key=built.family.objective.rate_key)
 
 
-def header_of(cfg: DictConfig, dims, data: DataPlan, built: BuiltModel, world_size: int, run_dir: str) -> str:
+def header_of(cfg: DictConfig, dims, data: DataPlan, built: BuiltModel, world_size: int, run_dir: str,
+              fault_tolerance: str | None = None) -> str:
     t = cfg.training
     global_bs, _ = dims.batch_plan(t.local_batch_size, t.global_batch_size)
     return run_header(
@@ -291,6 +292,7 @@ def header_of(cfg: DictConfig, dims, data: DataPlan, built: BuiltModel, world_si
         seq_len=int(t.seq_len), local_batch=int(t.local_batch_size), global_batch=global_bs,
         grad_accum=data.grad_accum_steps, steps=int(t.steps), run_dir=run_dir,
         data_summary=data.dataset.summary() if hasattr(data.dataset, "summary") else None,
+        fault_tolerance=fault_tolerance,
     )
 
 
@@ -334,14 +336,15 @@ def _run(
         fault_tolerance=ft if ft.enabled else None,
     )
     if rank == 0:
-        print(header_of(cfg, dims, data, built, world_size, run_dir), flush=True)
+        print(header_of(cfg, dims, data, built, world_size, run_dir, ft.describe() if ft.enabled else None),
+              flush=True)
     try:
         checkpointer.restore()
         if checkpointer.seed_only:
             trainer.steps = 0
         if ft.enabled:  # after the restore: the quorum compares the groups' steps
             ft.start(*live_state_fns(checkpointer.run), rank=rank, world_size=world_size, step=state.step,
-                     device=device)
+                     device=device, model_parts=built.parts, optimizer=optimizer)
         summary = trainer.train()
         checkpointer.close()
     finally:
