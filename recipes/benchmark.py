@@ -20,6 +20,9 @@ are comparable; absolute numbers on shared 2-core machines are noisy.
     python recipes/benchmark.py --suite data --corpus-mb 1024 --heap-cap-mb 400
         # corpus preparation (tokens/s per process and in total, under a per-process heap cap) and
         # the shard loader's tokens/s against what a training step consumes
+    python recipes/benchmark.py --suite ft --steps 120 --sync-every 20
+        # torchft: DDP vs synchronous replica groups vs LocalSGD / DiLoCo (2 groups x 1 rank):
+        # validation loss at the same steps, MB each rank sends per step, tokens/s
 """
 
 from __future__ import annotations
@@ -323,9 +326,65 @@ def data_suite(args, tmp: Path) -> tuple[list[str], dict]:
     return lines, result
 
 
+# --------------------------------------------------------------------------- the ft suite
+def ft_suite(args, tmp: Path) -> tuple[list[str], dict]:
+    """2 data-parallel replicas of 1 thread each on the debug model, fp32, the same global batch and
+    data: DDP, torchft synchronous groups, LocalSGD and DiLoCo meeting every ``sync_every`` steps.
+    Validation runs at meetings, where the semi-synchronous groups hold the same weights."""
+    h = args.sync_every
+    ft = ("fault_tolerance=torchft", "fault_tolerance.replica_groups=2", "fault_tolerance.min_replicas=2")
+    variants = {
+        "DDP (2 ranks, no torchft)": ("parallelism=ddp", "cluster.nproc_per_node=2"),
+        "torchft synchronous (2 groups)": ft,
+        f"torchft LocalSGD every {h}": (*ft, "fault_tolerance.semi_sync=local_sgd", f"fault_tolerance.sync_every={h}"),
+        f"torchft DiLoCo every {h} (outer Nesterov 0.7, 0.9)": (
+            *ft, "fault_tolerance.semi_sync=diloco", f"fault_tolerance.sync_every={h}"),
+    }
+    val_freq = 2 * h
+    rows = []
+    for name, overrides in variants.items():
+        run_dir = tmp / "".join(c if c.isalnum() else "_" for c in name)
+        cmd = [sys.executable, str(REPO / "launch.py"), *overrides, f"training.steps={args.steps}",
+               "training.mixed_precision=fp32", f"training.val_freq={val_freq}", "training.log_freq=1",
+               "logger=minimal", "checkpoint=none", "cluster.threads_per_proc=1", f"hydra.run.dir={run_dir}",
+               *args.extra]
+        t0 = time.time()
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        wall = time.time() - t0
+        if proc.returncode != 0:
+            rows.append({"variant": name, "failed": (proc.stderr.strip().splitlines() or ["?"])[-1]})
+            continue
+        metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        train = [m for m in metrics if "tps" in m]
+        params = int(header_value(proc.stdout, "model").split(": ")[1].split(" ")[0].replace(",", ""))
+        sent = train[-1].get("ft/sent_mb")
+        rows.append({
+            "variant": name, "wall_s": wall, "overrides": list(overrides),
+            "val_loss": {m["step"]: m["val/loss"] for m in metrics if "val/loss" in m},
+            # DDP's gradient allreduce is not counted by torchft: one fp32 gradient per step
+            "mb_per_step": (sent / args.steps) if sent is not None else params * 4 / 2**20,
+            "mb_measured": sent is not None,
+            "tokens_per_s_total": 2 * statistics.median(m["tps"] for m in train if m["step"] > args.warmup),
+        })
+    steps = sorted({s for r in rows if "val_loss" in r for s in r["val_loss"]})
+    lines = [f"suite `ft` — {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, debug model fp32, 2 replicas x 1 "
+             f"thread, {args.steps} steps, validation loss at meetings", "",
+             "| variant | " + " | ".join(f"val loss @{s}" for s in steps) + " | MB sent/step/rank | tok/s total |",
+             "|---|" + "---|" * len(steps) + "---|---|"]
+    for r in rows:
+        if "failed" in r:
+            lines.append(f"| {r['variant']} | failed: {r['failed']} |")
+            continue
+        vals = " | ".join(f"{r['val_loss'].get(s, float('nan')):.4f}" for s in steps)
+        mb = f"{r['mb_per_step']:.3f}" + ("" if r["mb_measured"] else " (computed)")
+        lines.append(f"| {r['variant']} | {vals} | {mb} | {r['tokens_per_s_total']:,.0f} |")
+    return lines, {"suite": "ft", "steps": args.steps, "sync_every": h, "rows": rows}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", default="precision", choices=sorted([*SUITES, "data"]))
+    p.add_argument("--suite", default="precision", choices=sorted([*SUITES, "data", "ft"]))
+    p.add_argument("--sync-every", type=int, default=20, help="ft suite: steps between LocalSGD / DiLoCo meetings")
     p.add_argument("--corpus-mb", type=int, default=1024, help="data suite: generated corpus size")
     p.add_argument("--datatrove-python", default=None,
                    help="data suite: the python of a venv with datatrove (recipes/datatrove_tokenize.py): "
@@ -340,11 +399,11 @@ def main() -> None:
     p.add_argument("--out", default=None, help="JSON path (default bench_out/<suite>.json)")
     p.add_argument("extra", nargs="*", help="extra Hydra overrides for every variant")
     args = p.parse_args()
-    if args.suite == "data":
-        with tempfile.TemporaryDirectory(prefix="titan_bench_data_") as tmp:
-            lines, result = data_suite(args, Path(tmp))
+    if args.suite in ("data", "ft"):
+        with tempfile.TemporaryDirectory(prefix=f"titan_bench_{args.suite}_") as tmp:
+            lines, result = (data_suite if args.suite == "data" else ft_suite)(args, Path(tmp))
         print("\n".join(lines))
-        out = Path(args.out or "bench_out/data.json")
+        out = Path(args.out or f"bench_out/{args.suite}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
         print(f"\nwrote {out}")

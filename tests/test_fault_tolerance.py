@@ -29,12 +29,14 @@ import torch
 
 from helpers import REPO, series
 from titan_hydra.checkpoint.storage import load_plain, read_metadata, tensor_entries
+from titan_hydra.launch.ft_local import lighthouse_binary
+from titan_hydra.runtime.rendezvous import free_port
 
 pytestmark = pytest.mark.slow
 STEPS = 24
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "training.seq_len=64",
         f"training.steps={STEPS}", "training.global_batch_size=8", "training.local_batch_size=4",
-        "training.mixed_precision=fp32", "training.val_freq=0", "data.max_documents=60", "logger=minimal",
+        "training.mixed_precision=fp32", "training.val_freq=12", "training.val_steps=2", "data.max_documents=60", "logger=minimal",
         "cluster.threads_per_proc=1", "lr_scheduler.warmup_steps=2"]
 FT = ["fault_tolerance=torchft", "fault_tolerance.replica_groups=2", "fault_tolerance.quorum_timeout_s=30",
       "fault_tolerance.timeout_s=30"]
@@ -53,13 +55,14 @@ def finish(proc: subprocess.Popen, timeout: int = 300) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def ddp(tmp_path_factory):
+def ddp_dir(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ddp") / "run"
     finish(launch(run_dir, ["parallelism=ddp", "cluster.nproc_per_node=2"]))
-    return series(run_dir, "loss")
+    return run_dir
 
 
-def test_two_replica_groups_match_ddp(tmp_path, ddp):
+def test_two_replica_groups_match_ddp(tmp_path, ddp_dir):
+    ddp = series(ddp_dir, "loss")
     run_dir = tmp_path / "run"
     out, _ = finish(launch(run_dir, [*FT, "fault_tolerance.min_replicas=2"]))
     assert "torchft replica group 0 of 2" in out
@@ -69,9 +72,13 @@ def test_two_replica_groups_match_ddp(tmp_path, ddp):
     assert diff <= 1e-5, f"max |torchft - ddp| = {diff:.3g}\ntorchft: {losses}\nddp: {ddp}"
     # group 1 ran in its own run dir and logged the same (averaged) losses
     assert series(run_dir / "replica_groups" / "1", "loss") == losses
+    # each group validates on every group's slice: DDP's validation loss, in both groups
+    val, ddp_val = series(run_dir, "val/loss"), series(ddp_dir, "val/loss")
+    assert len(val) == len(ddp_val) == 2 and max(abs(a - b) for a, b in zip(val, ddp_val)) <= 1e-5, (val, ddp_val)
+    assert series(run_dir / "replica_groups" / "1", "val/loss") == val
 
 
-def test_groups_with_fsdp_inside_match_ddp(tmp_path, ddp):
+def test_groups_with_fsdp_inside_match_ddp(tmp_path, ddp_dir):
     """2 groups x fsdp(2): each group shards its model over its own 2 ranks, and the groups average the
     gradient shards rank by rank; the same global batch gives DDP(2)'s (and HSDP(2x2)'s) losses."""
     run_dir = tmp_path / "run"
@@ -79,7 +86,7 @@ def test_groups_with_fsdp_inside_match_ddp(tmp_path, ddp):
                                      "cluster.nproc_per_node=2", "training.local_batch_size=2"]))
     assert "2 rank(s): dp_shard 2; torchft replica group 0 of 2" in out
     losses = series(run_dir, "loss")
-    diff = max(abs(a - b) for a, b in zip(losses, ddp))
+    diff = max(abs(a - b) for a, b in zip(losses, series(ddp_dir, "loss")))
     assert len(losses) == STEPS and diff <= 1e-5, f"max |torchft x fsdp - ddp| = {diff:.3g}"
 
 
@@ -89,7 +96,8 @@ def _steps_together(path: Path) -> int:
     return max((r["step"] for r in rows if r.get("ft/participants") == 2), default=0)
 
 
-def test_a_killed_group_restarts_recovers_from_its_peer_and_rejoins(tmp_path, ddp):
+def test_a_killed_group_restarts_recovers_from_its_peer_and_rejoins(tmp_path, ddp_dir):
+    ddp = series(ddp_dir, "loss")
     run_dir = tmp_path / "run"
     group1 = run_dir / "replica_groups" / "1"
     proc = launch(run_dir, [*FT, "fault_tolerance.min_replicas=1", "checkpoint=default",
@@ -176,9 +184,6 @@ def test_a_group_started_on_its_own_joins_late_and_heals(tmp_path):
     """Two launches of one group each (as on two machines or two SLURM jobs) and a Lighthouse the
     user runs: group 1 starts after group 0 has stepped alone, receives its live state, and both
     finish with the same weights; group 0's quorum changed when group 1 joined."""
-    from titan_hydra.launch.ft_local import lighthouse_binary
-    from titan_hydra.runtime.rendezvous import free_port
-
     port = free_port()
     lighthouse = subprocess.Popen([lighthouse_binary(), "--min_replicas", "1", "--quorum_tick_ms", "100",
                                    "--join_timeout_ms", "500", "--bind", f"127.0.0.1:{port}"],

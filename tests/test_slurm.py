@@ -4,7 +4,9 @@
     the same layout launched locally; (b) a 2-point multirun becomes one SLURM array and the
     sweep report lists both jobs with the losses they logged; bad input (unknown partition,
     a sweep key that does not exist, no sbatch) fails with one ``error:`` line; (c) corpus
-    preparation spread over the tasks of one job gives the corpus one machine makes.
+    preparation spread over the tasks of one job gives the corpus one machine makes; (d) torchft
+    replica groups as the jobs of a sweep (-m fault_tolerance.group=0,1) meet at a Lighthouse
+    run beside them and train as one.
 Skipped only when this machine cannot install SLURM (not root, or no apt-get); CI is root.
 """
 
@@ -20,8 +22,11 @@ import pytest
 
 from helpers import BASE, GLOBAL_BATCH, REPO, STEPS, run_launch, run_layout, series
 from slurm_fixtures import slurm  # noqa: F401  (the session fixture)
+from titan_hydra.checkpoint.storage import load_plain, read_metadata, tensor_entries
 from titan_hydra.data.prepare import PrepareSettings, prepare
 from titan_hydra.data.shards import ShardedTokens
+from titan_hydra.launch.ft_local import lighthouse_binary
+from titan_hydra.runtime.rendezvous import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -127,6 +132,36 @@ def test_job_port_is_below_the_ephemeral_range(tmp_path):
     narrow = tmp_path / "range"
     narrow.write_text("50000\t60999\n")
     assert ephemeral_low(str(narrow)) == 50000 and ephemeral_low(str(tmp_path / "missing")) == 32768
+
+
+def test_torchft_groups_are_the_jobs_of_a_sweep(slurm, tmp_path):
+    """One SLURM job per replica group (a 2-point array) around a Lighthouse the user runs: with
+    min_replicas=2 every step is both groups' (averaged loss, identical in both logs), and both
+    end with the same weights."""
+    port = free_port()
+    lighthouse = subprocess.Popen([lighthouse_binary(), "--min_replicas", "2", "--join_timeout_ms", "500",
+                                   "--bind", f"0.0.0.0:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sweep = tmp_path / "sweep"
+    try:
+        proc = slurm_run(tmp_path, ["cluster=slurm_local", *SWEEP_TINY, "training.steps=6", "training.log_freq=1",
+                                    "fault_tolerance=torchft", "fault_tolerance.min_replicas=2",
+                                    f"fault_tolerance.lighthouse=http://127.0.0.1:{port}", "fault_tolerance.group=0,1",
+                                    "checkpoint=default", "checkpoint.interval=6", f"hydra.sweep.dir={sweep}"],
+                         multirun=True)
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    assert "submitted SLURM array" in proc.stdout
+    rows = [[json.loads(line) for line in (sweep / str(job) / "metrics.jsonl").read_text().splitlines()
+             if '"loss"' in line] for job in (0, 1)]
+    assert [r["step"] for r in rows[0]] == list(range(1, 7))
+    assert all(r["ft/participants"] == 2 for r in rows[0] + rows[1])
+    assert [r["loss"] for r in rows[0]] == [r["loss"] for r in rows[1]]  # the groups' mean, in both
+    paths = [sweep / str(job) / "checkpoint" / "step-6" for job in (0, 1)]
+    keys = [k for k in tensor_entries(read_metadata(paths[0])) if k.startswith("model.")]
+    a, b = (load_plain(p, keys) for p in paths)
+    assert keys and all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in keys)
 
 
 def test_corpus_preparation_spreads_over_the_tasks_of_one_job(slurm, tmp_path):

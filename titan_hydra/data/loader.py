@@ -339,3 +339,17 @@ def iter_chunks(items: Iterable, size: int) -> Iterator[list]:
             chunk = []
     if chunk:
         yield chunk
+
+
+def _join(parts: list):
+    if isinstance(parts[0], dict):
+        return {k: _join([p[k] for p in parts]) for k in parts[0]}
+    return torch.cat(parts)
+
+
+def joined_batches(loaders: list) -> Iterator:
+    """The i-th batches of several loaders as one batch (inputs and labels concatenated), until
+    one ends: a torchft replica group validates on every group's slice, so its validation loss
+    is the whole data-parallel world's (what a DDP run of all the groups' ranks reports)."""
+    for batches in zip(*loaders):
+        yield _join([b[0] for b in batches]), _join([b[1] for b in batches])

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import time
 from datetime import timedelta
@@ -81,6 +82,8 @@ class FaultTolerance:
         self.manager = None
         self.recoveries = 0
         self.recover_s = 0.0
+        self.dropped = 0  # steps not committed (a group failed during them)
+        self._rank = 0
         self.sent_bytes = 0  # what this rank handed to the cross-group allreduce (gradients, weights)
         self._quorum_ids: set[int] = set()
         self._store = None
@@ -116,9 +119,12 @@ class FaultTolerance:
         # torchft logs every quorum and commit at INFO (Rust and Python) and warns at each quorum
         # that CPU runs have no NCCL flight recorder: the console keeps its own step line and the
         # ft/* metrics instead, and torchft's errors; RUST_LOG / the loggers' levels bring the rest back.
+        # A lost peer makes torchft log one ERROR with a traceback per tensor of the failed step
+        # (hundreds of lines): commit() says it once instead, with the error's first line.
         os.environ.setdefault("RUST_LOG", "warn")
         for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        self._rank = rank
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL  # only fault-tolerant runs load torchft
 
         timed_load = self._timed(load_state_dict)
@@ -236,17 +242,30 @@ class FaultTolerance:
 
     def commit(self) -> bool:
         """Whether this step may update the weights (every group of the quorum agrees)."""
-        return self.semi_sync is not None or bool(self.manager.should_commit())
+        if self.semi_sync is not None:
+            return True
+        if self.manager.should_commit():
+            return True
+        self.dropped += 1
+        if self._rank == 0:
+            error = self.manager.errored()
+            # the first sentence, without gloo's "[source/file.cc:553] " prefix
+            why = re.sub(r"^\[[^\]]*\]\s*", "", str(error.original_exception).strip().splitlines()[0]).split(". ")[0][:160] \
+                if error else "a group did not finish it"
+            print(f"torchft: step {self.manager.current_step() + 1} of group {self.group} not committed ({why}); "
+                  "the next batch retries it", flush=True)
+        return False
 
     def metrics(self) -> dict[str, float]:
         """ft/participants: groups in the last quorum; ft/quorums: distinct quorums this group has
         been in (a group leaving or joining forms a new one); ft/recoveries and ft/recover_s: states
         received from a peer and the seconds spent applying them; ft/sent_mb: cumulative MB this
-        rank sent to the other groups; ft/syncs: meetings committed."""
+        rank sent to the other groups; ft/syncs: meetings committed; ft/dropped: steps not committed."""
         self._quorum_ids.add(int(getattr(self.manager, "_quorum_id", -1)))  # torchft keeps it private
         return {"ft/participants": float(self.manager.num_participants()), "ft/recoveries": float(self.recoveries),
                 "ft/recover_s": self.recover_s, "ft/quorums": float(len(self._quorum_ids - {-1})),
-                "ft/sent_mb": self.sent_bytes / 2**20, "ft/syncs": float(self.manager.current_step())}
+                "ft/sent_mb": self.sent_bytes / 2**20, "ft/syncs": float(self.manager.current_step()),
+                "ft/dropped": float(self.dropped)}
 
     def describe(self) -> str:
         mode = (f"{self.semi_sync} every {self.sync_every} steps" if self.semi_sync else "synchronous")

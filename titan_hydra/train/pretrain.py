@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from titan_hydra.checkpoint.live import live_state_fns
 from titan_hydra.config import mixed_precision_of, precision_choice_of, to_container
+from titan_hydra.data.loader import joined_batches
 from titan_hydra.errors import UserError
 from titan_hydra.errors import instantiate_checked as instantiate
 from titan_hydra.kernels.attention_policy import KernelChoice, apply_attention_kernel
@@ -199,12 +200,18 @@ def build_data(cfg: DictConfig, dims) -> DataPlan:
     _, grad_accum = dims.batch_plan(local_bs, training.global_batch_size)
     train_loader = dataset.loader("train", local_bs, dp_rank=dp_rank, dp_degree=dp_degree)
     val_bs = training.val_local_batch_size or local_bs
+    # torchft replica groups validate on the slices of every group (the same data a DDP run of all
+    # their ranks validates on), so a group's val/loss is the run's and groups compare across layouts
+    val_ranks = [g * dims.dp_degree + dims.dp_rank() for g in range(dims.replica_groups)]
 
-    def val_loader_factory():
-        return dataset.loader("val", val_bs, dp_rank=dp_rank, dp_degree=dp_degree, infinite=False)
+    def val_loader(make: Callable[..., Any]) -> Callable[[], Any]:
+        def factory():
+            loaders = [make(val_bs, dp_rank=r, dp_degree=dp_degree, infinite=False) for r in val_ranks]
+            return loaders[0] if len(loaders) == 1 else joined_batches(loaders)
+        return factory
 
-    sources = {name: functools.partial(dataset.source_loader, name, "val", val_bs, dp_rank=dp_rank,
-                                       dp_degree=dp_degree, infinite=False)
+    val_loader_factory = val_loader(functools.partial(dataset.loader, "val"))
+    sources = {name: val_loader(functools.partial(dataset.source_loader, name, "val"))
                for name in (dataset.val_sources() if hasattr(dataset, "val_sources") else [])}
     if training.val_freq:
         val_loader_factory()  # a validation split too small for one batch fails now, not at step val_freq
