@@ -78,16 +78,33 @@ def test_two_replica_groups_match_ddp(tmp_path, ddp_dir):
     assert series(run_dir / "replica_groups" / "1", "val/loss") == val
 
 
-def test_groups_with_fsdp_inside_match_ddp(tmp_path, ddp_dir):
-    """2 groups x fsdp(2): each group shards its model over its own 2 ranks, and the groups average the
-    gradient shards rank by rank; the same global batch gives DDP(2)'s (and HSDP(2x2)'s) losses."""
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "pp"])
+def test_groups_with_a_layout_inside_match_ddp(tmp_path, ddp_dir, layout):
+    """2 groups x <layout>(2): each group splits its model over its own 2 ranks, and each rank
+    averages its own gradient shards with the same rank of the other group (a pp stage with the
+    same stage); the same global batch gives DDP(2)'s (and HSDP(2x2)'s) losses."""
     run_dir = tmp_path / "run"
-    out, _ = finish(launch(run_dir, [*FT, "fault_tolerance.min_replicas=2", "parallelism=fsdp",
-                                     "cluster.nproc_per_node=2", "training.local_batch_size=2"]))
-    assert "2 rank(s): dp_shard 2; torchft replica group 0 of 2" in out
-    losses = series(run_dir, "loss")
-    diff = max(abs(a - b) for a, b in zip(losses, series(ddp_dir, "loss")))
-    assert len(losses) == STEPS and diff <= 1e-5, f"max |torchft x fsdp - ddp| = {diff:.3g}"
+    local = ["training.local_batch_size=2"] if layout == "fsdp" else []  # fsdp splits the batch, tp/pp do not
+    out, _ = finish(launch(run_dir, [*FT, "fault_tolerance.min_replicas=2", f"parallelism={layout}",
+                                     "cluster.nproc_per_node=2", *local]))
+    assert "torchft replica group 0 of 2" in out
+    for key in ("loss", "val/loss"):
+        got, want = series(run_dir, key), series(ddp_dir, key)
+        diff = max(abs(a - b) for a, b in zip(got, want))
+        assert len(got) == len(want) and diff <= 1e-5, f"{key}: max |torchft x {layout} - ddp| = {diff:.3g}"
+
+
+def test_groups_with_expert_parallel_inside_match_ddp(tmp_path):
+    """MoE: 2 groups x ep(2) (the experts split over each group's ranks) give DDP(2)'s losses."""
+    moe = ["model=qwen3_moe_debug", "training.steps=8", "training.val_freq=8"]
+    ddp, ep = tmp_path / "ddp", tmp_path / "ep"
+    finish(launch(ddp, [*moe, "parallelism=ddp", "cluster.nproc_per_node=2"]))
+    finish(launch(ep, [*moe, *FT, "fault_tolerance.min_replicas=2", "parallelism=ep", "cluster.nproc_per_node=2",
+                       "training.local_batch_size=2"]))
+    for key in ("loss", "val/loss"):
+        got, want = series(ep, key), series(ddp, key)
+        diff = max(abs(a - b) for a, b in zip(got, want))
+        assert len(got) == len(want) == (8 if key == "loss" else 1) and diff <= 1e-5, f"{key}: {diff:.3g}"
 
 
 def _steps_together(path: Path) -> int:
