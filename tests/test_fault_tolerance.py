@@ -78,7 +78,10 @@ def test_two_replica_groups_match_ddp(tmp_path, ddp_dir):
     assert series(run_dir / "replica_groups" / "1", "val/loss") == val
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "tp", "pp"])
+# fsdp: DTensor gradient shards averaged as local tensors (tp's and ep's are the same path: both
+# were checked by hand to 1e-6 / 3e-6 against DDP(2), docs/reference.md); pp: each rank holds
+# different parameters and meets the same stage of the other group. ~30 s each in CI.
+@pytest.mark.parametrize("layout", ["fsdp", "pp"])
 def test_groups_with_a_layout_inside_match_ddp(tmp_path, ddp_dir, layout):
     """2 groups x <layout>(2): each group splits its model over its own 2 ranks, and each rank
     averages its own gradient shards with the same rank of the other group (a pp stage with the
@@ -92,19 +95,6 @@ def test_groups_with_a_layout_inside_match_ddp(tmp_path, ddp_dir, layout):
         got, want = series(run_dir, key), series(ddp_dir, key)
         diff = max(abs(a - b) for a, b in zip(got, want))
         assert len(got) == len(want) and diff <= 1e-5, f"{key}: max |torchft x {layout} - ddp| = {diff:.3g}"
-
-
-def test_groups_with_expert_parallel_inside_match_ddp(tmp_path):
-    """MoE: 2 groups x ep(2) (the experts split over each group's ranks) give DDP(2)'s losses."""
-    moe = ["model=qwen3_moe_debug", "training.steps=8", "training.val_freq=8"]
-    ddp, ep = tmp_path / "ddp", tmp_path / "ep"
-    finish(launch(ddp, [*moe, "parallelism=ddp", "cluster.nproc_per_node=2"]))
-    finish(launch(ep, [*moe, *FT, "fault_tolerance.min_replicas=2", "parallelism=ep", "cluster.nproc_per_node=2",
-                       "training.local_batch_size=2"]))
-    for key in ("loss", "val/loss"):
-        got, want = series(ep, key), series(ddp, key)
-        diff = max(abs(a - b) for a, b in zip(got, want))
-        assert len(got) == len(want) == (8 if key == "loss" else 1) and diff <= 1e-5, f"{key}: {diff:.3g}"
 
 
 def _steps_together(path: Path) -> int:
@@ -128,6 +118,22 @@ def test_a_killed_group_restarts_recovers_from_its_peer_and_rejoins(tmp_path, dd
     assert len(pid) == 1, pid
     killed_at = _steps_together(group1 / "metrics.jsonl")
     os.kill(int(pid[0]), signal.SIGKILL)
+    # group 0 steps on alone (~40 ms a step here) while group 1 restarts (seconds): once it has
+    # stepped alone, hold it until the new group 1 has built its model, so that it is still
+    # running when group 1 asks to rejoin
+    while '"ft/participants": 1.0' not in (run_dir / "metrics.jsonl").read_text():
+        assert proc.poll() is None and time.time() < deadline, "group 0 did not step on alone"
+        time.sleep(0.01)
+    group0 = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", f"hydra.run.dir={run_dir}$"], capture_output=True,
+                            text=True).stdout.split()  # the launcher's child for group 0, not the launcher
+    assert len(group0) == 1, group0
+    os.kill(int(group0[0]), signal.SIGSTOP)
+    try:
+        while (group1 / "group.log").read_text().count("titan_hydra run") < 2:
+            assert proc.poll() is None and time.time() < deadline, "group 1 was not restarted"
+            time.sleep(0.05)
+    finally:
+        os.kill(int(group0[0]), signal.SIGCONT)
     out, _ = finish(proc)
     assert "replica group 1 exited with -9; restart 1/3" in out
     assert "replica group 0 exited" not in out  # the survivor was never restarted
@@ -171,6 +177,10 @@ def test_diloco_with_one_inner_step_and_outer_lr_1_is_data_parallel(tmp_path):
                                     "fault_tolerance.sync_every=1", "fault_tolerance.outer_lr=1",
                                     "fault_tolerance.outer_momentum=0", "fault_tolerance.outer_nesterov=false"]))
     assert "diloco every 1 steps" in out
+    rows = [json.loads(line) for line in (ft_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    params = sum(t.numel() for t in _final_weights(ft_dir).values())
+    assert [r["ft/syncs"] for r in rows] == list(range(1, STEPS + 1))
+    assert rows[-1]["ft/sent_mb"] == pytest.approx(STEPS * params * 4 / 2**20)  # one pseudo-gradient per meeting
     diff = _max_diff(_final_weights(ft_dir), _final_weights(ddp_dir))
     assert diff <= 1e-5, f"max |diloco(H=1) - ddp| weight = {diff:.3g}"
     assert _max_diff(_final_weights(ft_dir), _final_weights(ft_dir / "replica_groups" / "1")) == 0
@@ -179,8 +189,10 @@ def test_diloco_with_one_inner_step_and_outer_lr_1_is_data_parallel(tmp_path):
     assert len(mean) == len(ddp) == STEPS and max(abs(a - b) for a, b in zip(mean, ddp)) <= 1e-5
 
 
-@pytest.mark.parametrize("method", ["local_sgd", "diloco"])
-def test_semi_synchronous_groups_meet_every_sync_every_steps(tmp_path, method):
+def test_semi_synchronous_groups_meet_every_sync_every_steps(tmp_path):
+    """LocalSGD every 4 steps (DiLoCo's meetings are the same hooks: its parity test above checks
+    its bytes and meetings too)."""
+    method = "local_sgd"
     run_dir = tmp_path / "run"
     finish(launch(run_dir, [*FT, "fault_tolerance.min_replicas=2", f"fault_tolerance.semi_sync={method}",
                             "fault_tolerance.sync_every=4", "checkpoint=default", f"checkpoint.interval={STEPS}",
