@@ -37,7 +37,11 @@ STEPS = 24
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "training.seq_len=64",
         f"training.steps={STEPS}", "training.global_batch_size=8", "training.local_batch_size=4",
         "training.mixed_precision=fp32", "training.val_freq=12", "training.val_steps=2", "data.max_documents=60", "logger=minimal",
-        "cluster.threads_per_proc=1", "lr_scheduler.warmup_steps=2"]
+        "cluster.threads_per_proc=1", "lr_scheduler.warmup_steps=2",
+        # plain SGD: DiLoCo with one inner step and an outer lr of 1 is then exactly DDP, so one DDP
+        # run is the reference of every test here (synchronous groups equal DDP with any optimizer)
+        "optimizer=sgd", "optimizer.lr=0.5", "checkpoint=default", f"checkpoint.interval={STEPS}",
+        "training.log_freq=1"]
 FT = ["fault_tolerance=torchft", "fault_tolerance.replica_groups=2", "fault_tolerance.quorum_timeout_s=30",
       "fault_tolerance.timeout_s=30"]
 
@@ -107,8 +111,7 @@ def test_a_killed_group_restarts_recovers_from_its_peer_and_rejoins(tmp_path, dd
     ddp = series(ddp_dir, "loss")
     run_dir = tmp_path / "run"
     group1 = run_dir / "replica_groups" / "1"
-    proc = launch(run_dir, [*FT, "fault_tolerance.min_replicas=1", "checkpoint=default",
-                            f"checkpoint.interval={10 * STEPS}", "training.log_freq=1"])
+    proc = launch(run_dir, [*FT, "fault_tolerance.min_replicas=1"])
     deadline = time.time() + 120
     # kill group 1 a few steps after both groups train together (the first to start trains alone)
     while _steps_together(group1 / "metrics.jsonl") < 4:
@@ -165,15 +168,11 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-SGD = ["optimizer=sgd", "optimizer.lr=0.5", "checkpoint=default", f"checkpoint.interval={STEPS}", "training.log_freq=1"]
-
-
-def test_diloco_with_one_inner_step_and_outer_lr_1_is_data_parallel(tmp_path):
+def test_diloco_with_one_inner_step_and_outer_lr_1_is_data_parallel(tmp_path, ddp_dir):
     """pseudo-gradient = lr x own gradient; averaged and applied with outer SGD(lr 1) = one DDP
     SGD step. Each group logs its own loss: their mean is DDP's global loss."""
-    ddp_dir, ft_dir = tmp_path / "ddp", tmp_path / "ft"
-    finish(launch(ddp_dir, [*SGD, "parallelism=ddp", "cluster.nproc_per_node=2"]))
-    out, _ = finish(launch(ft_dir, [*SGD, *FT, "fault_tolerance.min_replicas=2", "fault_tolerance.semi_sync=diloco",
+    ft_dir = tmp_path / "ft"
+    out, _ = finish(launch(ft_dir, [*FT, "fault_tolerance.min_replicas=2", "fault_tolerance.semi_sync=diloco",
                                     "fault_tolerance.sync_every=1", "fault_tolerance.outer_lr=1",
                                     "fault_tolerance.outer_momentum=0", "fault_tolerance.outer_nesterov=false"]))
     assert "diloco every 1 steps" in out
@@ -195,8 +194,7 @@ def test_semi_synchronous_groups_meet_every_sync_every_steps(tmp_path):
     method = "local_sgd"
     run_dir = tmp_path / "run"
     finish(launch(run_dir, [*FT, "fault_tolerance.min_replicas=2", f"fault_tolerance.semi_sync={method}",
-                            "fault_tolerance.sync_every=4", "checkpoint=default", f"checkpoint.interval={STEPS}",
-                            "training.log_freq=1", "optimizer.lr=4e-3"]))
+                            "fault_tolerance.sync_every=4", "optimizer=adamw", "optimizer.lr=4e-3"]))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert [r["ft/syncs"] for r in rows] == [s // 4 for s in range(1, STEPS + 1)]  # a meeting after every 4th step
     losses = [r["loss"] for r in rows]

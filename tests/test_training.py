@@ -26,18 +26,19 @@ def train(tmp_path, overrides, name="run"):
 
 
 # (family overrides, whether the first loss must sit near uniform guessing, least drop of the
-# 3-step mean over 30 steps). Measured (first 3 -> last 3): llama3_debug 8.06 -> 6.31; qwen3_debug
-# (tied, 1/dim init) with 2 layers 7.62 -> 6.45, so the drop asked of Qwen3 is 1.0 (the run must
-# also end 1 nat below uniform, as both do).
+# 3-step mean over 30 steps). Measured (first 3 -> last 3): llama3_debug with 3 of its 6 layers
+# 8.10 -> 6.51 (fp32 and bf16 alike; 6 layers: 8.06 -> 6.31 in ~3x the time; 2 layers end at 6.65,
+# short of the uniform - 1 bound); qwen3_debug (tied, 1/dim init) with 2 layers 7.62 -> 6.45. The
+# drops asked are 1.2 and 1.0, and the run must also end 1 nat below uniform.
 LEARNING = [
-    pytest.param([], True, 1.5, id="llama3"),
+    pytest.param(["model.n_layers=3"], True, 1.2, id="llama3"),
     pytest.param(["model=qwen3_debug", "model.n_layers=2"], True, 1.0, id="qwen3"),
 ]
 
 
 @pytest.mark.parametrize("model, init_near_uniform, min_drop", LEARNING)
 def test_thirty_steps_lower_the_loss(tmp_path, model, init_near_uniform, min_drop):
-    # The debug shape itself (llama3_debug: dim 256, 6 layers; qwen3_debug: 2 of its 6 layers),
+    # The debug shapes (dim 256) with 2 of their 6 layers,
     # shorter sequences to stay fast.
     cfg = compose_cfg(["logger=minimal", "training.val_freq=0", "cluster.threads_per_proc=1",
                        "training.steps=30", "training.seq_len=128", "data.max_documents=200", *model])

@@ -42,7 +42,7 @@ def parallelize_part(part: torch.nn.Module, family, dims: ParallelDims, ac, comp
     if ac is not None and ac.enabled:
         ac.apply(family.blocks(part))
     if compiler is not None and compiler.enabled:
-        compiler.apply(part, family.blocks(part))
+        compiler.apply(part, family.blocks(part), [m for _, m in family.expert_modules(part)])
     if dims.fsdp_enabled or dims.dp_replicate_enabled:
         apply_data_parallel(part, family.fsdp_units(part), dims, mixed_precision, device, experts)
     return part

@@ -6,6 +6,14 @@ n_layers); the FSDP all-gather/reduce-scatter hooks sit between blocks, outside 
 pipeline stages hold any subset of blocks. ``Module.compile()`` compiles in place, so parameter
 FQNs (and checkpoints) are the same as in eager runs.
 
+A block that holds routed experts (``ModelFamily.expert_modules``) is compiled in pieces: every
+child without experts as one fullgraph graph (attention, norms, shared experts), the MoE layer
+descended into, and the experts module itself left eager. Its token dispatch has data-dependent
+sizes (a whole-block graph recompiles as the per-expert counts change), and under expert
+parallel its hooks run all-to-alls with host-side split sizes and it is an FSDP unit of its own:
+none of that can sit inside a fullgraph. ``compiled_graphs()`` counts what dynamo compiled, so a
+run can show that its steps stopped compiling after the first ones.
+
 ``model_loss`` also compiles the loss (logits upcast + cross entropy fuse; the fp32 copy of
 the logits is never materialized), which the recipe passes to the Trainer as ``loss_fn``.
 """
@@ -35,27 +43,49 @@ class Compiler:
     def enabled(self) -> bool:
         return self.mode != "none"
 
-    def apply(self, part: torch.nn.Module, layers: torch.nn.ModuleDict) -> int:
-        return apply_compile(part, layers, self)
+    def apply(self, part: torch.nn.Module, layers: torch.nn.ModuleDict,
+              experts: list[torch.nn.Module] = ()) -> int:
+        return apply_compile(part, layers, self, experts)
 
     def compile_loss(self, loss_fn: Callable) -> Callable:
         """The loss the trainer uses: compiled under ``model_loss``, else unchanged."""
         return build_loss_fn(self, loss_fn)
 
 
-def apply_compile(part: torch.nn.Module, layers: torch.nn.ModuleDict, compile_cfg) -> int:
-    """Compile each block of ``layers`` (``family.blocks(part)``) in place; returns how many."""
+def apply_compile(part: torch.nn.Module, layers: torch.nn.ModuleDict, compile_cfg,
+                  experts: list[torch.nn.Module] = ()) -> int:
+    """Compile each block of ``layers`` (``family.blocks(part)``) in place; returns how many.
+    ``experts``: the routed-experts modules (``family.expert_modules``), left eager."""
     if compile_cfg.mode == "none":
         return 0
     inductor_cache_for_isa()
     # Blocks differ only in layer_id; let dynamo reuse one graph for all of them.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    eager = {id(m) for m in experts}
     for block in layers.values():
-        block.compile(backend=compile_cfg.backend, fullgraph=True)
+        _compile_around(block, eager, compile_cfg.backend)
     for child in part.children():  # the eager modules around the blocks (embedding, head)
         if child is not layers:
             child.register_forward_hook(_resolve_async_output)
     return len(layers)
+
+
+def _compile_around(module: torch.nn.Module, eager: set[int], backend: str) -> None:
+    """``module`` as one fullgraph graph, or, if it holds a module of ``eager``, each child that
+    does not (descending into those that do), leaving the ``eager`` ones and the code of the
+    modules that hold them uncompiled."""
+    if id(module) in eager:
+        return
+    if not any(id(m) in eager for m in module.modules()):
+        module.compile(backend=backend, fullgraph=True)
+        return
+    for child in module.children():
+        _compile_around(child, eager, backend)
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (a recompile adds one)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def _resolve_async_output(_module: torch.nn.Module, _inputs, output):

@@ -162,11 +162,6 @@ def check_layout(dims, n_experts: int, compile_mode: str, ac_mode: str) -> None:
             f"parallelism.ep={dims.ep} must divide the model's {n_experts} routed experts; "
             "change parallelism.ep or model.moe.num_experts"
         )
-    if compile_mode != "none":
-        raise ConfigError(
-            f"compile={compile_mode} cannot run with parallelism.ep={dims.ep} (the experts' FSDP unit and "
-            "all-to-all inside a fullgraph-compiled block); set compile=none"
-        )
     if ac_mode == "selective_op":
         raise ConfigError(
             f"activation_checkpoint=selective_op cannot run with parallelism.ep={dims.ep} (the experts' FSDP "

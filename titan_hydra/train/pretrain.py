@@ -35,6 +35,7 @@ from titan_hydra.metrics.summary import run_footer, run_header
 from titan_hydra.metrics.throughput import ThroughputMeter, cpu_bf16_slower_than_fp32, device_peak_tflops
 from titan_hydra.models.registry import args_of, build_model
 from titan_hydra.parallel.apply import parallelize
+from titan_hydra.parallel.compile import compiled_graphs
 from titan_hydra.parallel.full_state import gather_full_state
 from titan_hydra.runtime.preemption import watch_for_preemption
 from titan_hydra.runtime.rendezvous import init_process_group  # bounded, one-line failure
@@ -283,6 +284,14 @@ def build_throughput(cfg: DictConfig, device: torch.device, rank: int, world_siz
     return ThroughputMeter(built.flops_per_unit, peak, world_size=world_size, rate_key=built.family.objective.rate_key)
 
 
+def compile_hooks(cfg: DictConfig) -> list:
+    """A compiled run logs ``compile/graphs`` (dynamo graphs so far): flat after the first steps
+    means no step recompiles."""
+    if str(cfg.compile.mode) == "none":
+        return []
+    return [lambda: {"compile/graphs": float(compiled_graphs())}]
+
+
 def header_of(cfg: DictConfig, dims, data: DataPlan, built: BuiltModel, world_size: int, run_dir: str,
               fault_tolerance: str | None = None) -> str:
     t = cfg.training
@@ -338,7 +347,7 @@ def _run(
         metric_logger=metric_logger, throughput=build_throughput(cfg, device, rank, world_size, built),
         memory=MemoryMonitor(device), state=state, device=device, checkpointer=checkpointer,
         preemption=watch_for_preemption(rank, world_size, device),  # None outside SLURM
-        profiler=profiler, step_hooks=built.family.step_hooks(built.parts, dims),
+        profiler=profiler, step_hooks=built.family.step_hooks(built.parts, dims) + compile_hooks(cfg),
         periodic_eval=periodic_eval_of(cfg, built, data), objective=built.family.objective,
         fault_tolerance=ft if ft.enabled else None,
     )
