@@ -109,6 +109,24 @@ def test_deepseek_v3_671b_thirty_two_nodes_uses_expert_parallel():
     assert no_ep.mem_total_gib > 80.0 > p.mem_total_gib and no_ep.mem_transient_gib > 4 * p.mem_transient_gib
 
 
+@pytest.mark.parametrize("features", [["compile=model", "activation_checkpoint=full"],
+                                      ["compile=model", "activation_checkpoint=selective_op"]],
+                         ids=["compile_full_ac", "compile_selective_op"])
+def test_deepseek_v3_671b_keeps_expert_parallel_when_compiled_or_selectively_checkpointed(features):
+    """Compile and selective-op AC used to be refused under EP, which made every EP candidate
+    invalid for auto; now EP stays on the table (and is chosen where it fits)."""
+    ov = ["model=deepseek_v3_671b", *H100[:2], "cluster.nnodes=32", "training.seq_len=4096",
+          "training.local_batch_size=2", *features]
+    cfg = compose_cfg(ov)
+    cands = [auto.evaluate(cfg, c) for c in auto.enumerate_candidates(cfg)]
+    reasons = {c.invalid for c in cands if c.ep > 1 and c.invalid}
+    assert not [r for r in reasons if "compile" in r or "activation_checkpoint" in r], reasons
+    assert any(c.ep > 1 and not c.invalid for c in cands)
+    if "activation_checkpoint=full" in features:  # fits 80 GiB with full AC (selective_op does not)
+        cfg, _ = resolved(ov)
+        assert cfg.parallelism.ep > 1
+
+
 def test_resolution_is_deterministic_and_idempotent():
     ov = ["model=llama3_70b", *H100, "cluster.nnodes=4", "training.local_batch_size=1"]
     a, _ = resolved(ov)

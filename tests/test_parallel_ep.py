@@ -6,7 +6,8 @@ layout (EP only changes where an expert's matmul runs and the order of gradient 
 max |loss - single| over 10 steps: ep2 + accumulation, efsdp2 x ep2, pp2 x ep2 and both
 resharded resumes 9.5e-7 (one float32 ulp at loss 8) or 0; trained parameters 6e-7.
 
-Cost: one 2-rank spawn, three in-process single runs, five launches (two at a time).
+Cost: one 2-rank spawn, three in-process single runs, five launches (two at a time), three of
+them compiled.
 """
 
 from __future__ import annotations
@@ -183,10 +184,19 @@ NORM_ATOL = 1e-5
 # Trained parameters, ep(2) + accumulation vs single, fp32 after 10 AdamW steps: measured 6e-7.
 PARAM_ATOL = 1e-5
 # name -> (overrides, processes, data-parallel degree: local batch 8 // dp), reference
+# Every EP layout also runs compiled (the MoE blocks in pieces, the experts eager) with one of the
+# activation-checkpointing modes, against the eager single process: compile and AC are no longer
+# refused under EP, and these runs show they change nothing but speed and memory.
+COMPILED = ["compile=model", "training.log_freq=1"]
 LAYOUTS = {
-    "ep2_accum2": (["parallelism=ep", *CKPT], 2, 4, "bias"),  # ep=2 on 2 ranks, local batch 2: 2 accumulation steps
-    "efsdp2_ep2": (["parallelism=fsdp_ep", *FINAL_CKPT], 4, 4, "bias"),  # experts: FSDP over 2 x EP over 2
-    "pp2_ep2": (["parallelism=fsdp_ep", "parallelism.pp=2"], 4, 2, "bias"),  # per stage: ep 2, efsdp 1
+    # ep=2 on 2 ranks, local batch 2: 2 accumulation steps; selective-op AC saving every second matmul
+    "ep2_accum2": (["parallelism=ep", *CKPT, *COMPILED, "activation_checkpoint=selective_op",
+                    "activation_checkpoint.selective_op_policy=every_second_mm"], 2, 4, "bias"),
+    # experts: FSDP over 2 x EP over 2; full AC
+    "efsdp2_ep2": (["parallelism=fsdp_ep", *FINAL_CKPT, *COMPILED, "activation_checkpoint=full"], 4, 4, "bias"),
+    # per stage: ep 2, efsdp 1; compiled, no AC: with any AC mode (eager too) this layout drifts
+    # from the single process by ~5e-5 over 10 steps (not 1e-5; open, noted in the issue)
+    "pp2_ep2": (["parallelism=fsdp_ep", "parallelism.pp=2", *COMPILED], 4, 2, "bias"),
 }
 RESUMES = {  # name -> (overrides, processes, dp): full state from ep2_accum2's step-5 checkpoint
     "fsdp2": (["parallelism=fsdp"], 2, 2),
@@ -262,6 +272,15 @@ def test_ep_loss_and_grad_norm_parity(name, runs, record_property):
     assert_parity(norms, ref_norms, atol=NORM_ATOL, label=f"qwen3_moe {name} grad_norm", record=record_property)
 
 
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_compiled_ep_layouts_do_not_recompile(name, runs):
+    """Dynamo compiled its graphs in the first step (forward and backward) and none after: the
+    experts, whose token counts change every step, stay out of the graphs (compile/graphs, logged
+    every step, is the process's count of compiled graphs)."""
+    graphs = series(runs[name].result(), "compile/graphs")
+    assert len(graphs) == STEPS and graphs[0] > 0 and len(set(graphs)) == 1, graphs
+
+
 @pytest.mark.parametrize("name, steps", [("ep2_accum2", (RESUME_STEP, STEPS)), ("efsdp2_ep2", (STEPS,))])
 def test_ep_expert_bias_and_params_match_single(name, steps, runs, record_property):
     """The expert biases equal the single process's bit for bit at every saved step (each rank
@@ -316,11 +335,11 @@ def _refused(overrides: list[str]) -> str:
     (["model=qwen3_moe_debug", "parallelism=fsdp_tp", "parallelism.ep=2", "cluster.nproc_per_node=4"],
      "parallelism.tp=2 is not supported"),
     (["model=qwen3_moe_debug", "parallelism.ep=0"], "must be >= 1 or -1"),
-    (["model=qwen3_moe_debug", "parallelism=ep", "cluster.nproc_per_node=2", "activation_checkpoint=selective_op"],
-     "activation_checkpoint=selective_op cannot run"),
-    (["model=qwen3_moe_debug", "parallelism=ep", "cluster.nproc_per_node=2", "compile=model"],
-     "compile=model cannot run"),
-], ids=["dense_model", "experts_not_divisible", "ep_not_dividing_dp", "with_tp", "zero", "selective_op_ac",
-        "compile"])
+], ids=["dense_model", "experts_not_divisible", "ep_not_dividing_dp", "with_tp", "zero"])
 def test_ep_config_errors(overrides, expected):
     assert expected in _refused(overrides)
+
+
+def test_compile_and_selective_ac_are_accepted_under_ep():
+    validate(compose_cfg(["model=qwen3_moe_debug", "parallelism=ep", "cluster.nproc_per_node=2", "compile=model",
+                          "activation_checkpoint=selective_op"]))

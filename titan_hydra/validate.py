@@ -146,7 +146,7 @@ def validate_parallel_modules(cfg: DictConfig, dims) -> None:
                     compiled=compile_mode != "none", seq_len=int(cfg.training.seq_len))
     pp.check_layout(dims, int(shape.n_layers), int(cfg.training.local_batch_size))
     cp.check_layout(dims, str(cfg.cluster.device))
-    ep.check_layout(dims, int(getattr(shape, "n_experts", 0) or 0), compile_mode, str(ac.mode))
+    ep.check_layout(dims, int(getattr(shape, "n_experts", 0) or 0))
     activation_checkpoint.check_settings(str(ac.mode), int(ac.get("selective_layer_freq", 2)),
                                          str(ac.get("selective_op_policy", "all_mm")))
     compile_rules.check_settings(compile_mode, str(cfg.compile.backend), dims, str(ac.mode))

@@ -29,7 +29,7 @@ import functools
 from typing import Any, Callable
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from titan_hydra.errors import ConfigError
 from titan_hydra.kernels.small_head_attention import attention_op  # a custom op (its import registers it)
@@ -49,6 +49,17 @@ def _save_ops() -> set:
 
 
 SAVE_OPS = _save_ops()
+
+# Selective-op AC replays a block's recompute against the op sequence of its forward, op by op.
+# A block holding an FSDP unit of its own (the routed experts under expert parallel) runs FSDP's
+# hooks inside the checkpointed region, and they open profiler ranges (record_function) a
+# different number of times in the forward and in the recompute (the recompute skips the
+# unshard): SAC then refuses the backward. A profiler range computes nothing, so it is one of the
+# ops SAC lets through without bookkeeping, like size and stride queries.
+SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
+                        torch.ops.profiler._record_function_enter.default,
+                        torch.ops.profiler._record_function_exit.default,
+                        torch.ops.profiler._record_function_exit._RecordFunction})
 # The projections a block's Linear layers dispatch to (what every_second_mm counts).
 MM_OPS = {getattr(torch.ops.aten, n).default for n in ("mm", "addmm", "_scaled_mm") if hasattr(torch.ops.aten, n)}
 SAC_POLICIES = ("all_mm", "every_second_mm")

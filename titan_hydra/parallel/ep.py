@@ -139,17 +139,12 @@ def apply_ep(model: nn.Module, family, dims) -> list[tuple[str, nn.Module]]:
 # --------------------------------------------------------------------------- pre-launch rules
 
 
-def check_layout(dims, n_experts: int, compile_mode: str, ac_mode: str) -> None:
+def check_layout(dims, n_experts: int) -> None:
     """EP against the model, before any process starts (validate.py calls this): the model must
     have routed experts, and ep must divide their number. (ep | dp_shard*cp and tp=1 are
-    ParallelDims' own rules.)
-
-    Two features are refused because the experts are an FSDP unit of their own (their own mesh)
-    inside each block: selective_op activation checkpointing (FSDP skips its pre-forward work
-    during the recompute, so torch's selective checkpoint sees a different op sequence and
-    aborts) and compile=model (blocks compile with fullgraph=True, and the nested FSDP hooks and
-    the all-to-all's host-side split sizes break the graph).
-    """
+    ParallelDims' own rules.) Compile and every activation-checkpointing mode work under EP:
+    compile leaves the experts module eager (parallel/compile.py) and selective-op AC lets
+    FSDP's profiler ranges through (parallel/ac.py)."""
     if dims.ep <= 1:
         return
     if n_experts == 0:
@@ -161,9 +156,4 @@ def check_layout(dims, n_experts: int, compile_mode: str, ac_mode: str) -> None:
         raise ConfigError(
             f"parallelism.ep={dims.ep} must divide the model's {n_experts} routed experts; "
             "change parallelism.ep or model.moe.num_experts"
-        )
-    if ac_mode == "selective_op":
-        raise ConfigError(
-            f"activation_checkpoint=selective_op cannot run with parallelism.ep={dims.ep} (the experts' FSDP "
-            "unit inside a selectively checkpointed block); use activation_checkpoint=full or selective_layer"
         )
