@@ -16,15 +16,22 @@ from typing import Any, Callable
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from titan_hydra.checkpoint.load import apply_state
-from titan_hydra.checkpoint.state import RunParts
+from titan_hydra.checkpoint.state import RunParts, members
 
 
 def live_state_fns(run: RunParts) -> tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]:
     """(state_dict, load_state_dict) for ``torchft.Manager``."""
 
     def state_dict() -> dict[str, Any]:
-        return {"model": get_model_state_dict(run.module), "optim": run.optim_state(), "extra": run.extra_state(),
-                "loader": run.rank_state()["dataloader"]}
+        # torch's optimizer state-dict reader first initializes an optimizer that holds no state
+        # (a stateless SGD; any optimizer before its first step) with a zero-lr step on zero
+        # gradients it sets and then clears. torchft calls this from its quorum thread while the
+        # training thread runs forward and backward: that step bumps the parameters' versions
+        # (autograd then refuses the backward) and drops the gradients. Such an optimizer has
+        # nothing to send; the receiver keeps its own, equally empty, state.
+        stateful = all(o.state for o in members(run.optimizer))
+        return {"model": get_model_state_dict(run.module), "optim": run.optim_state() if stateful else {},
+                "extra": run.extra_state(), "loader": run.rank_state()["dataloader"]}
 
     def load_state_dict(sd: dict[str, Any]) -> None:
         # torchft applies the state mid-step, with this step's gradients in place; torch's optimizer
