@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -27,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, series
+from helpers import REPO, read_metrics, series
 from titan_hydra.checkpoint.storage import load_plain, read_metadata, tensor_entries
 from titan_hydra.launch.ft_local import lighthouse_binary
 from titan_hydra.runtime.rendezvous import free_port
@@ -50,6 +49,17 @@ def launch(run_dir: Path, extra: list[str]) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
     return subprocess.Popen([sys.executable, str(REPO / "launch.py"), *TINY, *extra, f"hydra.run.dir={run_dir}"],
                             cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def steps_of(run_dir: Path) -> list[dict]:
+    """The step rows (those with a loss) a group logged, in order ([] before its first)."""
+    return [r for r in read_metrics(run_dir, missing_ok=True) if "loss" in r]
+
+
+def weights_at(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
+    """The model entries of the group's checkpoint at ``step``."""
+    path = run_dir / "checkpoint" / f"step-{step}"
+    return load_plain(path, [k for k in tensor_entries(read_metadata(path)) if k.startswith("model.")])
 
 
 def finish(proc: subprocess.Popen, timeout: int = 300) -> tuple[str, str]:
@@ -101,10 +111,9 @@ def test_groups_with_a_layout_inside_match_ddp(tmp_path, ddp_dir, layout):
         assert len(got) == len(want) and diff <= 1e-5, f"{key}: max |torchft x {layout} - ddp| = {diff:.3g}"
 
 
-def _steps_together(path: Path) -> int:
-    """The last step ``path``'s group logged with both groups in the quorum (0: none yet)."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if '"loss"' in line] if path.is_file() else []
-    return max((r["step"] for r in rows if r.get("ft/participants") == 2), default=0)
+def _steps_together(run_dir: Path) -> int:
+    """The last step ``run_dir``'s group logged with both groups in the quorum (0: none yet)."""
+    return max((r["step"] for r in steps_of(run_dir) if r.get("ft/participants") == 2), default=0)
 
 
 def test_a_killed_group_restarts_recovers_from_its_peer_and_rejoins(tmp_path, ddp_dir):
@@ -114,12 +123,12 @@ def test_a_killed_group_restarts_recovers_from_its_peer_and_rejoins(tmp_path, dd
     proc = launch(run_dir, [*FT, "fault_tolerance.min_replicas=1"])
     deadline = time.time() + 120
     # kill group 1 a few steps after both groups train together (the first to start trains alone)
-    while _steps_together(group1 / "metrics.jsonl") < 4:
+    while _steps_together(group1) < 4:
         assert proc.poll() is None and time.time() < deadline, "the groups never trained together for 4 steps"
         time.sleep(0.02)
     pid = subprocess.run(["pgrep", "-f", f"hydra.run.dir={group1}"], capture_output=True, text=True).stdout.split()
     assert len(pid) == 1, pid
-    killed_at = _steps_together(group1 / "metrics.jsonl")
+    killed_at = _steps_together(group1)
     os.kill(int(pid[0]), signal.SIGKILL)
     # group 0 steps on alone (~40 ms a step here) while group 1 restarts (seconds): once it has
     # stepped alone, hold it until the new group 1 has built its model, so that it is still
@@ -140,27 +149,18 @@ def test_a_killed_group_restarts_recovers_from_its_peer_and_rejoins(tmp_path, dd
     out, _ = finish(proc)
     assert "replica group 1 exited with -9; restart 1/3" in out
     assert "replica group 0 exited" not in out  # the survivor was never restarted
-    steps0 = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    steps0 = steps_of(run_dir)
     assert [m["step"] for m in steps0] == list(range(1, STEPS + 1))  # every step, none lost or repeated
     alone = [m["step"] for m in steps0 if m["ft/participants"] == 1]
     assert alone and min(alone) > killed_at - 2, (alone, killed_at)  # it went on alone after the kill
-    rejoined = [json.loads(line) for line in (group1 / "metrics.jsonl").read_text().splitlines()
-                if '"ft/recoveries": 1' in line]
+    rejoined = [r for r in steps_of(group1) if r["ft/recoveries"] == 1]
     assert rejoined, "the restarted group 1 did not recover from a peer"
     assert steps0[-1]["ft/participants"] == 2  # and both finished together
     # both groups hold the same final weights (their own last checkpoints)
-    paths = [run_dir / "checkpoint" / f"step-{STEPS}", group1 / "checkpoint" / f"step-{STEPS}"]
-    model = [k for k in tensor_entries(read_metadata(paths[0])) if k.startswith("model.")]
-    a, b = (load_plain(p, model) for p in paths)
-    assert model and all(torch.equal(a[k], b[k]) for k in model)
+    a, b = weights_at(run_dir), weights_at(group1)
+    assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # group 0 trained on half the data for a few steps: near, not equal to, the undisturbed run
     assert abs(steps0[-1]["loss"] - ddp[-1]) < 0.05, (steps0[-1]["loss"], ddp[-1])
-
-
-def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    path = run_dir / "checkpoint" / f"step-{STEPS}"
-    keys = [k for k in tensor_entries(read_metadata(path)) if k.startswith("model.")]
-    return load_plain(path, keys)
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -176,13 +176,13 @@ def test_diloco_with_one_inner_step_and_outer_lr_1_is_data_parallel(tmp_path, dd
                                     "fault_tolerance.sync_every=1", "fault_tolerance.outer_lr=1",
                                     "fault_tolerance.outer_momentum=0", "fault_tolerance.outer_nesterov=false"]))
     assert "diloco every 1 steps" in out
-    rows = [json.loads(line) for line in (ft_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
-    params = sum(t.numel() for t in _final_weights(ft_dir).values())
+    rows = steps_of(ft_dir)
+    params = sum(t.numel() for t in weights_at(ft_dir).values())
     assert [r["ft/syncs"] for r in rows] == list(range(1, STEPS + 1))
     assert rows[-1]["ft/sent_mb"] == pytest.approx(STEPS * params * 4 / 2**20)  # one pseudo-gradient per meeting
-    diff = _max_diff(_final_weights(ft_dir), _final_weights(ddp_dir))
+    diff = _max_diff(weights_at(ft_dir), weights_at(ddp_dir))
     assert diff <= 1e-5, f"max |diloco(H=1) - ddp| weight = {diff:.3g}"
-    assert _max_diff(_final_weights(ft_dir), _final_weights(ft_dir / "replica_groups" / "1")) == 0
+    assert _max_diff(weights_at(ft_dir), weights_at(ft_dir / "replica_groups" / "1")) == 0
     mean = [(a + b) / 2 for a, b in zip(series(ft_dir, "loss"), series(ft_dir / "replica_groups" / "1", "loss"))]
     ddp = series(ddp_dir, "loss")
     assert len(mean) == len(ddp) == STEPS and max(abs(a - b) for a, b in zip(mean, ddp)) <= 1e-5
@@ -195,16 +195,16 @@ def test_semi_synchronous_groups_meet_every_sync_every_steps(tmp_path):
     run_dir = tmp_path / "run"
     finish(launch(run_dir, [*FT, "fault_tolerance.min_replicas=2", f"fault_tolerance.semi_sync={method}",
                             "fault_tolerance.sync_every=4", "optimizer=adamw", "optimizer.lr=4e-3"]))
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    rows = steps_of(run_dir)
     assert [r["ft/syncs"] for r in rows] == [s // 4 for s in range(1, STEPS + 1)]  # a meeting after every 4th step
     losses = [r["loss"] for r in rows]
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5, losses  # it trains
     # between meetings nothing is sent; at each, every weight once (fp32)
-    params = sum(t.numel() for t in _final_weights(run_dir).values())
+    params = sum(t.numel() for t in weights_at(run_dir).values())
     assert rows[-1]["ft/sent_mb"] == pytest.approx(STEPS // 4 * params * 4 / 2**20)
     assert rows[5]["ft/sent_mb"] == rows[4]["ft/sent_mb"] == rows[3]["ft/sent_mb"] > 0
     # the last step was a meeting: both groups hold the same weights
-    assert _max_diff(_final_weights(run_dir), _final_weights(run_dir / "replica_groups" / "1")) == 0
+    assert _max_diff(weights_at(run_dir), weights_at(run_dir / "replica_groups" / "1")) == 0
 
 
 def test_a_group_started_on_its_own_joins_late_and_heals(tmp_path):
@@ -221,7 +221,7 @@ def test_a_group_started_on_its_own_joins_late_and_heals(tmp_path):
     try:
         first = launch(tmp_path / "g0", [*own, "fault_tolerance.group=0"])
         deadline = time.time() + 120
-        while len(series(tmp_path / "g0", "loss") if (tmp_path / "g0" / "metrics.jsonl").is_file() else []) < 3:
+        while len(steps_of(tmp_path / "g0")) < 3:
             assert first.poll() is None and time.time() < deadline, "group 0 never stepped"
             time.sleep(0.02)
         # group 0 steps alone in ~40 ms, group 1 needs seconds to start: hold group 0 until group 1
@@ -239,16 +239,13 @@ def test_a_group_started_on_its_own_joins_late_and_heals(tmp_path):
     finally:
         lighthouse.kill()
         lighthouse.wait()
-    rows0 = [json.loads(line) for line in (tmp_path / "g0" / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
-    rows1 = [json.loads(line) for line in (tmp_path / "g1" / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    rows0, rows1 = steps_of(tmp_path / "g0"), steps_of(tmp_path / "g1")
     assert [r["step"] for r in rows0] == list(range(1, steps + 1))
     assert rows0[0]["ft/participants"] == 1 and rows0[-1]["ft/participants"] == 2
     assert rows0[-1]["ft/quorums"] >= 2  # alone, then with group 1
     assert rows1[-1]["ft/recoveries"] == 1 and rows1[-1]["step"] == steps  # healed once, from group 0's state
-    a = load_plain(tmp_path / "g0" / "checkpoint" / f"step-{steps}", keys := [
-        k for k in tensor_entries(read_metadata(tmp_path / "g0" / "checkpoint" / f"step-{steps}")) if k.startswith("model.")])
-    b = load_plain(tmp_path / "g1" / "checkpoint" / f"step-{steps}", keys)
-    assert keys and all(torch.equal(a[k], b[k]) for k in keys)
+    a, b = weights_at(tmp_path / "g0", steps), weights_at(tmp_path / "g1", steps)
+    assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.AdamW])

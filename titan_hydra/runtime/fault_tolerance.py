@@ -158,7 +158,7 @@ class FaultTolerance:
         self._wait_for_the_other_groups(rank, world_size)
 
     def _attach(self, model_parts: list[torch.nn.Module] | None, optimizer: torch.optim.Optimizer | None) -> None:
-        from torchft.local_sgd import DiLoCo, LocalSGD
+        from torchft.local_sgd import DiLoCo, LocalSGD  # only semi-synchronous runs load it
 
         if not model_parts or optimizer is None:
             raise ValueError("semi-synchronous fault tolerance needs the model parts and the inner optimizer")
