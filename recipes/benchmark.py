@@ -23,6 +23,9 @@ are comparable; absolute numbers on shared 2-core machines are noisy.
     python recipes/benchmark.py --suite ft --steps 120 --sync-every 20
         # torchft: DDP vs synchronous replica groups vs LocalSGD / DiLoCo (2 groups x 1 rank):
         # validation loss at the same steps, MB each rank sends per step, tokens/s
+    python recipes/benchmark.py --suite moe_memory --steps 300 --threads 2
+        # resident memory of a long qwen3_moe_debug run: at step 30 and at the end, bf16 with and
+        # without bucketed expert rows, fp32, and expert parallel on 2 ranks
 """
 
 from __future__ import annotations
@@ -381,9 +384,64 @@ def ft_suite(args, tmp: Path) -> tuple[list[str], dict]:
     return lines, {"suite": "ft", "steps": args.steps, "sync_every": h, "rows": rows}
 
 
+# --------------------------------------------------------------------- the moe_memory suite
+def moe_memory_suite(args, tmp: Path) -> tuple[list[str], dict]:
+    """Resident memory (rank 0's RSS after each step) of a long qwen3_moe_debug run, the issue's
+    criterion: the last step within 10% of step 30. bf16 with the experts' rows bucketed (the CPU
+    default) against the same run unpadded, fp32, and 2 expert-parallel ranks of 1 thread."""
+    bf16 = ("model=qwen3_moe_debug", "training.mixed_precision=bf16")
+    variants = {
+        "bf16, bucketed expert rows (default)": (bf16, 1, args.threads),
+        "bf16, unpadded expert rows": ((*bf16, "model.moe.bucket_rows=false"), 1, args.threads),
+        "fp32": (("model=qwen3_moe_debug", "training.mixed_precision=fp32"), 1, args.threads),
+        "bf16, ep 2 ranks x 1 thread": ((*bf16, "parallelism=ep", "training.local_batch_size=4"), 2, 1),
+    }
+    marks = sorted({1, 30, 100, args.steps} & set(range(1, args.steps + 1)))
+    rows = []
+    for name, (overrides, nproc, threads) in variants.items():
+        run_dir = tmp / "".join(c if c.isalnum() else "_" for c in name)
+        cmd = [sys.executable, str(REPO / "launch.py"), *overrides, f"training.steps={args.steps}",
+               "training.val_freq=0", "logger=minimal", "checkpoint=none", f"cluster.nproc_per_node={nproc}",
+               f"cluster.threads_per_proc={threads}", f"hydra.run.dir={run_dir}", *args.extra]
+        t0 = time.time()
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp,
+                              env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+        wall = time.time() - t0
+        if proc.returncode != 0:
+            rows.append({"variant": name, "failed": (proc.stderr.strip().splitlines() or ["?"])[-1]})
+            continue
+        steps = {m["step"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                 if "memory_current_gib" in m and "step" in m}
+        rss = {s: steps[s]["memory_current_gib"] for s in marks if s in steps}
+        rows.append({
+            "variant": name, "overrides": list(overrides), "ranks": nproc, "threads": threads, "wall_s": wall,
+            "rss_gib": rss, "growth_after_30_pct": 100 * (rss[marks[-1]] / rss[30] - 1) if 30 in rss else None,
+            "tokens_per_s_total": nproc * statistics.median(
+                m["tps"] for s, m in steps.items() if s > args.warmup and "tps" in m),
+            "precision": header_value(proc.stdout, "precision").split(" ")[0],
+        })
+    from titan_hydra.hardware import cpu_isa, cpu_model
+
+    lines = [f"suite `moe_memory` — {time.strftime('%Y-%m-%d')}, {cpu_model()} ({cpu_isa()}), {os.cpu_count()} cores, "
+             f"qwen3_moe_debug, {args.steps} steps, rank 0's resident memory (GiB) after the step", "",
+             "| variant | " + " | ".join(f"RSS @{s}" for s in marks) + " | growth after step 30 | tok/s total |",
+             "|---|" + "---|" * len(marks) + "---|---|"]
+    for r in rows:
+        if "failed" in r:
+            lines.append(f"| {r['variant']} | failed: {r['failed']} |")
+            continue
+        rss = " | ".join(f"{r['rss_gib'].get(s, float('nan')):.3f}" for s in marks)
+        growth = "-" if r["growth_after_30_pct"] is None else f"{r['growth_after_30_pct']:+.1f}%"
+        lines.append(f"| {r['variant']} | {rss} | {growth} | {r['tokens_per_s_total']:,.0f} |")
+    return lines, {"suite": "moe_memory", "steps": args.steps, "rows": rows}
+
+
+EXTRA_SUITES = {"data": data_suite, "ft": ft_suite, "moe_memory": moe_memory_suite}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", default="precision", choices=sorted([*SUITES, "data", "ft"]))
+    p.add_argument("--suite", default="precision", choices=sorted([*SUITES, *EXTRA_SUITES]))
     p.add_argument("--sync-every", type=int, default=20, help="ft suite: steps between LocalSGD / DiLoCo meetings")
     p.add_argument("--corpus-mb", type=int, default=1024, help="data suite: generated corpus size")
     p.add_argument("--datatrove-python", default=None,
@@ -399,9 +457,9 @@ def main() -> None:
     p.add_argument("--out", default=None, help="JSON path (default bench_out/<suite>.json)")
     p.add_argument("extra", nargs="*", help="extra Hydra overrides for every variant")
     args = p.parse_args()
-    if args.suite in ("data", "ft"):
+    if args.suite in EXTRA_SUITES:
         with tempfile.TemporaryDirectory(prefix=f"titan_bench_{args.suite}_") as tmp:
-            lines, result = (data_suite if args.suite == "data" else ft_suite)(args, Path(tmp))
+            lines, result = EXTRA_SUITES[args.suite](args, Path(tmp))
         print("\n".join(lines))
         out = Path(args.out or f"bench_out/{args.suite}.json")
         out.parent.mkdir(parents=True, exist_ok=True)

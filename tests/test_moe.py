@@ -15,9 +15,10 @@ from helpers import compose_cfg, read_metrics
 
 from titan_hydra.errors import ConfigError
 from titan_hydra.models.common.moe import (
-    GroupedExperts, MoE, MoEArgs, TokenChoiceRouter, balance_step, grouped_mm_works, grouped_swiglu, looped_swiglu,
-    set_aux_grad_scale,
+    GroupedExperts, MoE, MoEArgs, TokenChoiceRouter, balance_step, bucket_counts, grouped_mm_works, grouped_swiglu,
+    looped_swiglu, set_aux_grad_scale,
 )
+from titan_hydra.models.gpt_oss.model import GptOssExperts
 from titan_hydra.models.registry import args_of
 
 
@@ -155,6 +156,42 @@ def test_grouped_kernel_equals_loop_with_empty_experts(dtype):
     a, b = grouped_swiglu(x, *w, counts), looped_swiglu(x, *w, counts)
     tol = 1e-6 if dtype == torch.float32 else 2e-2
     assert a.dtype == dtype and (a.float() - b.float()).abs().max() <= tol * b.float().abs().max()
+
+
+def test_bucket_counts_bound_the_shapes_and_the_padding():
+    counts = torch.arange(0, 20000)
+    padded = bucket_counts(counts)
+    assert padded[0] == 0 and bool((padded >= counts).all()) and bool((padded % 64 == 0).all())
+    big = counts >= 512
+    assert float(((padded - counts)[big] / counts[big]).max()) <= 0.125
+    assert len(set(padded.tolist())) <= 8 * math.ceil(math.log2(20000 / 512)) + 512 // 64 + 1
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "gpt_oss"])
+@pytest.mark.parametrize("grouped", [True, False])
+def test_bucketed_rows_give_the_unpadded_outputs_and_gradients(kind, grouped):
+    """On CPU in bf16 the experts pad each expert's rows to a bucketed count (memory stays flat);
+    forced on in fp32 here, outputs and every gradient must equal the unpadded run's."""
+    torch.manual_seed(0)
+    make = GroupedExperts if kind == "swiglu" else GptOssExperts
+    experts = make(16, 8, 4, use_grouped_mm=grouped)
+    experts.init_weights(0.3, 0.3)
+    if kind == "gpt_oss":
+        for b in (experts.w1_bias, experts.w3_bias, experts.w2_bias):
+            torch.nn.init.normal_(b, std=0.3)  # nonzero biases: padded rows give nonzero outputs
+    counts = torch.tensor([3, 0, 70, 1])  # an empty expert and one past the first bucket
+    x, g = torch.randn(74, 16), torch.randn(74, 16)
+    results = []
+    for pads in (False, True):
+        experts.bucket_rows = pads
+        experts.zero_grad()
+        xi = x.clone().requires_grad_()
+        y = experts(xi, counts)
+        y.backward(g)
+        results.append([y.detach(), xi.grad] + [p.grad.clone() for p in experts.parameters()])
+    for a, b in zip(*results):
+        assert a.shape == b.shape and (a - b).abs().max() <= 1e-5 * max(1.0, float(b.abs().max()))
+    assert results[0][0].abs().mean() > 1e-2
 
 
 # ------------------------------------------------------------------------------- balancing

@@ -22,7 +22,7 @@ from titan_hydra.models.deepseek_v3.model import DeepSeekV3, DeepSeekV3Args
 
 # Fields that do not change what saved weights mean (lengths, init, training-time balancing).
 NON_SEMANTIC = ("max_seq_len", "depth_init")
-NON_SEMANTIC_MOE = ("load_balance_coeff", "aux_loss_coeff", "use_grouped_mm")
+NON_SEMANTIC_MOE = ("load_balance_coeff", "aux_loss_coeff", "use_grouped_mm", "bucket_rows")
 NO_TP = ("model.family=deepseek_v3 has no tensor-parallel plan (MLA's shared rope key, MoE experts); "
          "set parallelism.tp=1 and scale with fsdp/ep/pp/cp")
 

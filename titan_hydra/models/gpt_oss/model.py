@@ -137,21 +137,16 @@ class GptOssExperts(GroupedExperts):
     ``routed_experts`` marker, so expert parallel shards every [E, ...] parameter on dim 0."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True,
-                 alpha: float = 1.702, limit: float = 7.0):
-        super().__init__(dim, hidden_dim, num_experts, use_grouped_mm)
+                 alpha: float = 1.702, limit: float = 7.0, bucket_rows: bool | None = None):
+        super().__init__(dim, hidden_dim, num_experts, use_grouped_mm, bucket_rows)
         self.alpha, self.limit = float(alpha), float(limit)
         self.w1_bias = nn.Parameter(torch.empty(num_experts, hidden_dim))
         self.w3_bias = nn.Parameter(torch.empty(num_experts, hidden_dim))
         self.w2_bias = nn.Parameter(torch.empty(num_experts, dim))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        params = [_local(p) for p in (self.w1, self.w3, self.w2, self.w1_bias, self.w3_bias, self.w2_bias)]
-        if torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
-        else:
-            dtype = params[0].dtype
-        x = x.to(dtype)
-        w1, w3, w2, b1, b3, b2 = (p.to(dtype) for p in params)
+    def run(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        params = (self.w1, self.w3, self.w2, self.w1_bias, self.w3_bias, self.w2_bias)
+        w1, w3, w2, b1, b3, b2 = (_local(p).to(dtype) for p in params)
         if self.use_grouped_mm and grouped_mm_works(x.device, dtype):
             offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
             expert_of_row = torch.repeat_interleave(torch.arange(counts.shape[0], device=x.device), counts,
@@ -179,7 +174,7 @@ class GptOssMoE(MoE):
         super().__init__(dim, args)
         self.router = GptOssRouter(dim, self.args)
         self.experts = GptOssExperts(dim, self.args.expert_dim, self.args.num_experts, self.args.use_grouped_mm,
-                                     alpha=swiglu_alpha, limit=swiglu_limit)
+                                     alpha=swiglu_alpha, limit=swiglu_limit, bucket_rows=self.args.bucket_rows)
 
 
 # ------------------------------------------------------------------------------------ model
