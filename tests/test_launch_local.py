@@ -40,11 +40,11 @@ def _torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_torchrun_matches_spawn_and_fork(tmp_path):
-    """Every way ranks start (torchrun; our launcher spawning, forking or fork-serving its
-    workers) trains bit-identically. The rest of the suite fork-serves (conftest sets
-    TITAN_HYDRA_START_METHOD)."""
+    """Every way ranks start (torchrun; our launcher spawning or forking its workers) trains
+    bit-identically. Fork-serving is not launched here: the rest of the suite fork-serves
+    (conftest sets TITAN_HYDRA_START_METHOD) and compares its losses with single-rank runs."""
     started = {}
-    for method in ("spawn", "fork", "forkserver"):
+    for method in ("spawn", "fork"):
         run_dir = tmp_path / method
         proc = run_launch(ARGS + ["cluster.nproc_per_node=2", f"cluster.start_method={method}",
                                   f"hydra.run.dir={run_dir}"], cwd=tmp_path)
@@ -52,7 +52,7 @@ def test_torchrun_matches_spawn_and_fork(tmp_path):
         assert "TOKENIZERS_PARALLELISM" not in proc.stderr + proc.stdout  # no fork warning from tokenizers
         started[method] = series(run_dir, "loss")
     spawned = started["spawn"]
-    assert started["fork"] == started["forkserver"] == spawned
+    assert started["fork"] == spawned
 
     proc = _torchrun(ARGS, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
