@@ -329,6 +329,16 @@ def data_suite(args, tmp: Path) -> tuple[list[str], dict]:
     return lines, result
 
 
+def variant_table(title: str, columns: list[str], rows: list[dict], cells) -> list[str]:
+    """A suite's markdown table: one row per variant, ``cells(row)`` for the columns, or the
+    variant's failure line."""
+    lines = [title, "", "| variant | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append(f"| {r['variant']} | failed: {r['failed']} |" if "failed" in r
+                     else f"| {r['variant']} | {cells(r)} |")
+    return lines
+
+
 # --------------------------------------------------------------------------- the ft suite
 def ft_suite(args, tmp: Path) -> tuple[list[str], dict]:
     """2 data-parallel replicas of 1 thread each on the debug model, fp32, the same global batch and
@@ -370,17 +380,14 @@ def ft_suite(args, tmp: Path) -> tuple[list[str], dict]:
             "tokens_per_s_total": 2 * statistics.median(m["tps"] for m in train if m["step"] > args.warmup),
         })
     steps = sorted({s for r in rows if "val_loss" in r for s in r["val_loss"]})
-    lines = [f"suite `ft` — {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, debug model fp32, 2 replicas x 1 "
-             f"thread, {args.steps} steps, validation loss at meetings", "",
-             "| variant | " + " | ".join(f"val loss @{s}" for s in steps) + " | MB sent/step/rank | tok/s total |",
-             "|---|" + "---|" * len(steps) + "---|---|"]
-    for r in rows:
-        if "failed" in r:
-            lines.append(f"| {r['variant']} | failed: {r['failed']} |")
-            continue
+    def cells(r: dict) -> str:
         vals = " | ".join(f"{r['val_loss'].get(s, float('nan')):.4f}" for s in steps)
         mb = f"{r['mb_per_step']:.3f}" + ("" if r["mb_measured"] else " (computed)")
-        lines.append(f"| {r['variant']} | {vals} | {mb} | {r['tokens_per_s_total']:,.0f} |")
+        return f"{vals} | {mb} | {r['tokens_per_s_total']:,.0f}"
+
+    lines = variant_table(f"suite `ft` — {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, debug model fp32, "
+                          f"2 replicas x 1 thread, {args.steps} steps, validation loss at meetings",
+                          [*(f"val loss @{s}" for s in steps), "MB sent/step/rank", "tok/s total"], rows, cells)
     return lines, {"suite": "ft", "steps": args.steps, "sync_every": h, "rows": rows}
 
 
@@ -422,17 +429,15 @@ def moe_memory_suite(args, tmp: Path) -> tuple[list[str], dict]:
         })
     from titan_hydra.hardware import cpu_isa, cpu_model
 
-    lines = [f"suite `moe_memory` — {time.strftime('%Y-%m-%d')}, {cpu_model()} ({cpu_isa()}), {os.cpu_count()} cores, "
-             f"qwen3_moe_debug, {args.steps} steps, rank 0's resident memory (GiB) after the step", "",
-             "| variant | " + " | ".join(f"RSS @{s}" for s in marks) + " | growth after step 30 | tok/s total |",
-             "|---|" + "---|" * len(marks) + "---|---|"]
-    for r in rows:
-        if "failed" in r:
-            lines.append(f"| {r['variant']} | failed: {r['failed']} |")
-            continue
+    def cells(r: dict) -> str:
         rss = " | ".join(f"{r['rss_gib'].get(s, float('nan')):.3f}" for s in marks)
         growth = "-" if r["growth_after_30_pct"] is None else f"{r['growth_after_30_pct']:+.1f}%"
-        lines.append(f"| {r['variant']} | {rss} | {growth} | {r['tokens_per_s_total']:,.0f} |")
+        return f"{rss} | {growth} | {r['tokens_per_s_total']:,.0f}"
+
+    lines = variant_table(f"suite `moe_memory` — {time.strftime('%Y-%m-%d')}, {cpu_model()} ({cpu_isa()}), "
+                          f"{os.cpu_count()} cores, qwen3_moe_debug, {args.steps} steps, rank 0's resident memory "
+                          "(GiB) after the step",
+                          [*(f"RSS @{s}" for s in marks), "growth after step 30", "tok/s total"], rows, cells)
     return lines, {"suite": "moe_memory", "steps": args.steps, "rows": rows}
 
 
