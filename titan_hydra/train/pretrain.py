@@ -110,8 +110,11 @@ def init_weights(cfg: DictConfig, parts: list[torch.nn.Module], n_params: int, d
     mode = cfg.training.init_mode
     if mode == "auto":
         mode = "full" if n_params <= FULL_INIT_MAX_PARAMS else "sharded"
-    if mode != "full" or (world_size == 1 and len(parts) == 1):
-        return  # one process already initialized the full model from the seed
+    if mode != "full" or (world_size == 1 and len(parts) == 1 and device.type == "cpu"):
+        return  # one CPU process already initialized the full model from the seed
+    # Otherwise the full init is drawn on CPU, whatever the device: the same seed gives the same
+    # weights on CPU and GPU (the accelerator's generator draws other numbers), so a GPU run can be
+    # checked step by step against a CPU one.
     full_sd: dict[str, torch.Tensor] = {}
     if rank == 0:
         with torch.device("cpu"):
