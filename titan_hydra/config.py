@@ -117,6 +117,9 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     momentum: Optional[float] = None  # SGD's (null settings are not passed to the optimizer)
     foreach: Optional[bool] = None
+    # null: fused where the optimizer class has a fused kernel for the parameters' device (AdamW,
+    # Adam, SGD, Adagrad on CPU and CUDA), as torchtitan does; torch's own CPU default is a loop
+    fused: Optional[bool] = None
     # per-group settings / other optimizers by parameter name and shape (train/optimizers.py):
     # [{name, match: [fnmatch FQN patterns], ndim, _target_?, <settings>}]
     param_groups: List[Any] = field(default_factory=list)

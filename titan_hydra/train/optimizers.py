@@ -33,12 +33,15 @@ parameter FQN, so the members' states never collide).
 from __future__ import annotations
 
 import fnmatch
+import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.tensor import DTensor
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from titan_hydra.errors import ConfigError
 
@@ -79,6 +82,26 @@ def _kwargs(node: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(out.get("betas"), list):
         out["betas"] = tuple(out["betas"])
     return out
+
+
+def with_implementation(cls: type, kwargs: dict[str, Any], params: list[torch.Tensor]) -> dict[str, Any]:
+    """``kwargs`` plus ``fused=True`` where the optimizer has a fused kernel for these parameters
+    and the config chose neither ``fused`` nor ``foreach`` (torchtitan's default, too).
+
+    torch's own default on CPU is the per-tensor loop: AdamW over the 302M parameters of
+    torchtitan's Qwen3-MoE debug shape stepped in 1.25 s on 2 cores, fused in 0.17 s (foreach
+    0.83 s). ``optimizer.fused=false`` (or ``foreach=true``) keeps torch's choice. DTensor
+    parameters (FSDP, TP, DDP layouts) have fused kernels for Adam and AdamW only (torch 2.13 has
+    no sharding rule for ``_fused_sgd_``).
+    """
+    if "fused" in kwargs or "foreach" in kwargs or "fused" not in inspect.signature(cls.__init__).parameters:
+        return kwargs
+    supported = _get_fused_kernels_supported_devices()
+    if not params or not all(p.is_floating_point() and p.device.type in supported for p in params):
+        return kwargs
+    if not issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)) and any(isinstance(p, DTensor) for p in params):
+        return kwargs
+    return {**kwargs, "fused": True}
 
 
 def _optimizer_class(target: str, where: str) -> type:
@@ -135,7 +158,8 @@ def build_optimizer(node: Any, named_params: list[tuple[str, torch.Tensor]]) -> 
         else:
             cls = _optimizer_class(str(target), f"optimizer.param_groups {spec['name']!r}")
             try:
-                others.append(cls([{"params": params, "group_name": spec["name"]}], **_kwargs(spec)))
+                others.append(cls([{"params": params, "group_name": spec["name"]}],
+                                  **with_implementation(cls, _kwargs(spec), params)))
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"optimizer.param_groups {spec['name']!r}: {e}") from None
     optimizers = []
@@ -143,7 +167,8 @@ def build_optimizer(node: Any, named_params: list[tuple[str, torch.Tensor]]) -> 
         if rest and any("group_name" in g for g in own):
             own[0]["group_name"] = "default"
         try:
-            optimizers.append(default_cls(own, **default_kwargs))
+            all_params = [p for g in own for p in g["params"]]
+            optimizers.append(default_cls(own, **with_implementation(default_cls, default_kwargs, all_params)))
         except (TypeError, ValueError) as e:
             raise ConfigError(f"optimizer ({node.get('_target_')}): {e}") from None
     optimizers.extend(others)
