@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_hydra.errors import ConfigError
+from titan_hydra.kernels.scores_attention import scores_attention
 from titan_hydra.kernels.small_head_attention import attention_op, causal_attention
 from titan_hydra.models.llama3 import Llama3
 from titan_hydra.models.qwen3 import Qwen3
@@ -101,14 +102,14 @@ def test_activation_checkpointing_saves_the_kernel_output(mode, calls_per_block)
     assert counter.calls == calls_per_block * 2  # selective_op keeps it like a matmul; full reruns it
 
 
-def kernel_faster(heads, seq_len, dtype):
+def kernel_faster(shape, names):
     """A probe that times the small-head kernel 2x faster than SDPA (as on an AVX-512 CPU)."""
-    return {"sdpa": 2.0, "small_head": 1.0}
+    return {"sdpa": 2.0, "small_head": 1.0, "scores": 4.0}
 
 
-def sdpa_faster(heads, seq_len, dtype):
+def sdpa_faster(shape, names):
     """A probe that times SDPA 3x faster than the small-head kernel (as on an AVX2-only CPU)."""
-    return {"sdpa": 1.0, "small_head": 3.0}
+    return {"sdpa": 1.0, "small_head": 3.0, "scores": 5.0}
 
 
 def test_policy_installs_the_kernel_only_where_it_applies(monkeypatch, caplog):
@@ -160,13 +161,16 @@ def test_auto_probe_times_both_kernels_once_per_shape(tmp_path, monkeypatch):
     calls = []
     real = ak._time_kernels
     monkeypatch.setattr(ak, "_time_kernels", lambda *a: calls.append(a) or real(*a))
-    first = ak.measured_kernel_times(4, 64, torch.float32)
-    assert set(first) == {"sdpa", "small_head"} and all(t > 0 for t in first.values())
-    assert ak.measured_kernel_times(4, 64, torch.float32) == first and len(calls) == 1  # cached
-    ak.measured_kernel_times(4, 128, torch.float32)
+    names = ("sdpa", "small_head", "scores")
+    first = ak.measured_kernel_times(ak.Shape(4, 64, torch.float32), names)
+    assert set(first) == set(names) and all(t > 0 for t in first.values())
+    assert ak.measured_kernel_times(ak.Shape(4, 64, torch.float32), names) == first and len(calls) == 1  # cached
+    ak.measured_kernel_times(ak.Shape(4, 128, torch.float32), names)
     assert len(calls) == 2  # another length is another measurement
     choice = apply_attention_kernel(tiny_llama(), "auto", torch.device("cpu"), seq_len=64)
     assert choice.name == min(first, key=first.get) and len(calls) == 2  # the cached timing decided
+    mla = ak.measured_kernel_times(ak.Shape(2, 32, torch.float32, qk=24, v=16), ("sdpa", "scores"))
+    assert set(mla) == {"sdpa", "scores"} and len(calls) == 3  # MLA widths: another measurement
 
 
 def test_training_with_the_kernel_tracks_sdpa(tmp_path, run_cache, capsys, caplog):
@@ -196,3 +200,73 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, caplog):
         assert _clear_stale_lock(str(tmp_path)) and not lock.exists()
     assert "stale build lock" in caplog.text
     assert not _clear_stale_lock(str(tmp_path))  # nothing there: nothing to do
+
+
+@pytest.mark.parametrize("qk, v, scale", [(16, 16, None), (24, 16, 0.3), (32, 48, None)])
+def test_scores_kernel_equals_causal_attention(qk, v, scale):
+    """The score-matrix kernel against fp64 SDPA, forward and gradients, unequal widths (MLA)."""
+    g = torch.Generator().manual_seed(qk + v)
+    q, k = (torch.randn(2, 3, 37, qk, generator=g).requires_grad_() for _ in range(2))
+    val = torch.randn(2, 3, 37, v, generator=g).requires_grad_()
+    grad = torch.randn(2, 3, 37, v, generator=g)
+    scale_ = qk ** -0.5 if scale is None else scale
+    want = F.scaled_dot_product_attention(q.double(), k.double(), val.double(), is_causal=True, scale=scale_)
+    want_grads = torch.autograd.grad(want, (q, k, val), grad.double())
+    got = scores_attention(q, k, val, scale=scale)
+    got_grads = torch.autograd.grad(got, (q, k, val), grad)
+    assert got.shape == (2, 3, 37, v) and (got.double() - want).abs().max().item() < 2e-6
+    for name, a, b in zip("qkv", got_grads, want_grads):
+        assert (a.double() - b).abs().max().item() < 1e-5, name
+
+
+def scores_faster(shape, names):
+    """A probe that times the score-matrix kernel fastest (short sequences on CPU)."""
+    return {"sdpa": 3.0, "small_head": 6.0, "scores": 1.5}
+
+
+def tiny_deepseek():
+    from titan_hydra.models.deepseek_v3 import DeepSeekV3
+    from helpers import compose_cfg
+    from titan_hydra.models.registry import build_model
+
+    cfg = compose_cfg(["model=deepseek_v3_debug", "model.n_layers=2"])
+    _, model = build_model(cfg.model)
+    model.init_weights("cpu")
+    assert isinstance(model, DeepSeekV3)
+    return model
+
+
+def test_policy_times_the_scores_kernel_for_short_sequences_and_mla():
+    cpu = torch.device("cpu")
+    seen = []
+    model = tiny_deepseek()
+    picked = apply_attention_kernel(model, "auto", cpu, seq_len=256,
+                                    probe=lambda shape, names: seen.append((shape, names)) or scores_faster(shape, names))
+    assert picked == ("scores", "auto: measured 2.0x faster than sdpa on this CPU")
+    shape, names = seen[-1]
+    mla = [m for m in model.modules() if hasattr(m, "v_head_dim")]
+    assert names == ("sdpa", "scores") and (shape.qk, shape.v) == (mla[0].head_dim, mla[0].v_head_dim)
+    assert all(m.causal_kernel is scores_attention for m in mla)
+    # past MAX_SEQ it is not a candidate; the small-head model times all three below it
+    assert apply_attention_kernel(tiny_deepseek(), "auto", cpu, seq_len=1024, probe=scores_faster).name == "sdpa"
+    assert apply_attention_kernel(tiny_llama(), "auto", cpu, seq_len=2048, probe=scores_faster).name == "sdpa"
+    assert apply_attention_kernel(tiny_llama(), "auto", cpu, seq_len=64, probe=scores_faster).name == "scores"
+    assert apply_attention_kernel(tiny_deepseek(), "auto", torch.device("cuda"), probe=scores_faster).name == "sdpa"
+    assert apply_attention_kernel(tiny_deepseek(), "scores", cpu) == ("scores", "set explicitly")
+    with pytest.raises(ConfigError, match="attention_kernel=scores cannot be used: context parallel"):
+        apply_attention_kernel(tiny_deepseek(), "scores", cpu, cp=2)
+
+
+def test_mla_with_the_scores_kernel_matches_padded_sdpa():
+    """MLA hands the kernel unpadded q/k (192-wide in DeepSeek-V3) and v: same output as SDPA."""
+    torch.manual_seed(0)
+    a, b = tiny_deepseek(), tiny_deepseek()
+    b.load_state_dict(a.state_dict())
+    apply_attention_kernel(b, "scores", torch.device("cpu"))
+    tokens = torch.randint(0, 128, (2, 40))
+    out_a, out_b = a(tokens), b(tokens)
+    assert (out_a - out_b).abs().max().item() < 2e-5
+    out_a.square().mean().backward()
+    out_b.square().mean().backward()
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert (p.grad - q.grad).abs().max().item() < 2e-5 * max(1.0, p.grad.abs().max().item()), name

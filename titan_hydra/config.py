@@ -66,7 +66,7 @@ SACPolicy = choice("SACPolicy", "all_mm every_second_mm")
 CompileMode = choice("CompileMode", "none model model_loss")
 WandbMode = choice("WandbMode", "offline online disabled")
 AttentionPrecision = choice("AttentionPrecision", "auto compute fp32")
-AttentionKernel = choice("AttentionKernel", "auto sdpa small_head")
+AttentionKernel = choice("AttentionKernel", "auto sdpa small_head scores")
 InitMode = choice("InitMode", "auto full sharded")
 
 

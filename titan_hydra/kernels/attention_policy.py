@@ -12,7 +12,12 @@
   same kernel. The kernel is compiled (once per machine, ~45 s) only to time it or to run it: a
   shape whose cached answer is SDPA starts without touching the extension. If the kernel cannot
   be built here (no C++ compiler), ``auto`` logs one line and uses SDPA.
+* ``auto`` also times the score-matrix kernel (``scores_attention.py``: two batched matmuls
+  around an fp32 softmax) on CPU for sequences up to 512, for every head width, MLA's unequal
+  q/k and v widths included: at short lengths it beats the flash kernel (DeepSeek-V3's MLA at
+  length 256: 1.9x).
 * ``sdpa``: always ``F.scaled_dot_product_attention`` (torch's fused kernels).
+* ``scores``: always the score-matrix kernel (any device; not with context parallel).
 * ``small_head``: require the kernel; a configuration it cannot serve is refused with one line
   before the model is built any further.
 
@@ -37,11 +42,14 @@ import torch.nn.functional as F
 
 from titan_hydra.errors import ConfigError
 from titan_hydra.hardware import cpu_isa, cpu_model, isa_env_key, read_cache, write_cache
+from titan_hydra.kernels.scores_attention import MAX_SEQ, scores_attention
 from titan_hydra.kernels.small_head_attention import HEAD_DIM, KernelUnavailable, causal_attention, warm_up
 
 log = logging.getLogger("titan_hydra")
 
 KERNEL_NAME = "small_head"
+SCORES = "scores"
+SCORES_VERSION = 2  # part of the cache key: a changed kernel is timed again
 CACHE_FILE = "attention_kernel.json"  # under hardware.cache_path
 PROBE_REPS = 5
 
@@ -49,12 +57,22 @@ PROBE_REPS = 5
 class KernelChoice(NamedTuple):
     """The kernel that runs plain causal attention, and why (the run header prints both)."""
 
-    name: str  # "sdpa" or "small_head"
+    name: str  # "sdpa", "small_head" or "scores"
     reason: str
 
 
-# (heads, seq_len, dtype) -> seconds of one forward + backward per kernel name
-Probe = Callable[[int, int, torch.dtype], dict]
+class Shape(NamedTuple):
+    """What attention sees in a run: query heads, length, dtype, q/k and v head widths."""
+
+    heads: int
+    seq_len: int
+    dtype: torch.dtype
+    qk: int = HEAD_DIM
+    v: int = HEAD_DIM
+
+
+# (shape, kernel names) -> seconds of one forward + backward per kernel name
+Probe = Callable[[Shape, tuple[str, ...]], dict]
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -78,72 +96,102 @@ def why_not(model: torch.nn.Module, device: torch.device, cp: int) -> str | None
 
 def _heads(module: torch.nn.Module) -> int:
     """Query heads of an attention module (its query projection's width over the head width)."""
+    if isinstance(getattr(module, "n_heads", None), int):
+        return module.n_heads
     wq = getattr(module, "wq", None)
     return int(wq.out_features) // int(module.head_dim) if hasattr(wq, "out_features") else 8
 
 
-def _time_kernels(heads: int, seq_len: int, dtype: torch.dtype) -> dict[str, float]:
-    """Best-of seconds of one causal forward + backward of a [1, heads, seq_len, 16] call, each kernel."""
+def _widths(module: torch.nn.Module) -> tuple[int, int]:
+    """(q/k, v) head widths: equal except in MLA."""
+    return int(module.head_dim), int(getattr(module, "v_head_dim", module.head_dim))
+
+
+def _time_kernels(shape: Shape, names: tuple[str, ...]) -> dict[str, float]:
+    """Best-of seconds of one causal forward + backward of a [1, heads, seq_len, width] call, per
+    kernel of ``names``; SDPA runs as the models call it (the narrower of q/k and v zero-padded)."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, heads, seq_len, HEAD_DIM, generator=g).to(dtype).requires_grad_() for _ in range(3))
-    grad = torch.randn(1, heads, seq_len, HEAD_DIM, generator=g).to(dtype)
-    kernels = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-               KERNEL_NAME: lambda: causal_attention(q, k, v)}
-    best = {name: float("inf") for name in kernels}
-    for rep in range(PROBE_REPS + 1):  # alternated, so a burst of load hits both; rep 0 warms up
-        for name, fn in kernels.items():
+    heads, seq, dtype = shape.heads, shape.seq_len, shape.dtype
+    q, k = (torch.randn(1, heads, seq, shape.qk, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    v = torch.randn(1, heads, seq, shape.v, generator=g).to(dtype).requires_grad_()
+    grad = torch.randn(1, heads, seq, shape.v, generator=g).to(dtype)
+    width = max(shape.qk, shape.v)
+
+    def sdpa():
+        a, b, c = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+        return F.scaled_dot_product_attention(a, b, c, is_causal=True)[..., : shape.v]
+
+    kernels = {"sdpa": sdpa, KERNEL_NAME: lambda: causal_attention(q, k, v), SCORES: lambda: scores_attention(q, k, v)}
+    best = {name: float("inf") for name in names}
+    for rep in range(PROBE_REPS + 1):  # alternated, so a burst of load hits all; rep 0 warms up
+        for name in names:
             t0 = time.perf_counter()
-            torch.autograd.grad(fn(), (q, k, v), grad)
+            torch.autograd.grad(kernels[name](), (q, k, v), grad)
             if rep:
                 best[name] = min(best[name], time.perf_counter() - t0)
     return best
 
 
-def measured_kernel_times(heads: int, seq_len: int, dtype: torch.dtype) -> dict[str, float]:
+def measured_kernel_times(shape: Shape, names: tuple[str, ...] = ("sdpa", KERNEL_NAME)) -> dict[str, float]:
     """``_time_kernels`` through this machine's measurement cache (measured once per shape). Only a
     shape not in the cache builds the kernel (KernelUnavailable if it cannot be built): where the
     cache says SDPA wins, a run never compiles or loads the extension at all."""
+    widths = "" if (shape.qk, shape.v) == (HEAD_DIM, HEAD_DIM) else f"|qk={shape.qk}|v={shape.v}"
+    widths += f"|scores_v{SCORES_VERSION}" if SCORES in names else ""
     key = (f"{cpu_model()}|{cpu_isa()}{isa_env_key()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
-           f"|heads={heads}|seq={seq_len}|{dtype}")
+           f"|heads={shape.heads}|seq={shape.seq_len}|{shape.dtype}{widths}")
     cached = read_cache(CACHE_FILE).get(key)
-    if isinstance(cached, dict) and {"sdpa", KERNEL_NAME} <= cached.keys():
-        return cached
-    warm_up()
-    times = _time_kernels(heads, seq_len, dtype)
-    write_cache(CACHE_FILE, key, times)
+    if isinstance(cached, dict) and set(names) <= cached.keys():
+        return {name: cached[name] for name in names}
+    if KERNEL_NAME in names:
+        warm_up()
+    times = _time_kernels(shape, names)
+    write_cache(CACHE_FILE, key, {**(cached if isinstance(cached, dict) else {}), **times})
     return times
 
 
-def faster_kernel(heads: int, seq_len: int, dtype: torch.dtype, probe: Probe | None = None) -> KernelChoice:
-    """The faster of the small-head kernel and SDPA here; rank 0 decides for every rank."""
+def faster_kernel(shape: Shape, names: tuple[str, ...], probe: Probe | None = None) -> KernelChoice:
+    """The fastest of ``names`` here; rank 0 decides for every rank."""
     choice = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        choice[0] = _decide(heads, seq_len, dtype, probe or measured_kernel_times)
+        choice[0] = _decide(shape, names, probe or measured_kernel_times)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(choice, src=0)
     return choice[0]
 
 
-def _decide(heads: int, seq_len: int, dtype: torch.dtype, probe: Probe) -> KernelChoice:
+def _label(name: str) -> str:
+    return name if name == "sdpa" else f"the {name} kernel"
+
+
+def _decide(shape: Shape, names: tuple[str, ...], probe: Probe) -> KernelChoice:
     try:
-        times = probe(heads, seq_len, dtype)
+        times = probe(shape, names)
     except KernelUnavailable as e:  # a machine that should have had it: say so once
         log.warning("attention: %s; using SDPA", e)
-        return KernelChoice("sdpa", f"auto: the small_head kernel does not apply ({e})")
-    sdpa, kernel = times["sdpa"], times[KERNEL_NAME]
-    if kernel < sdpa:
-        return KernelChoice(KERNEL_NAME, f"auto: measured {sdpa / kernel:.1f}x faster than sdpa on this CPU")
-    return KernelChoice("sdpa", f"auto: measured {kernel / sdpa:.1f}x faster than the small_head kernel on this CPU")
+        if names == ("sdpa", KERNEL_NAME):
+            return KernelChoice("sdpa", f"auto: the small_head kernel does not apply ({e})")
+        names = tuple(n for n in names if n != KERNEL_NAME)
+        times = probe(shape, names)
+    ranked = sorted((n for n in names if n in times), key=times.get)
+    best, second = ranked[0], ranked[1]
+    return KernelChoice(best, f"auto: measured {times[second] / times[best]:.1f}x faster than {_label(second)} on this CPU")
 
 
 def auto_picks_kernel(heads: int, seq_len: int, dtype: torch.dtype) -> bool:
     """Whether ``auto`` would install the small-head kernel for a model whose heads it can serve
     (the planner asks; builds the kernel and measures once, as a run would)."""
+    names = auto_candidates(seq_len, small_head=True)
     try:
-        times = measured_kernel_times(heads, seq_len, dtype)
+        times = measured_kernel_times(Shape(heads, seq_len, dtype), names)
     except KernelUnavailable:
         return False
-    return times[KERNEL_NAME] < times["sdpa"]
+    return min(names, key=times.get) == KERNEL_NAME
+
+
+def auto_candidates(seq_len: int, small_head: bool) -> tuple[str, ...]:
+    """The kernels ``auto`` times on CPU without context parallel."""
+    return ("sdpa", *([KERNEL_NAME] if small_head else []), *([SCORES] if seq_len <= MAX_SEQ else []))
 
 
 def apply_attention_kernel(model: torch.nn.Module, choice: str, device: torch.device, cp: int = 1, *,
@@ -152,33 +200,48 @@ def apply_attention_kernel(model: torch.nn.Module, choice: str, device: torch.de
     """Install the kernel chosen by ``training.attention_kernel`` (``choice``).
 
     ``seq_len`` and ``dtype`` are what attention will see (the dtype SDPA would run in); ``auto``
-    times both kernels at that shape (``probe`` replaces the timing in tests)."""
+    times the candidate kernels at that shape (``probe`` replaces the timing in tests)."""
     if choice == "sdpa":
         return KernelChoice("sdpa", "set explicitly")
+    modules = _attention_modules(model)
+    if choice == SCORES:
+        if cp > 1:
+            raise ConfigError("training.attention_kernel=scores cannot be used: context parallel attention (cp > 1) "
+                              "runs through SDPA's ring handlers; use training.attention_kernel=auto or sdpa")
+        return _install(modules, KernelChoice(SCORES, "set explicitly"))
     reason = why_not(model, device, cp)
-    if reason is not None:
-        if choice == KERNEL_NAME:
+    if choice == KERNEL_NAME:
+        if reason is not None:
             raise ConfigError(f"training.attention_kernel=small_head cannot be used: {reason}; "
                               f"use training.attention_kernel=auto or sdpa")
-        return KernelChoice("sdpa", f"auto: the small_head kernel does not apply ({reason})")
-    if choice == KERNEL_NAME:
         try:
             warm_up()
         except KernelUnavailable as e:
             raise ConfigError(f"training.attention_kernel=small_head cannot be used: {e}; "
                               f"use training.attention_kernel=auto or sdpa") from e
-        picked = KernelChoice(KERNEL_NAME, "set explicitly")
-    else:
-        heads = max(_heads(m) for m in _attention_modules(model))
-        picked = faster_kernel(heads, seq_len, dtype, probe)
-        if picked.name == KERNEL_NAME:
-            try:
-                warm_up()  # rank 0 built it (or found it built) to time it; the other ranks load it here
-            except KernelUnavailable as e:  # a machine that should have had it: say so once
-                log.warning("attention: %s; using SDPA", e)
-                return KernelChoice("sdpa", f"auto: the small_head kernel does not apply ({e})")
+        return _install(modules, KernelChoice(KERNEL_NAME, "set explicitly"))
+    if device.type != "cpu" or cp > 1 or not modules:
+        return KernelChoice("sdpa", f"auto: the small_head kernel does not apply ({reason})")
+    names = auto_candidates(seq_len, small_head=reason is None)
+    if names == ("sdpa",):
+        return KernelChoice("sdpa", f"auto: the small_head kernel does not apply ({reason})")
+    qk, v = max(_widths(m) for m in modules)
+    picked = faster_kernel(Shape(max(_heads(m) for m in modules), seq_len, dtype, qk, v), names, probe)
     if picked.name == KERNEL_NAME:
-        for module in _attention_modules(model):
+        try:
+            warm_up()  # rank 0 built it (or found it built) to time it; the other ranks load it here
+        except KernelUnavailable as e:  # a machine that should have had it: say so once
+            log.warning("attention: %s; using SDPA", e)
+            return KernelChoice("sdpa", f"auto: the small_head kernel does not apply ({e})")
+    return _install(modules, picked)
+
+
+def _install(modules: list[torch.nn.Module], picked: KernelChoice) -> KernelChoice:
+    if picked.name == KERNEL_NAME:
+        for module in modules:
             module.causal_kernel = causal_attention
             module.sdpa_dtype = None  # the kernel computes in fp32 anyway: no upcast copies
+    elif picked.name == SCORES:
+        for module in modules:
+            module.causal_kernel = scores_attention
     return picked

@@ -236,7 +236,7 @@ def build_parallel_model(cfg: DictConfig, dims, device: torch.device, grad_accum
     sdpa_dtype = attention_dtype or (torch.bfloat16 if mp == "bf16" else torch.float32)
     attention_kernel = apply_attention_kernel(model, str(cfg.training.attention_kernel), device, dims.cp,
                                               seq_len=seq_len // dims.cp, dtype=sdpa_dtype)
-    if attention_kernel.name != "sdpa":
+    if attention_kernel.name == "small_head":
         attention_dtype = torch.float32  # the kernel computes in fp32 whatever q/k/v arrive in
     float8 = instantiate(cfg.float8, _convert_="all")
     model = float8.convert(model)

@@ -45,12 +45,16 @@ class MultiHeadLatentAttention(nn.Module):
         self.qk_nope_head_dim = qk_nope_head_dim
         self.qk_rope_head_dim = qk_rope_head_dim
         self.v_head_dim = v_head_dim
+        self.n_heads = n_heads
         self.q_lora_rank = q_lora_rank
         self.kv_lora_rank = kv_lora_rank
         self.head_dim = qk_nope_head_dim + qk_rope_head_dim  # query/key width per head (precision policy reads it)
         self.softmax_scale = softmax_scale
         self.rope_interleaved = rope_interleaved
         self.sdpa_dtype: torch.dtype | None = None  # None = the compute dtype (see attention.Attention)
+        # plain causal attention ``(q, k, v, scale=) -> out`` set by the kernel policy
+        # (kernels/attention_policy.py); it takes q/k wider than v, so nothing is padded for it
+        self.causal_kernel = None
         if q_lora_rank:
             self.wq_a = nn.Linear(dim, q_lora_rank, bias=False)
             self.q_norm = RMSNorm(q_lora_rank, LATENT_NORM_EPS)
@@ -87,7 +91,9 @@ class MultiHeadLatentAttention(nn.Module):
         # built on it) needs equal head sizes, else SDPA falls back to the O(S^2)-memory math
         # kernel. Zero columns add nothing to q.k and come out of p.v as zeros, cut off below.
         width = max(self.head_dim, self.v_head_dim)
-        q, k, v = (_pad_heads(t.transpose(1, 2), width) for t in (q, k, v))
+        if self._kernel_applies(doc_ids, offset):  # it takes unequal widths
+            width = 0
+        q, k, v = (_pad_heads(t.transpose(1, 2), max(width, t.shape[-1])) for t in (q, k, v))
         out = self._sdpa(q, k, v, doc_ids, offset)[..., : self.v_head_dim]
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
@@ -102,10 +108,15 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None,
                 offset: int = 0) -> torch.Tensor:
+        if self._kernel_applies(doc_ids, offset):
+            return self.causal_kernel(q, k, v, scale=self.softmax_scale)
         if doc_ids is None and offset == 0:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
         mask = visible_keys(q.shape[2], device=q.device, doc_ids=doc_ids, q_offset=offset, kv_len=k.shape[2])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
+
+    def _kernel_applies(self, doc_ids: torch.Tensor | None, offset: int) -> bool:
+        return self.causal_kernel is not None and doc_ids is None and offset == 0
 
     def init_weights(self, out_std: float, in_std: float = 0.02) -> None:
         queries = (self.wq_a, self.wq_b) if self.q_lora_rank else (self.wq,)
