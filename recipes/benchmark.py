@@ -403,6 +403,8 @@ def moe_memory_suite(args, tmp: Path) -> tuple[list[str], dict]:
         "fp32": (("model=qwen3_moe_debug", "training.mixed_precision=fp32"), 1, args.threads),
         "bf16, ep 2 ranks x 1 thread": ((*bf16, "parallelism=ep", "training.local_batch_size=4"), 2, 1),
     }
+    if args.variant:
+        variants = {k: v for k, v in variants.items() if args.variant in k}
     marks = sorted({1, 30, 100, args.steps} & set(range(1, args.steps + 1)))
     rows = []
     for name, (overrides, nproc, threads) in variants.items():
@@ -456,6 +458,7 @@ def main() -> None:
     p.add_argument("--heap-cap-mb", type=int, default=None, help="data suite: RLIMIT_DATA per process")
     p.add_argument("--seq-len", type=int, default=256, help="data suite: loader and training sequence length")
     p.add_argument("--batch", type=int, default=8, help="data suite: loader and training batch")
+    p.add_argument("--variant", default=None, help="moe_memory suite: only the variants whose name contains this")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5, help="steps excluded from the medians")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
