@@ -90,10 +90,10 @@ class MultiHeadLatentAttention(nn.Module):
         # One width for q/k/v: CPU's flash kernel (and the ring attention of context parallel
         # built on it) needs equal head sizes, else SDPA falls back to the O(S^2)-memory math
         # kernel. Zero columns add nothing to q.k and come out of p.v as zeros, cut off below.
-        width = max(self.head_dim, self.v_head_dim)
-        if self._kernel_applies(doc_ids, offset):  # it takes unequal widths
-            width = 0
-        q, k, v = (_pad_heads(t.transpose(1, 2), max(width, t.shape[-1])) for t in (q, k, v))
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if not self._kernel_applies(doc_ids, offset):  # the policy's kernel takes unequal widths
+            width = max(self.head_dim, self.v_head_dim)
+            q, k, v = (_pad_heads(t, width) for t in (q, k, v))
         out = self._sdpa(q, k, v, doc_ids, offset)[..., : self.v_head_dim]
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
