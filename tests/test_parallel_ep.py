@@ -121,8 +121,13 @@ def _check_style(rank: int, world: int, ep: int, idle_upper: bool = False) -> di
 
 
 def _unit_worker(rank: int, out: dict) -> None:
-    out[rank] = {"a2a": _check_all_to_all(rank), "ep2": _check_style(rank, 2, 2),
-                 "ep2_idle_rank": _check_style(rank, 2, 2, idle_upper=True)}
+    from titan_hydra.parallel import fsdp
+
+    results = {"a2a": _check_all_to_all(rank), "ep2": _check_style(rank, 2, 2),
+               "ep2_idle_rank": _check_style(rank, 2, 2, idle_upper=True)}
+    fsdp.experts_need_fsdp = lambda dims, device: True  # the GPU layout: FSDP on a 1-rank efsdp mesh
+    results["ep2_fsdp_experts"] = _check_style(rank, 2, 2)
+    out[rank] = results
 
 
 @pytest.fixture(scope="module")
@@ -143,19 +148,22 @@ def test_all_to_all_uneven_splits_and_backward(unit_results):
     assert unit_results[1]["a2a"] == {"received": [1.0, 2.0, 3.0, 100.0, 101.0], "grad": [2.0, 2.0]}
 
 
-@pytest.mark.parametrize("case", ["ep2", "ep2_idle_rank"])
+@pytest.mark.parametrize("case", ["ep2", "ep2_idle_rank", "ep2_fsdp_experts"])
 def test_expert_parallel_matches_full_experts(unit_results, case):
     """ep=2 on 2 ranks (efsdp 1): each rank keeps E/2 experts; outputs equal the unsharded
-    module's and gradients the single-process gradient. That needs the divide factor of the
-    whole dp size and, with a 1-rank efsdp mesh, fsdp.py's fix for torch dividing twice (which
-    made the expert gradients half the right value). Clipping to half the norm combines the
-    dense (dp_shard mesh) and expert (efsdp x ep mesh) norms and scales both groups.
+    module's and gradients the single-process gradient. With a 1-rank efsdp mesh FSDP leaves the
+    experts out (fp32 DTensors over ep only) and a gradient hook divides by the whole dp size
+    (without it the expert gradients were twice the right value). Clipping to half the norm
+    combines the dense (dp_shard mesh) and expert (ep mesh) norms and scales both groups.
+    ``ep2_fsdp_experts``: the layout GPUs get, FSDP on the experts over a 1-rank efsdp mesh; it
+    needs fsdp.py's fix for torch dividing such a gradient twice (half the right value).
     ``ep2_idle_rank``: no token goes to rank 1's experts; they still run (on zero rows, through
     torch._grouped_mm) and get exactly zero gradient, and rank 1's own tokens come back."""
     for rank in range(2):
         got = unit_results[rank][case]
         assert got["y"] <= 1e-6 and got["grad"] <= 1e-7, (rank, got)  # measured 3e-11 / 1e-9
-        assert got["meshes"] == ["('dp_shard',)", "('efsdp', 'ep')"], (rank, got)
+        expert_mesh = "('efsdp', 'ep')" if case == "ep2_fsdp_experts" else "('ep',)"
+        assert got["meshes"] == ["('dp_shard',)", expert_mesh], (rank, got)
         assert got["norm_rel_err"] <= 1e-6 and got["clipped_rel_err"] <= 1e-6, (rank, got)
         assert got["local_experts"] == EXPERTS // 2, (rank, got)
         assert got["ep_group"] == [0, 1] and got["efsdp_group"] == [rank], (rank, got)

@@ -23,6 +23,15 @@ block's group (on the dense mesh) leaves them out. Their gradient already sums t
 contributions of the whole ep group (the all-to-all's backward brings every token's gradient
 to the expert's owner), and the efsdp (x dp_replicate) reduction sums over the rest, so the
 divide factor is the full dp x cp size, exactly what the dense parameters are divided by.
+
+On CPU, when no other rank holds the same experts (efsdp x dp_replicate = 1, e.g. ep over every
+data-parallel rank), FSDP has nothing to shard or reduce for them, yet a group of one still
+casts them to bf16 before every forward and backward and copies, divides and copies back their
+gradients after it (17% of a Qwen3-MoE ep2 step on CPU). There the experts are left out of FSDP
+(``ignored_params``): they stay fp32 ``Shard(0)`` DTensors over ep, the experts cast them to the
+activations' dtype once per optimizer step (models/common/cast_cache.py), and their gradient is
+divided by the dp x cp size (``divide_weight_gradients``). ``experts_need_fsdp`` says why GPUs
+keep FSDP on them.
 """
 
 from __future__ import annotations
@@ -113,6 +122,50 @@ def _unit_is_last(units: list, module: torch.nn.Module) -> bool:
     return False
 
 
+def experts_need_fsdp(dims: ParallelDims, device: torch.device) -> bool:
+    """Whether the routed experts get their own FSDP group: when other ranks hold the same
+    experts (efsdp or dp_replicate > 1), parameters are offloaded to the host, or on GPUs. There
+    FSDP frees each layer's bf16 copy of its experts after the layer, where without it every
+    layer's copy would live through the backward (half the experts' fp32 bytes, ~7 GiB a rank
+    for Qwen3-30B-A3B on 8 GPUs), and the copies it saves cost little time."""
+    return dims.efsdp * dims.dp_replicate > 1 or dims.fsdp_cpu_offload or device.type != "cpu"
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def divide_weight_gradients(module: torch.nn.Module, factor: float) -> None:
+    """Divide the gradients of ``module``'s weights by ``factor`` (what FSDP's reduction would
+    divide them by), on the tokens' side: the gradient entering the module's output is divided
+    and the one leaving its input multiplied back. Weight gradients are linear in the output
+    gradient, so they come out divided, the input gradient unchanged; that touches the
+    module's rows (~N x D per layer) instead of its weights (E x 3 x D x H, ~10x more on
+    Qwen3-MoE, where a hook dividing the weight gradients cost 9% of the step). Exact when the
+    factor is a power of two; otherwise one extra rounding of the gradient in the compute dtype.
+    ``forward(x, ...)``: the first input is the rows."""
+    module.register_forward_pre_hook(lambda _, args: (_ScaleGradient.apply(args[0], factor), *args[1:]))
+    module.register_forward_hook(lambda _, args, out: _ScaleGradient.apply(out, 1.0 / factor))
+
+
+def leave_experts_out(experts: list[torch.nn.Module], factor: float) -> set[torch.nn.Parameter]:
+    """The experts' parameters (FSDP's ``ignored_params``), with their gradients divided by
+    ``factor`` (divide_weight_gradients)."""
+    if factor != 1.0:
+        for module in experts:
+            divide_weight_gradients(module, factor)
+    return {p for module in experts for p in module.parameters()}
+
+
 def shard_experts(experts: list[torch.nn.Module], units: list, dims: ParallelDims, mp, offload) -> None:
     """FSDP on each routed-experts module (before its block), grads divided by the dp x cp size."""
     from torch.distributed.fsdp import fully_shard
@@ -138,7 +191,11 @@ def apply_data_parallel(model: torch.nn.Module, units: list, dims: ParallelDims,
         from torch.distributed.fsdp import fully_shard
 
         offload = offload_policy_of(dims, device)
-        shard_experts(list(experts), units, dims, mp, offload)
+        ignored = None
+        if experts and not experts_need_fsdp(dims, device):
+            ignored = leave_experts_out(list(experts), float(dims.dp_shard * dims.cp))
+        else:
+            shard_experts(list(experts), units, dims, mp, offload)
         for module, is_last in units:
             fully_shard(
                 module,
@@ -146,8 +203,10 @@ def apply_data_parallel(model: torch.nn.Module, units: list, dims: ParallelDims,
                 reshard_after_forward=block_reshard_after_forward(dims, is_last),
                 mp_policy=mp,
                 offload_policy=offload,
+                ignored_params=ignored,
             )
-        fully_shard(model, mesh=mesh, reshard_after_forward=None, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mesh=mesh, reshard_after_forward=None, mp_policy=mp, offload_policy=offload,
+                    ignored_params=ignored)
     else:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
@@ -156,7 +215,7 @@ def apply_data_parallel(model: torch.nn.Module, units: list, dims: ParallelDims,
         replicate(model, mesh=mesh, mp_policy=mp)
     if _backend_is_gloo():
         use_sum_reductions(model)
-        if dims.efsdp == 1:
+        if dims.efsdp == 1 and experts_need_fsdp(dims, device):
             # One rank per efsdp group: FSDP runs no reduce-scatter there, and torch 2.13 divides
             # such a gradient twice (by the factor, then again after the "sum"). The sum op is
             # only needed for gloo collectives, and the HSDP all-reduce is a SUM either way.

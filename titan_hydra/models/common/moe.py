@@ -270,11 +270,10 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        # torch._grouped_mm has no autocast rule: run in autocast's dtype ourselves.
-        if torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
-        else:
-            dtype = _local(self.w1).dtype
+        # torch._grouped_mm has no autocast rule: run in autocast's dtype ourselves; without
+        # autocast in the activations' dtype (FSDP's bf16 compute, with fp32 expert weights
+        # when FSDP leaves the experts out, parallel/fsdp.py).
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         x = x.to(dtype)
         if not (buckets_rows(x.device, dtype) if self.bucket_rows is None else self.bucket_rows):
             return self.run(x, counts, dtype)
