@@ -11,10 +11,8 @@ child without experts as one fullgraph graph (attention, norms, shared experts),
 descended into, and the experts module itself left eager. Its token dispatch has data-dependent
 sizes (a whole-block graph recompiles as the per-expert counts change), and under expert
 parallel its hooks run all-to-alls with host-side split sizes and it is an FSDP unit of its own:
-none of that can sit inside a fullgraph. A selective checkpoint of such a block moves into its
-pieces (``ac.push_checkpoint_down``): around a compiled graph it would save nothing.
-``compiled_graphs()`` counts what dynamo compiled, so a run can show that its steps stopped
-compiling after the first ones.
+none of that can sit inside a fullgraph. ``compiled_graphs()`` counts what dynamo compiled, so a
+run can show that its steps stopped compiling after the first ones.
 
 ``model_loss`` also compiles the loss (logits upcast + cross entropy fuse; the fp32 copy of
 the logits is never materialized), which the recipe passes to the Trainer as ``loss_fn``.
