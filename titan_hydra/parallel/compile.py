@@ -26,7 +26,6 @@ import torch
 
 from titan_hydra.errors import ConfigError
 from titan_hydra.hardware import inductor_cache_for_isa
-from titan_hydra.parallel.ac import push_checkpoint_down
 
 MODES = ("none", "model", "model_loss")
 
@@ -80,7 +79,6 @@ def _compile_around(module: torch.nn.Module, eager: set[int], backend: str) -> N
     if not any(id(m) in eager for m in module.modules()):
         module.compile(backend=backend, fullgraph=True)
         return
-    push_checkpoint_down(module)  # a selective checkpoint must sit inside the compiled graphs
     for child in module.children():
         _compile_around(child, eager, backend)
 
