@@ -202,6 +202,35 @@ def test_float8_refused_on_old_gpu(monkeypatch):
 # ------------------------------------------------------------------------------- compile
 
 
+def test_selective_ac_saves_inside_compiled_moe_pieces():
+    """A block holding experts is compiled in pieces (compile.py), so its selective checkpoint
+    moves into the pieces (ac.push_checkpoint_down): with the all_mm policy the backward then runs
+    no more matmuls than without AC, and the loss is the same. With the checkpoint left around
+    the compiled pieces, the policy saw only inductor's ``out=`` kernels, saved none and every
+    compiled piece ran again in the backward (a compiled DeepSeek-V3 step with selective_op cost
+    what full AC did); under this op counter that layout even failed its recompute."""
+    from helpers import compose_cfg
+    from titan_hydra.models.registry import build_model
+
+    cfg = OmegaConf.create({"mode": "model", "backend": "inductor"})
+    runs = {}
+    for ac in ("none", "selective_op"):
+        torch.manual_seed(0)
+        family, m = build_model(compose_cfg(["model=qwen3_moe_debug", "model.n_layers=2"]).model)
+        m.init_weights("cpu")
+        apply_ac(m.layers, OmegaConf.create({"mode": ac}))
+        apply_compile(m, m.layers, cfg, [e for _, e in family.expert_modules(m)])
+        x = batch(2, 32)
+        loss = cross_entropy_loss(m(x), x)
+        with OpCounter() as counter:
+            loss.backward()
+        runs[ac] = (loss.item(), counter.counts.get("mm", 0))
+    assert runs["selective_op"][1] == runs["none"][1] > 0, runs
+    assert abs(runs["selective_op"][0] - runs["none"][0]) < 1e-6, runs
+    block = m.layers["0"]
+    assert getattr(block, "_th_ac_mode", None) is None and block.attention._th_ac_mode == "selective_op"
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_regional_compile_with_ac_and_compiled_loss_matches_eager(kind):
     cfg = OmegaConf.create({"mode": "model_loss", "backend": "inductor"})

@@ -103,6 +103,28 @@ def checkpoint_block(block: torch.nn.Module, selective_op: bool = False, policy:
 
     block.forward = forward
     block._th_ac_mode = "selective_op" if selective_op else "full"
+    block._th_ac_policy, block._th_ac_inner = policy, inner
+
+
+def push_checkpoint_down(block: torch.nn.Module, keep_out: set[int] = frozenset()) -> None:
+    """A selective-op checkpointed ``block`` that is compiled child by child (compile.py: blocks
+    holding routed experts) checkpoints each child instead, with the same policy.
+
+    Why: around a compiled graph an eager selective checkpoint sees only inductor's ``out=``
+    kernels (``aten.mm.out`` into its own buffers); the policy names ``aten.mm.default`` and
+    saving an ``out=`` result would not refill the buffer, so nothing is saved and every compiled
+    piece runs again in the backward (a compiled DeepSeek-V3 step with selective_op cost what
+    full AC did). A checkpoint inside a compiled child is traced by dynamo, which applies the
+    policy to the graph's own ops, as for dense blocks compiled whole. The block's own glue (the
+    residual adds) then keeps its few activations. Full AC is left as it is (everything is
+    recomputed either way)."""
+    if getattr(block, "_th_ac_mode", None) != "selective_op":
+        return
+    block.forward = block._th_ac_inner
+    block._th_ac_mode = None
+    for child in block.children():
+        if id(child) not in keep_out:  # the routed experts: EP swaps their weights around forward only
+            checkpoint_block(child, selective_op=True, policy=block._th_ac_policy)
 
 
 def checkpointed_layer_ids(layer_names: list[str], mode: str, freq: int) -> list[str]:

@@ -11,8 +11,10 @@ child without experts as one fullgraph graph (attention, norms, shared experts),
 descended into, and the experts module itself left eager. Its token dispatch has data-dependent
 sizes (a whole-block graph recompiles as the per-expert counts change), and under expert
 parallel its hooks run all-to-alls with host-side split sizes and it is an FSDP unit of its own:
-none of that can sit inside a fullgraph. ``compiled_graphs()`` counts what dynamo compiled, so a
-run can show that its steps stopped compiling after the first ones.
+none of that can sit inside a fullgraph. A selective checkpoint of such a block moves into its
+pieces (``ac.push_checkpoint_down``): around a compiled graph it would save nothing.
+``compiled_graphs()`` counts what dynamo compiled, so a run can show that its steps stopped
+compiling after the first ones.
 
 ``model_loss`` also compiles the loss (logits upcast + cross entropy fuse; the fp32 copy of
 the logits is never materialized), which the recipe passes to the Trainer as ``loss_fn``.
@@ -26,6 +28,7 @@ import torch
 
 from titan_hydra.errors import ConfigError
 from titan_hydra.hardware import inductor_cache_for_isa
+from titan_hydra.parallel.ac import push_checkpoint_down
 
 MODES = ("none", "model", "model_loss")
 
@@ -79,6 +82,7 @@ def _compile_around(module: torch.nn.Module, eager: set[int], backend: str) -> N
     if not any(id(m) in eager for m in module.modules()):
         module.compile(backend=backend, fullgraph=True)
         return
+    push_checkpoint_down(module, eager)  # a selective checkpoint must sit inside the compiled graphs
     for child in module.children():
         _compile_around(child, eager, backend)
 
