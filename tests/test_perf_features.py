@@ -229,6 +229,10 @@ def test_selective_ac_saves_inside_compiled_moe_pieces():
     assert abs(runs["selective_op"][0] - runs["none"][0]) < 1e-6, runs
     block = m.layers["0"]
     assert getattr(block, "_th_ac_mode", None) is None and block.attention._th_ac_mode == "selective_op"
+    # the routed experts (eager, outside every graph) recompute under the same policy, as in
+    # torchtitan; under EP too (tests/test_parallel_ep.py, layout ep2_accum2)
+    experts = [e for _, e in family.expert_modules(m)]
+    assert experts and all(e._th_ac_mode == "selective_op" for e in experts)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -106,7 +106,7 @@ def checkpoint_block(block: torch.nn.Module, selective_op: bool = False, policy:
     block._th_ac_policy, block._th_ac_inner = policy, inner
 
 
-def push_checkpoint_down(block: torch.nn.Module, keep_out: set[int] = frozenset()) -> None:
+def push_checkpoint_down(block: torch.nn.Module) -> None:
     """A selective-op checkpointed ``block`` that is compiled child by child (compile.py: blocks
     holding routed experts) checkpoints each child instead, with the same policy.
 
@@ -122,9 +122,8 @@ def push_checkpoint_down(block: torch.nn.Module, keep_out: set[int] = frozenset(
         return
     block.forward = block._th_ac_inner
     block._th_ac_mode = None
-    for child in block.children():
-        if id(child) not in keep_out:  # the routed experts: EP swaps their weights around forward only
-            checkpoint_block(child, selective_op=True, policy=block._th_ac_policy)
+    for child in block.children():  # the routed experts too: an eager child keeps the policy
+        checkpoint_block(child, selective_op=True, policy=block._th_ac_policy)
 
 
 def checkpointed_layer_ids(layer_names: list[str], mode: str, freq: int) -> list[str]:

@@ -82,7 +82,7 @@ def _compile_around(module: torch.nn.Module, eager: set[int], backend: str) -> N
     if not any(id(m) in eager for m in module.modules()):
         module.compile(backend=backend, fullgraph=True)
         return
-    push_checkpoint_down(module, eager)  # a selective checkpoint must sit inside the compiled graphs
+    push_checkpoint_down(module)  # a selective checkpoint must sit inside the compiled graphs
     for child in module.children():
         _compile_around(child, eager, backend)
 

@@ -11,9 +11,12 @@ Why it is built this way:
   post-hook sends the results back in the original order. The same module thus runs with
   ``E`` experts in one process and ``E/ep`` under EP.
 * The weights ``w1/w2/w3`` [E, ...] become DTensors ``Shard(0)`` over the ep mesh (checkpoints
-  and the full-state init see the full [E, ...] tensors). During the forward the hook shadows
-  each one with its local tensor (``to_local()``, differentiable), so the module's own math
-  runs on plain tensors; the gradient flows back into the DTensor parameter.
+  and the full-state init see the full [E, ...] tensors). The module takes its local part
+  itself (``to_local()``, differentiable, in ``GroupedExperts.weights_in``), so the gradient
+  flows back into the DTensor parameter. The hooks leave the module's attributes alone: an
+  earlier form shadowed the parameters with their local tensors during the forward only, and a
+  selective-op checkpoint of the module then replayed a recompute (no shadows: ``to_local``
+  views) that its forward had not recorded, which torch refuses.
 * The token all-to-all is an autograd function whose backward is the reverse all-to-all, so
   the gradient of every token comes back to the rank that sent it. It uses plain
   ``dist.all_to_all_single`` (gloo and NCCL both take uneven split sizes).
@@ -107,18 +110,12 @@ class ExpertParallel(ParallelStyle):
         received = all_to_all(x, recv_splits, send, group)
         order = local_expert_order(recv)
         module._ep_state = (torch.argsort(order), send, recv_splits)
-        # The module's own math runs on this rank's experts, as plain tensors (instance
-        # attributes win over nn.Module's parameter lookup; _combine removes them again).
-        for pname, param in module.named_parameters(recurse=False):
-            module.__dict__[pname] = param.to_local()
         # A rank that no peer routed a token to still runs its experts, on zero rows: FSDP and
         # the backward all-to-alls need every rank (unit test "ep2_idle_rank").
         return (received.index_select(0, order), recv.sum(0).to(counts.dtype), *rest)
 
     @staticmethod
     def _combine(module: nn.Module, output: torch.Tensor, mesh) -> torch.Tensor:
-        for pname, _ in module.named_parameters(recurse=False):
-            module.__dict__.pop(pname, None)
         inverse, send, recv_splits = module._ep_state
         module._ep_state = None
         return all_to_all(output.index_select(0, inverse), send, recv_splits, mesh.get_group())
