@@ -260,13 +260,16 @@ class PipelineRunner:
 
 @contextlib.contextmanager
 def _undo_probe_forward(parts: list[torch.nn.Module]):
-    """Make the first step's shape-inference forward leave no trace in module buffers.
+    """Make the first step's shape inference leave no trace in module buffers.
 
-    Without static stage shapes, torch's PipelineStage infers them on the first step by running
+    Without static stage shapes, torch's PipelineStage infers them on the first step: it runs
     each stage once on a probe (the first microbatch on stage 0, uninitialised tensors of the
-    received shapes on the others) before the real microbatches. Stateful buffers (MoE load
-    counts) would count that probe. Each stage's first forward in this step is the probe: its
-    buffers are put back to what they held before it.
+    received shapes on the others), then a backward through that probe for the gradients'
+    shapes, before the real microbatches. Stateful buffers (MoE load counts) would count the
+    probe, and under activation checkpointing count it twice: the probe's backward recomputes
+    its checkpointed blocks after the probe's forward has returned. So each stage's buffers are
+    put back to what they held before the step when its second forward (the first real
+    microbatch) starts, after the probe's forward and backward both ran.
     """
     handles = []
     for part in parts:
@@ -274,17 +277,18 @@ def _undo_probe_forward(parts: list[torch.nn.Module]):
         if not saved:
             continue
 
-        def restore(module, args, output, saved=saved, state={"done": False}):
-            if not state["done"]:
-                state["done"] = True
-                with torch.no_grad():
-                    for name, buf in module.named_buffers():
-                        # only what the probe changed: rewriting an unchanged buffer in place
-                        # (rotary tables) would invalidate tensors autograd saved from it
-                        if name in saved and buf.shape == saved[name].shape and not torch.equal(buf, saved[name]):
-                            buf.copy_(saved[name])
+        def restore(module, args, saved=saved, calls=[0]):
+            calls[0] += 1
+            if calls[0] != 2:
+                return
+            with torch.no_grad():
+                for name, buf in module.named_buffers():
+                    # only what the probe changed: rewriting an unchanged buffer in place
+                    # (rotary tables) would invalidate tensors autograd saved from it
+                    if name in saved and buf.shape == saved[name].shape and not torch.equal(buf, saved[name]):
+                        buf.copy_(saved[name])
 
-        handles.append(part.register_forward_hook(restore))
+        handles.append(part.register_forward_pre_hook(restore))
     try:
         yield
     finally:
