@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from titan_hydra.errors import ConfigError
 from titan_hydra.hardware import inductor_cache_for_isa
@@ -103,8 +104,6 @@ def _resolve_async_output(_module: torch.nn.Module, _inputs, output):
     dynamo's ``eager`` backend is fine). ``clone()`` is a non-view op, so the ACT waits for its
     collective and returns an ordinary autograd-tracked tensor: one [B, S/tp, dim] copy per step.
     """
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
     return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
 
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from titan_hydra.errors import ConfigError
 
@@ -124,8 +124,6 @@ class ExpertParallel(ParallelStyle):
 def apply_ep(model: nn.Module, family, dims) -> list[tuple[str, nn.Module]]:
     """Shard every routed-experts module of ``model`` (a model or one pipeline stage, on meta)
     over the ep mesh; returns them (FSDP shards them next, on the efsdp mesh)."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     mesh = dims.submesh("ep")
     experts = family.expert_modules(model)  # ModelFamily.expert_modules: the model opts in, EP-agnostic
     for _, module in experts:

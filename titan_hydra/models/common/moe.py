@@ -32,6 +32,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan_hydra.models.common.cast_cache import WeightCastCache
 from titan_hydra.models.common.layers import FeedForward, trunc_normal_
@@ -243,8 +244,6 @@ def pad_to_buckets(x: torch.Tensor, counts: torch.Tensor
 
 def _local(w: torch.Tensor) -> torch.Tensor:
     """This rank's experts of a weight (a DTensor sharded on dim 0 under expert parallel)."""
-    from torch.distributed.tensor import DTensor
-
     return w.to_local() if isinstance(w, DTensor) else w
 
 
