@@ -20,6 +20,7 @@ from titan_hydra.models.common.moe import (
 )
 from titan_hydra.models.gpt_oss.model import GptOssExperts
 from titan_hydra.models.registry import args_of
+from titan_hydra.parallel.ac import checkpoint_block
 
 
 def make_moe(seed: int = 0, dim: int = 32, **moe) -> MoE:
@@ -223,12 +224,27 @@ def test_counts_only_in_training_and_balance_step():
     assert torch.allclose(layer0.expert_bias, expected) and layer0.expert_bias.sum().abs() < 1e-7
     assert torch.equal(layer1.expert_bias, torch.zeros(8))  # coefficient 0: bias stays
     assert layer0.tokens_per_expert.sum() == 0 and layer1.tokens_per_expert.sum() == 0
-    # scale-invariant: a layer counted twice (AC recompute) reports and moves the same
+    # scale-invariant: a load scaled by a constant reports and moves the same
     layer0.tokens_per_expert.copy_(torch.tensor([20.0, 4, 4, 4, 4, 4, 4, 4]))
     layer1.tokens_per_expert.copy_(torch.tensor([0.0, 0, 8, 8, 8, 8, 8, 8]))
     assert balance_step(parts) == metrics
     assert torch.allclose(layer0.expert_bias, 2 * expected)
     assert balance_step(parts) == {}  # no tokens counted: nothing to report
+
+
+@pytest.mark.parametrize("mode", ["full", "selective_op"])
+def test_activation_checkpoint_recompute_does_not_count_tokens_again(mode):
+    """A checkpointed MoE reruns its forward in the backward; the load it counts is still that of
+    one forward (before: twice, which the sign-based bias update and the ratios hid)."""
+    x = torch.randn(2, 5, 32)
+    plain, ckpt = make_moe(), make_moe()
+    checkpoint_block(ckpt, selective_op=mode == "selective_op")
+    for m in (plain, ckpt):
+        m.train()
+        m(x).square().sum().backward()
+    assert plain.tokens_per_expert.sum() == 2 * 5 * 2
+    assert torch.equal(ckpt.tokens_per_expert, plain.tokens_per_expert)
+    assert torch.equal(ckpt.router.gate.weight.grad, plain.router.gate.weight.grad)
 
 
 def test_balance_step_sums_counts_over_the_group(monkeypatch):

@@ -266,10 +266,11 @@ def _undo_probe_forward(parts: list[torch.nn.Module]):
     each stage once on a probe (the first microbatch on stage 0, uninitialised tensors of the
     received shapes on the others), then a backward through that probe for the gradients'
     shapes, before the real microbatches. Stateful buffers (MoE load counts) would count the
-    probe, and under activation checkpointing count it twice: the probe's backward recomputes
-    its checkpointed blocks after the probe's forward has returned. So each stage's buffers are
-    put back to what they held before the step when its second forward (the first real
-    microbatch) starts, after the probe's forward and backward both ran.
+    probe, and under activation checkpointing that backward reruns the probe's blocks after its
+    forward has returned (the MoE no longer counts in a recompute, but a buffer written there
+    would change again). So each stage's buffers are put back to what they held before the step
+    when its second forward (the first real microbatch) starts, after the probe's forward and
+    backward both ran.
     """
     handles = []
     for part in parts:

@@ -351,6 +351,14 @@ def sequence_balance_loss(scores: torch.Tensor, selected: torch.Tensor, num_expe
     return (frac * mean_prob).sum(dim=-1).mean()
 
 
+def _recomputing() -> bool:
+    """Whether this forward runs inside a backward pass: an activation-checkpoint recompute (or the
+    backward of torch's pipeline shape probe). Such a forward repeats one already counted, so it
+    must not count its tokens again. (The autograd engine's graph-task id is what torch's own
+    checkpoint code reads; -1 outside a backward.)"""
+    return torch._C._current_graph_task_id() != -1
+
+
 class MoE(nn.Module):
     """Routed experts (+ optional shared experts) in place of a block's FFN: [B, S, D] -> [B, S, D].
 
@@ -385,7 +393,7 @@ class MoE(nn.Module):
         scores = self.router.scores(tokens)
         gates, selected = self.router.choose(scores, self.expert_bias)
         counts = expert_counts(selected, self.args.num_experts)
-        if self.training:
+        if self.training and not _recomputing():
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
         # local dispatch: (token, choice) pairs sorted by expert
