@@ -27,12 +27,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from titan_hydra.config import compose_config
     from titan_hydra.errors import UserError
+    from titan_hydra.spec import spec_of
     from titan_hydra.planner.plan import plan
-    from titan_hydra.validate import build_dims
 
     cfg = compose_config(args.overrides)
     try:
-        result = plan(cfg, build_dims(cfg))
+        result = plan(cfg, spec_of(cfg).dims)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -59,12 +59,12 @@ def evaluate_row(row: dict) -> dict:
     """Estimated peak GiB and tokens/s per GPU of one row, with the published numbers beside."""
     from titan_hydra.config import compose_config
     from titan_hydra.planner.auto import estimated_step_time
+    from titan_hydra.spec import spec_of
     from titan_hydra.planner.plan import ASSUMED_MFU, plan
     from titan_hydra.planner.runtime import TORCHTITAN_2024_12
-    from titan_hydra.validate import build_dims
 
     cfg = compose_config(overrides(row))
-    dims = build_dims(cfg)
+    dims = spec_of(cfg).dims
     p = plan(cfg, dims, runtime=TORCHTITAN_2024_12)
     tps = p.tokens_per_step / estimated_step_time(cfg, dims, p) / dims.world_size
     return {

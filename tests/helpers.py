@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
+from titan_hydra.spec import spec_of
 from titan_hydra.config import compose_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -220,7 +221,7 @@ def run_single(tmp_path: Path, overrides: list[str], family: str = "llama3") -> 
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = compose_cfg(BASE + FAMILIES[family] + ["cluster.nproc_per_node=1", "parallelism=single",
                                                  f"training.local_batch_size={GLOBAL_BATCH}", *overrides])
-    run(cfg, str(run_dir))
+    run(spec_of(cfg), str(run_dir))
     losses = series(run_dir, "loss")
     assert len(losses) == STEPS, losses
     return losses

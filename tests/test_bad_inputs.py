@@ -33,10 +33,11 @@ import numpy as np
 import pytest
 import torch
 
+from titan_hydra.spec import spec_of
 from helpers import REPO, TINY, compose_cfg
 from titan_hydra.checkpoint import CheckpointError, CheckpointManager
 from titan_hydra.errors import ConfigError, DataError, UserError
-from titan_hydra.validate import build_dims, check_writable_dir, validate
+from titan_hydra.validate import check_writable_dir, validate
 
 BUILTIN_TOKENIZER = REPO / "titan_hydra" / "assets" / "builtin_tokenizer.json"
 
@@ -58,7 +59,7 @@ def refuse(overrides: list[str]) -> None:
 
     cfg = compose_cfg(TINY + overrides)
     validate(cfg)
-    build_data(cfg, build_dims(cfg))
+    build_data(spec_of(cfg))
 
 
 def config(id: str, overrides: list[str], pattern: str, error: type = ConfigError) -> Row:
@@ -458,7 +459,7 @@ def _corrupted_resume(tmp: Path) -> list[str]:
     args = TINY + ["logger=minimal", "checkpoint=default", "training.val_freq=0", "cluster.threads_per_proc=1"]
     run_dir = tmp / "run"
     run_dir.mkdir(parents=True)
-    run(compose_cfg(args + ["training.steps=2"]), str(run_dir))
+    run(spec_of(compose_cfg(args + ["training.steps=2"])), str(run_dir))
     flip_byte(shard(run_dir / "checkpoint" / "step-2"), 64)
     return args + ["training.steps=4", f"hydra.run.dir={run_dir}"]
 

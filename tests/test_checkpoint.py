@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from titan_hydra.spec import spec_of
 from helpers import compose_cfg
 from titan_hydra.checkpoint import CheckpointError, CheckpointManager, list_steps, read_marker
 from titan_hydra.checkpoint.storage import load_plain, read_metadata, save_plain, tensor_entries, tensor_json
@@ -41,7 +42,7 @@ FAMILIES = {
 
 
 def train(run_dir: Path, *extra: str, family: str = "llama3") -> dict:
-    return run(compose_cfg(BASE + FAMILIES[family] + list(extra)), str(run_dir), return_state=True)
+    return run(spec_of(compose_cfg(BASE + FAMILIES[family] + list(extra))), str(run_dir), return_state=True)
 
 
 def reference_of(run_cache, family: str) -> tuple[Path, dict]:

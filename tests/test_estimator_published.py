@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from titan_hydra.spec import spec_of
 from helpers import compose_cfg
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,12 +88,11 @@ def test_first_pipeline_rank_holds_less_under_interleaved_1f1b():
     from titan_hydra.planner.cuda_memory import cuda_dynamic_peak
     from titan_hydra.planner.runtime import TORCHTITAN_2024_12
     from titan_hydra.planner.shape import model_shape
-    from titan_hydra.validate import build_dims
 
     peaks = {}
     for rid in ("t5_1f1b", "t5_interleaved_1f1b"):
         cfg = compose_cfg(ep.overrides(next(r for r in ROWS if r["id"] == rid)))
-        dims = build_dims(cfg)
+        dims = spec_of(cfg).dims
         peaks[rid] = cuda_dynamic_peak(cfg, dims, model_shape(cfg), TORCHTITAN_2024_12, pp_rank=0)[0]
     assert peaks["t5_interleaved_1f1b"] < 0.95 * peaks["t5_1f1b"], peaks
 

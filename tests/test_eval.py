@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("lm_eval")
+from titan_hydra.spec import spec_of
 from helpers import compose_cfg  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,7 +34,7 @@ def checkpoint(tmp_path_factory):
     cfg = compose_cfg(["experiment=debug_tiny", "checkpoint=default", "checkpoint.interval=0", "training.steps=30",
                        "training.val_freq=0", f"training.seq_len={SEQ}", "optimizer.lr=3e-3",
                        "cluster.threads_per_proc=1"])
-    run(cfg, str(path / "run"))
+    run(spec_of(cfg), str(path / "run"))
     return path / "run" / "checkpoint" / "step-30"
 
 
@@ -50,7 +51,7 @@ def test_harness_bits_per_byte_agree_with_validation_loss(checkpoint):
     cfg = compose_cfg(["experiment=debug_tiny", f"training.seq_len={SEQ}"])
     losses, weights = [], []
     with torch.no_grad():
-        for inputs, labels in build_dataset(cfg).loader("val", 16, infinite=False):
+        for inputs, labels in build_dataset(cfg.data).loader("val", 16, infinite=False):
             losses.append(F.cross_entropy(model(inputs).flatten(0, 1).float(), labels.flatten()).item())
             weights.append(labels.numel())
     val_loss = sum(l * w for l, w in zip(losses, weights)) / sum(weights)

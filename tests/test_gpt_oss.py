@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from titan_hydra.spec import spec_of
 from helpers import compose_cfg
 from titan_hydra.errors import ConfigError
 from titan_hydra.models.common.attention import Attention
@@ -277,11 +278,10 @@ def test_hf_refusals_are_one_line():
 
 def test_dry_run_plans_gpt_oss_120b():
     from titan_hydra.planner.plan import plan
-    from titan_hydra.launch.entry import build_dims
     from titan_hydra.validate import validate
 
     cfg = compose_cfg(["dry_run=true", "model=gpt_oss_120b", "cluster=slurm_h100", "parallelism=fsdp_ep",
                        "training.seq_len=4096", "training.local_batch_size=1", "data.max_documents=1"])
     validate(cfg)
-    text = plan(cfg, build_dims(cfg)).format()
+    text = plan(cfg, spec_of(cfg).dims).format()
     assert "116,829,156,672" in text and "5,711,982,912" in text and "ep=2" in text

@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 
 import convert  # noqa: E402
+from titan_hydra.spec import spec_of
 from titan_hydra.checkpoint import CheckpointError  # noqa: E402
 from titan_hydra.checkpoint.state import FORMAT_VERSION  # noqa: E402
 from titan_hydra.checkpoint.storage import save_plain  # noqa: E402
@@ -350,8 +351,8 @@ def test_initial_load_path_reads_an_hf_directory(tmp_path, kind):
         "training.mixed_precision=fp32", "lr_scheduler.warmup_steps=0", "data.max_documents=40", "logger=minimal",
         f"checkpoint.initial_load_path={tmp_path / 'hf'}",
     ])
-    inputs, labels = next(build_dataset(cfg).loader("train", 2))
+    inputs, labels = next(build_dataset(cfg.data).loader("train", 2))
     with torch.no_grad():
         expected = cross_entropy_loss(hf_model(inputs).logits, labels).item()
-    got = run(cfg, str(tmp_path / "run"))["losses"][0]
+    got = run(spec_of(cfg), str(tmp_path / "run"))["losses"][0]
     assert abs(got - expected) < 1e-4, (got, expected)

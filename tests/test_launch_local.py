@@ -65,14 +65,14 @@ def test_torchrun_matches_spawn_and_fork(tmp_path):
     assert torchrun == spawned  # same config, same ranks, same reduction order: bit-identical
 
 
-def bad_data_program(cfg, run_dir: str, return_state: bool = False):
+def bad_data_program(spec, run_dir: str, return_state: bool = False):
     """A rank program that finds bad data only inside the worker (the parent's data was fine)."""
     from titan_hydra.train.pretrain import build_dataset
 
     bad = Path(run_dir) / "bad.jsonl"
     bad.write_text(json.dumps({"txt": "no text field"}) + "\n")
-    cfg = OmegaConf.merge(cfg, {"data": {"name": "json", "source": "json", "path": str(bad)}})
-    build_dataset(cfg)
+    data = OmegaConf.merge(spec.config.data, {"name": "json", "source": "json", "path": str(bad)})
+    build_dataset(data)
 
 
 def test_worker_user_error_is_one_line(tmp_path, monkeypatch, capsys):

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from titan_hydra.spec import spec_of
 from helpers import compose_cfg
 from titan_hydra.errors import ConfigError
 from titan_hydra.models.common.hf_decoder import HFConversionError
@@ -215,12 +216,11 @@ def test_hf_export_refusals_are_one_line():
 
 def test_dry_run_plans_llama4_scout():
     from titan_hydra.planner.plan import plan
-    from titan_hydra.launch.entry import build_dims
     from titan_hydra.validate import validate
 
     cfg = compose_cfg(["dry_run=true", "model=llama4_scout", "cluster=slurm_h100", "cluster.nnodes=4",
                        "parallelism=fsdp_ep", "parallelism.ep=8", "training.seq_len=8192",
                        "training.local_batch_size=1", "data.max_documents=1"])
     validate(cfg)
-    text = plan(cfg, build_dims(cfg)).format()
+    text = plan(cfg, spec_of(cfg).dims).format()
     assert "107,769,861,120" in text and "17,172,894,720" in text and "ep=8" in text

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from titan_hydra.spec import spec_of
 from helpers import TINY, compose_cfg, read_metrics
 from titan_hydra.data.mixture import BLOCK, MixtureLoader, block_counts
 from titan_hydra.data.prepare import PrepareSettings, prepare
@@ -96,7 +97,7 @@ def test_a_mixture_trains_and_logs_every_sources_validation_loss(tmp_path):
     spec = f"+data.sources={{web: {{path: '{web}', weight: 0.7}}, code: {{path: '{code}', weight: 0.3}}}}"
     cfg = compose_cfg(MODEL + MIX + [spec])
     validate(cfg)
-    summary = run(cfg, str(tmp_path / "run"))
+    summary = run(spec_of(cfg), str(tmp_path / "run"))
     assert len(summary["losses"]) == 4 and all(np.isfinite(summary["losses"]))
     (val,) = [r for r in read_metrics(tmp_path / "run") if "val/loss" in r]
     assert {"val/web/loss", "val/code/loss"} <= val.keys()

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from titan_hydra.spec import spec_of
 from helpers import compose_cfg, read_metrics
 
 from titan_hydra.errors import ConfigError
@@ -394,7 +395,7 @@ def test_qwen3_moe_debug_trains_with_balance_metrics(tmp_path):
                        "training.val_freq=0", "cluster.threads_per_proc=1", "training.steps=20",
                        "training.seq_len=128", "training.local_batch_size=4", "data.max_documents=200",
                        "lr_scheduler.warmup_steps=2"])
-    out = run(cfg, str(tmp_path / "run"), return_state=True)
+    out = run(spec_of(cfg), str(tmp_path / "run"), return_state=True)
     losses = out["losses"]
     assert len(losses) == 20 and all(math.isfinite(v) for v in losses)
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3

@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 
+from titan_hydra.spec import spec_of
 from helpers import BASE, GLOBAL_BATCH, assert_parity, compose_cfg, read_metrics, run_layout, run_single
 from titan_hydra.errors import ConfigError
 from titan_hydra.models.registry import build_model
@@ -125,7 +126,7 @@ def test_muon_layout_loss_parity(tmp_path, single, layout, record_property):
     shutil.rmtree(resumed / "checkpoint" / "step-10")
     cfg = compose_cfg(BASE + MUON + ["cluster.nproc_per_node=1", "parallelism=single",
                                      f"training.local_batch_size={GLOBAL_BATCH}"])
-    assert_parity(run(cfg, str(resumed))["losses"], reference, 1e-5, "muon fsdp(2) -> single resume", record_property)
+    assert_parity(run(spec_of(cfg), str(resumed))["losses"], reference, 1e-5, "muon fsdp(2) -> single resume", record_property)
 
 
 def test_muon_resume_is_exact(single, tmp_path, capsys):
@@ -139,7 +140,7 @@ def test_muon_resume_is_exact(single, tmp_path, capsys):
     cfg = compose_cfg(BASE + MUON + ["cluster.nproc_per_node=1", "parallelism=single",
                                      f"training.local_batch_size={GLOBAL_BATCH}"])
     capsys.readouterr()
-    losses = run(cfg, str(tmp_path))["losses"]
+    losses = run(spec_of(cfg), str(tmp_path))["losses"]
     assert f"loaded {tmp_path / 'checkpoint' / 'step-5'}" in capsys.readouterr().out
     assert losses == reference
     rows = read_metrics(path / "run")

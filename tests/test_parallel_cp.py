@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from titan_hydra.spec import spec_of
 from helpers import assert_parity, run_layout, run_single, series, spawn_gloo
 
 CP = 2
@@ -168,17 +169,16 @@ def test_fit_rope_buffers_truncates_and_grows_back():
 def test_cp_check_rejects_cp_on_cpu_without_the_shim(compose_config, monkeypatch):
     from titan_hydra.errors import ConfigError
     from titan_hydra.parallel import cp, cp_cpu_attention
-    from titan_hydra.validate import build_dims
 
     cfg = compose_config(["parallelism=cp", "cluster.nproc_per_node=2"])
-    cp.check_layout(build_dims(cfg), "cpu")  # available on this torch
+    cp.check_layout(spec_of(cfg).dims, "cpu")  # available on this torch
 
     def moved():
         raise cp_cpu_attention.CPShimUnavailable("torch 9.9: _attention lacks custom_ops")
 
     monkeypatch.setattr(cp_cpu_attention, "check_available", moved)
     with pytest.raises(ConfigError, match=r"parallelism.cp=2 on CPU .* set parallelism.cp=1"):
-        cp.check_layout(build_dims(cfg), "cpu")
+        cp.check_layout(spec_of(cfg).dims, "cpu")
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from titan_hydra.spec import spec_of
 from helpers import BASE, assert_parity, compose_cfg, reference_losses, run_layout, spawn_gloo
 
 # Measured max |loss diff| fsdp(2) bf16 vs single bf16 over 10 steps: 2.3e-3; ~3x that.
@@ -91,7 +92,7 @@ def _train_with_state(tmp_path, overrides: list[str], nproc: int, dp: int) -> di
     cfg = compose_cfg(
         BASE + [f"cluster.nproc_per_node={nproc}", f"training.local_batch_size={8 // dp}", *overrides]
     )
-    return run_local(cfg, str(tmp_path), return_state=True)
+    return run_local(spec_of(cfg), str(tmp_path), return_state=True)
 
 
 def test_fsdp_losses_and_trained_params_match_single(tmp_path, run_cache, record_property):

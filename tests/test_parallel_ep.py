@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from titan_hydra.spec import spec_of
 from helpers import BASE, GLOBAL_BATCH, STEPS, assert_parity, by_step, compose_cfg, run_launch, series, spawn_gloo
 from titan_hydra.checkpoint.storage import load_plain, read_metadata, tensor_entries
 from titan_hydra.errors import ConfigError
@@ -236,7 +237,7 @@ def _single(run_dir: Path, overrides: list[str]) -> Path:
     cfg = compose_cfg([*BASE, *MOE, "cluster.nproc_per_node=1", "parallelism=single",
                        f"training.local_batch_size={GLOBAL_BATCH}", *overrides])
     run_dir.mkdir(parents=True, exist_ok=True)
-    run(cfg, str(run_dir))
+    run(spec_of(cfg), str(run_dir))
     return run_dir
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from titan_hydra.spec import spec_of
 from helpers import BASE, assert_parity, compose_cfg, reference_losses, run_layout, spawn_gloo
 from titan_hydra.errors import ConfigError
 from titan_hydra.validate import validate
@@ -35,7 +36,7 @@ def tp_trained(tmp_path_factory):
     out = {}
     for name, overrides, nproc in (("tp", ["parallelism=tp"], 2), ("single", ["parallelism=single"], 1)):
         cfg = compose_cfg(BASE + [f"cluster.nproc_per_node={nproc}", "training.local_batch_size=8", *overrides])
-        out[name] = run_local(cfg, str(tmp_path_factory.mktemp(name)), return_state=True)
+        out[name] = run_local(spec_of(cfg), str(tmp_path_factory.mktemp(name)), return_state=True)
     return out
 
 

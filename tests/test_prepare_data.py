@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from titan_hydra.spec import spec_of
 from helpers import REPO, TINY, compose_cfg
 from titan_hydra.data.dataset import TokenDataset
 from titan_hydra.data.documents import hub_shards
@@ -199,7 +200,7 @@ def test_training_and_the_command_line(corpus, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "prepared 3 file(s)" in proc.stdout and f"data.path={out}" in proc.stdout
-    summary = run(compose_cfg(TINY + ["data=prepared", f"data.path={out}", "training.steps=3", "training.seq_len=32",
+    summary = run(spec_of(compose_cfg(TINY + ["data=prepared", f"data.path={out}", "training.steps=3", "training.seq_len=32",
                                       "training.val_freq=3", "training.val_steps=1", "logger=minimal"]),
                   str(tmp_path / "run"))
     assert len(summary["losses"]) == 3 and all(np.isfinite(summary["losses"])) and summary["final_val_loss"] > 0

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from titan_hydra.spec import spec_of
 from helpers import FAMILIES, TINY, UNTIED, compose_cfg
 from titan_hydra.errors import TrainingDiverged
 from titan_hydra.train.lr_schedule import lr_multiplier
@@ -22,7 +23,7 @@ FAST = TINY + ["logger=minimal", "training.val_freq=0", "cluster.threads_per_pro
 
 def train(tmp_path, overrides, name="run"):
     cfg = compose_cfg(FAST + overrides)
-    return run(cfg, str(tmp_path / name))
+    return run(spec_of(cfg), str(tmp_path / name))
 
 
 # (family overrides, whether the first loss must sit near uniform guessing, least drop of the
@@ -42,7 +43,7 @@ def test_thirty_steps_lower_the_loss(tmp_path, model, init_near_uniform, min_dro
     # shorter sequences to stay fast.
     cfg = compose_cfg(["logger=minimal", "training.val_freq=0", "cluster.threads_per_proc=1",
                        "training.steps=30", "training.seq_len=128", "data.max_documents=200", *model])
-    losses = run(cfg, str(tmp_path / "run"))["losses"]
+    losses = run(spec_of(cfg), str(tmp_path / "run"))["losses"]
     assert len(losses) == 30 and all(math.isfinite(x) for x in losses), losses
     if init_near_uniform:
         # At init the logits have unit variance: a little above uniform guessing, ln(2048) = 7.62.

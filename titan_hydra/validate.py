@@ -18,10 +18,10 @@ from titan_hydra.data.mixture import check_sources
 from titan_hydra.data.tokenizer import Tokenizer
 from titan_hydra.errors import ConfigError, DataError, check_writable_dir  # check_writable_dir: also imported from here
 from titan_hydra.errors import instantiate_checked as instantiate
-from titan_hydra.models.registry import args_of
 from titan_hydra.parallel import ac as activation_checkpoint
 from titan_hydra.parallel import compile as compile_rules
 from titan_hydra.parallel import cp, ep, fsdp, pp, tp
+from titan_hydra.spec import RunSpec, spec_of
 
 
 def _positive(cfg: DictConfig, key: str, allow_zero: bool = False) -> None:
@@ -33,26 +33,30 @@ def _positive(cfg: DictConfig, key: str, allow_zero: bool = False) -> None:
         raise ConfigError(f"{key}={value} must be {bound}")
 
 
-def world_size_of(cfg: DictConfig) -> int:
-    """World size: under torchrun/SLURM the environment says; otherwise the cluster config."""
-    if "WORLD_SIZE" in os.environ:
-        value = os.environ["WORLD_SIZE"]
-        if not value.strip().isdigit() or int(value) < 1:
-            raise ConfigError(f"WORLD_SIZE={value!r} in the environment is not a positive integer; unset it "
-                              "or let torchrun / SLURM set it")
-        return int(value)
-    return int(cfg.cluster.nnodes) * int(cfg.cluster.nproc_per_node)
+def validate(cfg: DictConfig, environment: bool = True) -> RunSpec:
+    """The run's RunSpec, or ConfigError on the first broken rule. ``environment=False`` (and a dry
+    run) skips what only the machine that runs it can answer: devices, start method, local paths."""
+    _validate_counts(cfg)
+    _validate_schedule(cfg.training, cfg.lr_scheduler)
+    spec = spec_of(cfg)  # degrees vs world size, the model node against its family's args
+    check_layout(spec)
+    if OmegaConf.select(cfg, "data.document_mask"):
+        _validate_document_mask(spec.family, spec.dims)
+    here = environment and not cfg.dry_run  # a dry run sizes a GPU cluster from any machine
+    if here:
+        _validate_environment(cfg)
+    if spec.token_data:  # (image data checks itself on build)
+        _validate_data(cfg, spec.shape.vocab_size)
+    if cfg.eval.freq or cfg.eval.sample_every:
+        instantiate(cfg.eval).check(spec.family)  # lm-eval installed, tasks known, pictures drawable: before any model
+    _validate_ranges(cfg)
+    _validate_checkpoint(cfg.checkpoint, spec.world_size, local_paths=here)
+    _validate_fault_tolerance(cfg)
+    _validate_float8(cfg)
+    return spec
 
 
-def build_dims(cfg: DictConfig):
-    dims = instantiate(cfg.parallelism, world_size=world_size_of(cfg), _convert_="all")
-    if OmegaConf.select(cfg, "fault_tolerance.name", default="none") == "torchft":  # groups split the batch
-        dims.replica_groups = int(cfg.fault_tolerance.replica_groups)
-    return dims
-
-
-def validate(cfg: DictConfig) -> None:
-    """Raise ConfigError on the first broken rule."""
+def _validate_counts(cfg: DictConfig) -> None:
     for key in ("training.steps", "training.local_batch_size", "training.seq_len", "training.log_freq",
                 "training.val_steps", "cluster.nproc_per_node", "cluster.nnodes", "optimizer.lr",
                 "model.dim", "model.n_layers", "model.n_heads", "model.vocab_size"):
@@ -61,7 +65,8 @@ def validate(cfg: DictConfig) -> None:
                 "checkpoint.keep_latest_k"):
         _positive(cfg, key, allow_zero=True)
 
-    t, s = cfg.training, cfg.lr_scheduler
+
+def _validate_schedule(t: DictConfig, s: DictConfig) -> None:
     if not 0.0 <= s.warmup_fraction <= 1.0:
         raise ConfigError(f"lr_scheduler.warmup_fraction={s.warmup_fraction} must be within [0, 1]")
     if s.warmup_steps is not None and s.warmup_steps > t.steps:
@@ -74,43 +79,17 @@ def validate(cfg: DictConfig) -> None:
     if not 0.0 <= s.min_lr_factor <= 1.0:
         raise ConfigError(f"lr_scheduler.min_lr_factor={s.min_lr_factor} must be within [0, 1]")
 
-    family, args = args_of(cfg.model)  # the family's own shape rules (heads, head dim, ...)
-    dims = build_dims(cfg)
-    family.check(args, dims, int(t.seq_len))  # layout rules of this family (tp vs heads, pp vs tying, ...)
-    family.check_data(args, dims, cfg.data)  # and of its samples (cp splits image and text tokens, ...)
-    token_data = OmegaConf.select(cfg, "data.tokenizer") is not None
-    if token_data and dims.cp > 1 and t.seq_len % (2 * dims.cp) != 0:
-        raise ConfigError(
-            f"training.seq_len={t.seq_len} must be divisible by 2*parallelism.cp={2 * dims.cp} "
-            "(causal load balancing splits each sequence into 2*cp chunks)"
-        )
-    if OmegaConf.select(cfg, "data.document_mask", default=False):
-        _validate_document_mask(family, dims)
-    dims.batch_plan(t.local_batch_size, t.global_batch_size)
-
-    if not OmegaConf.select(cfg, "dry_run"):  # a dry run sizes a GPU cluster from any machine
-        _validate_environment(cfg)
-    validate_parallel_modules(cfg, dims)
-    if token_data:  # (image data checks itself on build)
-        _validate_data(cfg)
-    if OmegaConf.select(cfg, "eval.freq", default=0) or OmegaConf.select(cfg, "eval.sample_every", default=0):
-        instantiate(cfg.eval).check(family)  # lm-eval installed, tasks known, pictures drawable: before any model is built
-    _validate_ranges(cfg)
-    _validate_checkpoint(cfg, world_size_of(cfg))
-    _validate_fault_tolerance(cfg)
-    _validate_float8(cfg)
-
 
 def _validate_float8(cfg: DictConfig) -> None:
     """float8 converts through torchao: a missing one is one line now, not a traceback at model build."""
-    if str(OmegaConf.select(cfg, "float8.recipe", default="none")) != "none" and importlib.util.find_spec("torchao") is None:
+    if str(cfg.float8.recipe) != "none" and importlib.util.find_spec("torchao") is None:
         raise ConfigError(f"float8={cfg.float8.recipe} needs torchao, which is not installed; "
                           "pip install torchao==0.18.0, or float8=none")
 
 
 def _validate_fault_tolerance(cfg: DictConfig) -> None:
-    ft = OmegaConf.select(cfg, "fault_tolerance")
-    if ft is None or ft.name == "none":
+    ft = cfg.fault_tolerance
+    if ft.name == "none":
         return
     instantiate(ft)  # its own value rules (name, replica_groups, min_replicas, group, semi_sync), one line each
     if ft.group is not None and not ft.lighthouse:
@@ -133,12 +112,26 @@ def _validate_document_mask(family, dims) -> None:
                           "or data.document_mask=false")
 
 
-def validate_parallel_modules(cfg: DictConfig, dims) -> None:
+def check_layout(spec: RunSpec) -> None:
+    """The rules the layout (``spec.dims``) must keep for this model and data: the family's own
+    (tp vs heads, pp vs tied embeddings, cp vs image tokens) and each parallelism module's.
+    ``parallelism=auto`` asks the same of every candidate layout."""
+    dims, seq_len = spec.dims, spec.batch.seq_len
+    spec.family.check(spec.model_args, dims, seq_len)
+    spec.family.check_data(spec.model_args, dims, spec.config.data)
+    if spec.token_data and dims.cp > 1 and seq_len % (2 * dims.cp) != 0:
+        raise ConfigError(
+            f"training.seq_len={seq_len} must be divisible by 2*parallelism.cp={2 * dims.cp} "
+            "(causal load balancing splits each sequence into 2*cp chunks)"
+        )
+    validate_parallel_modules(spec)
+
+
+def validate_parallel_modules(spec: RunSpec) -> None:
     """Each parallelism module's own rules, called with the values they need: a parallel module
     receives objects and numbers, never the config tree (this function is the one place that reads
     across groups for them)."""
-    family, args = args_of(cfg.model)
-    shape = family.shape(args)
+    cfg, dims, shape = spec.config, spec.dims, spec.shape
     compile_mode = str(cfg.compile.mode)
     ac = cfg.activation_checkpoint
     fsdp.check_layout(dims)
@@ -147,8 +140,7 @@ def validate_parallel_modules(cfg: DictConfig, dims) -> None:
     pp.check_layout(dims, int(shape.n_layers), int(cfg.training.local_batch_size))
     cp.check_layout(dims, str(cfg.cluster.device))
     ep.check_layout(dims, int(getattr(shape, "n_experts", 0) or 0))
-    activation_checkpoint.check_settings(str(ac.mode), int(ac.get("selective_layer_freq", 2)),
-                                         str(ac.get("selective_op_policy", "all_mm")))
+    activation_checkpoint.check_settings(str(ac.mode), int(ac.selective_layer_freq), str(ac.selective_op_policy))
     compile_rules.check_settings(compile_mode, str(cfg.compile.backend), dims, str(ac.mode))
 
 
@@ -168,14 +160,9 @@ def _validate_environment(cfg: DictConfig) -> None:
         raise ConfigError("cluster.backend=nccl needs CUDA; use cluster.backend=gloo on CPU")
 
 
-def family_vocab(cfg: DictConfig) -> int:
-    family, args = args_of(cfg.model)
-    return family.shape(args).vocab_size
-
-
-def _validate_data(cfg: DictConfig) -> None:
+def _validate_data(cfg: DictConfig, vocab: int) -> None:
     d = cfg.data
-    source = OmegaConf.select(cfg, "data.source", default=None)
+    source = d.get("source")
     if "sources" in d:  # data=mixture
         _validate_mixture(d)
     if source in ("json", "parquet", "text"):
@@ -194,7 +181,6 @@ def _validate_data(cfg: DictConfig) -> None:
             f"data.tokenizer={d.tokenizer} does not exist; give a tokenizer.json file or its directory"
         )
     tok = Tokenizer(d.tokenizer)
-    vocab = family_vocab(cfg)
     if tok.vocab_size > vocab:
         raise ConfigError(
             f"tokenizer vocab {tok.vocab_size} exceeds model.vocab_size={vocab}; "
@@ -233,7 +219,7 @@ def _validate_ranges(cfg: DictConfig) -> None:
     betas = OmegaConf.select(cfg, "optimizer.betas")
     if betas is not None and not all(0.0 <= float(b) < 1.0 for b in betas):
         raise ConfigError(f"optimizer.betas={list(betas)} must each be within [0, 1)")
-    val_fraction = OmegaConf.select(cfg, "data.val_fraction", default=0.0)
+    val_fraction = cfg.data.get("val_fraction", 0.0)  # a mixture holds out per source
     if not 0.0 <= val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={val_fraction} must be within [0, 1)")
     p = cfg.profiling
@@ -243,15 +229,14 @@ def _validate_ranges(cfg: DictConfig) -> None:
         _positive(cfg, "profiling.warmup", allow_zero=True)
 
 
-def _validate_checkpoint(cfg: DictConfig, world_size: int) -> None:
-    c = cfg.checkpoint
+def _validate_checkpoint(c: DictConfig, world_size: int, local_paths: bool) -> None:
     unknown = sorted(set(c.exclude_from_loading or []) - set(CATEGORIES))
     if unknown:
         raise ConfigError(f"checkpoint.exclude_from_loading has unknown entries {unknown}; use {', '.join(CATEGORIES)}")
     if c.create_seed_checkpoint and world_size != 1:
         raise ConfigError("checkpoint.create_seed_checkpoint=true runs in one process: set "
                           "cluster.nproc_per_node=1 and parallelism=single")
-    if OmegaConf.select(cfg, "dry_run"):  # a plan for another machine: its paths need not exist here
+    if not local_paths:  # a plan for another machine: its paths need not exist here
         return
     if c.initial_load_path and not Path(c.initial_load_path).expanduser().exists():
         raise ConfigError(f"checkpoint.initial_load_path={c.initial_load_path} does not exist")

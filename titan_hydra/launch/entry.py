@@ -1,7 +1,9 @@
-"""From a composed config to running ranks.
+"""From a composed config to running ranks: compose -> resolve -> validate -> RunSpec -> run.
 
-``launch(cfg)`` validates (one-line ``error:`` and exit 2 on bad input), prints the plan for
-``dry_run``, and otherwise runs the pretraining recipe: in this process when it is the only
+``launch(cfg)`` resolves what the config leaves open (``parallelism=auto``, a sweep job's W&B
+identity: the only changes made to the config, all before validation), validates it into the
+run's ``RunSpec`` (one-line ``error:`` and exit 2 on bad input), prints the plan for ``dry_run``,
+and otherwise hands the spec to the pretraining recipe: in this process when it is the only
 rank or when an outer launcher (torchrun, SLURM) already made this process a rank, or in
 workers that the local launcher spawns through torch elastic.
 """
@@ -21,12 +23,11 @@ from titan_hydra.launch.run_lock import RunDirLock, owns_run
 from titan_hydra.launch.slurm import export_dist_env, in_slurm_step, in_submitit_job, submit
 from titan_hydra.launch.submitit_jobs import JobFailed
 from titan_hydra.launch.sweep import apply_sweep_identity
-from titan_hydra.launch.sweep_check import submit_host_view
 from titan_hydra.planner.auto import resolve_auto
 from titan_hydra.planner.plan import plan
 from titan_hydra.runtime.fault_tolerance import GROUP_ENV
 from titan_hydra.train.pretrain import run
-from titan_hydra.validate import build_dims, validate, world_size_of
+from titan_hydra.validate import validate
 
 
 def fail(message: str) -> None:
@@ -47,33 +48,33 @@ def launch(cfg: DictConfig) -> float | None:
     submit_to_slurm = cfg.cluster.launcher == "slurm" and not (in_slurm_step() or in_submitit_job())
     try:
         resolve_auto(cfg)  # parallelism=auto -> concrete degrees, before anything checks them
-        validate(submit_host_view(cfg) if submit_to_slurm else cfg)
-        dims = build_dims(cfg)
+        apply_sweep_identity(cfg)  # W&B group / name of a multirun job
+        # a SLURM submit host leaves the device checks to the compute nodes
+        spec = validate(cfg, environment=not submit_to_slurm)
     except UserError as e:
         fail(str(e))
-    if cfg.dry_run:
-        print(plan(cfg, dims).format(), flush=True)
+    if spec.dry_run:
+        print(plan(spec.config, spec.dims).format(), flush=True)
         return None
     run_dir = run_dir_of(cfg)
-    apply_sweep_identity(cfg)  # W&B group / name of a multirun job
-    inside_rank = "LOCAL_RANK" in os.environ or world_size_of(cfg) == 1
+    inside_rank = "LOCAL_RANK" in os.environ or spec.world_size == 1
     # torchft: this process starts the replica groups (each a launch.py run of its own)
     # (a rank that torchrun started is already inside its group: TITAN_HYDRA_FT_GROUP, or group 0)
     # (fault_tolerance.group=<g>: this launch is that one group, started on its own)
-    ft_groups = (cfg.fault_tolerance.name == "torchft" and cfg.fault_tolerance.group is None
+    ft_groups = (spec.fault_tolerant and cfg.fault_tolerance.group is None
                  and GROUP_ENV not in os.environ and "LOCAL_RANK" not in os.environ)
     lock = RunDirLock(run_dir)
     try:
         if owns_run(submit_to_slurm) and not ft_groups:  # group 0 holds the run dir's lock
             lock.acquire()  # one run per run dir; released when this process ends, however
         if submit_to_slurm:
-            summary = submit(cfg, run_dir)
+            summary = submit(cfg, run_dir)  # each task validates its own spec on its node
         elif ft_groups:
             summary = run_groups(cfg, run_dir, list(HydraConfig.get().overrides.task))
         elif inside_rank:
-            summary = run(cfg, run_dir)
+            summary = run(spec, run_dir)
         else:
-            summary = run_local(cfg, run_dir)
+            summary = run_local(spec, run_dir)
     except UserError as e:
         fail(str(e))
     except JobFailed as e:  # a submitted job died: its one-line error and log, exit 1

@@ -30,6 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from titan_hydra.errors import RankFailed, UserError
 from titan_hydra.runtime.rendezvous import free_port
+from titan_hydra.spec import RunSpec
 from titan_hydra.train.pretrain import build_dataset
 
 
@@ -51,8 +52,9 @@ def load_program(spec: str):
 
 
 @record
-def worker_main(cfg: DictConfig, run_dir: str, return_state: bool = False, program: str = DEFAULT_PROGRAM):
-    """Entry point of one elastic worker (module level so that spawn can pickle it).
+def worker_main(spec: RunSpec, run_dir: str, return_state: bool = False, program: str = DEFAULT_PROGRAM):
+    """Entry point of one elastic worker (module level so that spawn can pickle it): runs
+    ``program`` on the run's spec, which the launcher validated once for every worker.
 
     A UserError is re-raised as WorkerUserError so that the parent can tell bad input (one
     line, no traceback) from a bug (traceback kept in the error file).
@@ -60,27 +62,27 @@ def worker_main(cfg: DictConfig, run_dir: str, return_state: bool = False, progr
     os.environ["TITAN_HYDRA_WORKER"] = "1"
     # A forked worker keeps the launcher's thread count (OMP_NUM_THREADS is read once, at import)
     # and Hydra's logging (console format, the launcher's log file): make it a fresh worker's.
-    torch.set_num_threads(threads_per_worker(cfg))
-    if str(cfg.cluster.start_method) == "fork":
+    torch.set_num_threads(threads_per_worker(spec.config.cluster))
+    if str(spec.config.cluster.start_method) == "fork":
         for handler in list(logging.root.handlers):
             logging.root.removeHandler(handler)
         logging.root.setLevel(logging.WARNING)
     try:
-        return load_program(program)(cfg, run_dir, return_state=return_state)
+        return load_program(program)(spec, run_dir, return_state=return_state)
     except UserError as e:
         raise WorkerUserError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from e
     finally:
         gc.freeze()  # a spawned worker's exit skips the final walk over every object (see launch.py)
 
 
-def threads_per_worker(cfg: DictConfig) -> int:
-    if cfg.cluster.threads_per_proc:
-        return int(cfg.cluster.threads_per_proc)
-    return max(1, (os.cpu_count() or 1) // int(cfg.cluster.nproc_per_node))
+def threads_per_worker(cluster: DictConfig) -> int:
+    if cluster.threads_per_proc:
+        return int(cluster.threads_per_proc)
+    return max(1, (os.cpu_count() or 1) // int(cluster.nproc_per_node))
 
 
 def run_local(
-    cfg: DictConfig, run_dir: str, return_state: bool = False, program: str | None = None
+    spec: RunSpec, run_dir: str, return_state: bool = False, program: str | None = None
 ) -> dict[str, Any]:
     """Run all ranks of this node; returns rank 0's summary.
 
@@ -90,12 +92,13 @@ def run_local(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    cfg = spec.config
     if int(cfg.cluster.nnodes) != 1:
         raise UserError(
             f"cluster.nnodes={cfg.cluster.nnodes} needs a multi-node launcher; use a slurm cluster "
             "or start each node with torchrun"
         )
-    os.environ["OMP_NUM_THREADS"] = str(threads_per_worker(cfg))
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_worker(cfg.cluster))
     # Forked workers inherit the tokenizer's thread pool state; this keeps HF tokenizers from
     # warning about it in every worker (they tokenize little: the cache below did the work).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -109,36 +112,36 @@ def run_local(
         from multiprocessing import forkserver
 
         forkserver.ensure_running()
-    build_dataset(cfg)  # fills the token cache; bad data fails here, before any worker starts
+    build_dataset(cfg.data)  # fills the token cache; bad data fails here, before any worker starts
     _quiet_join_tracebacks()
-    entry = elastic_launch(launch_config_of(cfg), worker_main)
+    entry = elastic_launch(launch_config_of(cfg.cluster), worker_main)
     try:
-        results = entry(cfg, run_dir, return_state, program or DEFAULT_PROGRAM)
+        results = entry(spec, run_dir, return_state, program or DEFAULT_PROGRAM)
     except ChildFailedError as e:
         raise error_of(e) from None
     return results[0]
 
 
-def launch_config_of(cfg: DictConfig):
+def launch_config_of(cluster: DictConfig):
     """One node, c10d rendezvous on a free local port, spawned workers."""
     from torch.distributed.launcher.api import LaunchConfig
 
-    if int(cfg.cluster.max_restarts) > 0:
+    if int(cluster.max_restarts) > 0:
         # Restarted workers must not reuse the dead attempt's rendezvous store: its stale gloo
         # addresses make init_process_group fail with "connectFullMesh ... Connection refused".
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    port = cfg.cluster.master_port or free_port()
+    port = cluster.master_port or free_port()
     return LaunchConfig(
         min_nodes=1,
         max_nodes=1,
-        nproc_per_node=int(cfg.cluster.nproc_per_node),
+        nproc_per_node=int(cluster.nproc_per_node),
         run_id=f"titan-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{port}",
         rdzv_configs={"timeout": 120},
-        max_restarts=int(cfg.cluster.max_restarts),
+        max_restarts=int(cluster.max_restarts),
         monitor_interval=0.2,
-        start_method=str(cfg.cluster.start_method),
+        start_method=str(cluster.start_method),
     )
 
 

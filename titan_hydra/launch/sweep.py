@@ -43,20 +43,22 @@ def job_name(override_dirname: str, job_num: Any) -> str:
 
 
 def apply_sweep_identity(cfg: DictConfig) -> None:
-    """Fill logger.wandb.group / name / tags for a multirun job (no-op otherwise)."""
+    """A multirun job's identity (no-op otherwise): its sweep's W&B group, ``run_name`` from its
+    overrides and the ``sweep`` tag, where the user set none. The W&B backend's name and tags
+    then follow from ``run_name`` and ``tags`` the way every run's do (``logger_backends``)."""
     from hydra.types import RunMode
 
     hc = _hydra_config()
-    wandb = OmegaConf.select(cfg, "logger.wandb")
-    if hc is None or wandb is None or hc.mode != RunMode.MULTIRUN:
+    if hc is None or hc.mode != RunMode.MULTIRUN:
         return
     with open_dict(cfg):
-        if not wandb.group:
+        wandb = cfg.logger.wandb
+        if wandb is not None and not wandb.group:
             wandb.group = sweep_group(hc.sweep.dir)
-        if not wandb.name:
-            wandb.name = cfg.run_name or job_name(hc.job.override_dirname, hc.job.num)
-        if "sweep" not in wandb.tags:
-            wandb.tags = list(wandb.tags) + ["sweep"]
+        if not cfg.run_name:
+            cfg.run_name = job_name(hc.job.override_dirname, hc.job.num)
+        if "sweep" not in cfg.tags:
+            cfg.tags = list(cfg.tags) + ["sweep"]
 
 
 def _is_rank0() -> bool:

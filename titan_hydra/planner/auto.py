@@ -42,7 +42,8 @@ from titan_hydra.models.registry import args_of
 from titan_hydra.planner.devices import device_memory_of, peak_tflops_of
 from titan_hydra.planner.plan import ASSUMED_MFU, plan
 from titan_hydra.planner.shape import model_shape, stage_params
-from titan_hydra.validate import build_dims, validate_parallel_modules, world_size_of
+from titan_hydra.spec import RunSpec, spec_of, world_size_of
+from titan_hydra.validate import check_layout
 
 CP_MIN_SEQ_LEN = 32768  # consider context parallel only above this sequence length
 TIE_TOLERANCE = 0.02  # candidates within 2% of the best estimate count as tied
@@ -150,18 +151,10 @@ def set_degrees(cfg: DictConfig, c: Candidate) -> None:
         cfg.parallelism.name = "auto:" + c.describe(",")
 
 
-def check_rules(cfg: DictConfig, dims) -> str:
-    """The launch's own parallelism rules for this layout; returns why it fails ("" = passes)."""
-    t = cfg.training
+def layout_problem(spec: RunSpec) -> str:
+    """Why the launch would refuse this candidate's layout ("" = it would not)."""
     try:
-        dims.batch_plan(t.local_batch_size, t.global_batch_size)
-        token_data = OmegaConf.select(cfg, "data.tokenizer") is not None
-        if token_data and dims.cp > 1 and t.seq_len % (2 * dims.cp):
-            raise ConfigError(f"seq_len {t.seq_len} not divisible by 2*cp")
-        validate_parallel_modules(cfg, dims)
-        family, args = args_of(cfg.model)
-        family.check(args, dims, int(t.seq_len))
-        family.check_data(args, dims, cfg.data)
+        check_layout(spec)
     except UserError as e:
         return str(e).splitlines()[0]
     return ""
@@ -213,11 +206,12 @@ def evaluate(cfg: DictConfig, c: Candidate) -> Candidate:
     """Fill memory, fit and estimated tokens/s of one candidate (or why it is invalid)."""
     ccfg = candidate_cfg(cfg, c)
     try:
-        dims = build_dims(ccfg)
+        spec = spec_of(ccfg)  # degrees vs world size, batch plan
     except UserError as e:
         c.invalid = str(e).splitlines()[0]
         return c
-    c.invalid = check_rules(ccfg, dims)
+    dims = spec.dims
+    c.invalid = layout_problem(spec)
     p = plan(ccfg, dims)
     c.mem_gib = p.mem_total_gib
     c.fits = p.device_memory_gib is None or p.mem_total_gib <= p.device_memory_gib

@@ -13,7 +13,6 @@ import os
 import random
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -23,23 +22,25 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from titan_hydra.checkpoint.live import live_state_fns
-from titan_hydra.config import mixed_precision_of, precision_choice_of, to_container
+from titan_hydra.config import to_container
 from titan_hydra.data.loader import joined_batches
 from titan_hydra.errors import UserError
 from titan_hydra.errors import instantiate_checked as instantiate
-from titan_hydra.kernels.attention_policy import KernelChoice, apply_attention_kernel
+from titan_hydra.kernels.attention_policy import apply_attention_kernel
 from titan_hydra.kernels.attention_precision import apply_attention_precision
 from titan_hydra.metrics.logger import MetricLogger
 from titan_hydra.metrics.memory import MemoryMonitor
 from titan_hydra.metrics.summary import run_footer, run_header
 from titan_hydra.metrics.throughput import ThroughputMeter, cpu_bf16_slower_than_fp32, device_peak_tflops
-from titan_hydra.models.registry import args_of, build_model
+from titan_hydra.models.registry import build_model
 from titan_hydra.parallel.apply import parallelize
 from titan_hydra.parallel.compile import compiled_graphs
 from titan_hydra.parallel.full_state import gather_full_state
 from titan_hydra.runtime.preemption import watch_for_preemption
 from titan_hydra.runtime.rendezvous import init_process_group  # bounded, one-line failure
-from titan_hydra.train.optimizers import build_optimizer as optimizer_of
+from titan_hydra.spec import RunSpec
+from titan_hydra.train.built import BoundEval, BuiltModel, DataPlan, Monitors, Schedule
+from titan_hydra.train.optimizers import build_optimizer
 from titan_hydra.train.trainer import Trainer, TrainState
 
 log = logging.getLogger("titan_hydra")
@@ -88,8 +89,7 @@ def init_distributed(cluster: DictConfig, world_size: int) -> None:
 FULL_INIT_MAX_PARAMS = 1.5e9
 
 
-def init_weights(cfg: DictConfig, parts: list[torch.nn.Module], n_params: int, device: torch.device,
-                 world_size: int, rank: int) -> None:
+def init_weights(spec: RunSpec, parts: list[torch.nn.Module], device: torch.device, rank: int) -> None:
     """Materialize the meta-device parts and give them their initial weights.
 
     With ``init_mode=full`` (auto below 1.5B parameters) rank 0 builds the whole model on CPU
@@ -97,7 +97,7 @@ def init_weights(cfg: DictConfig, parts: list[torch.nn.Module], n_params: int, d
     layout starts from the weights a single process would have. ``sharded`` lets each rank
     initialize its own shards: no full copy anywhere, but weights differ between layouts.
     """
-    seed = cfg.training.seed
+    seed = spec.config.training.seed
     for part in parts:
         part.to_empty(device=device)
         torch.manual_seed(seed)
@@ -107,58 +107,65 @@ def init_weights(cfg: DictConfig, parts: list[torch.nn.Module], n_params: int, d
             # README documents (init_mode=full then overwrites them with rank 0's full init).
             warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
             part.init_weights(buffer_device=device)
-    mode = cfg.training.init_mode
+    mode = spec.config.training.init_mode
     if mode == "auto":
-        mode = "full" if n_params <= FULL_INIT_MAX_PARAMS else "sharded"
-    if mode != "full" or (world_size == 1 and len(parts) == 1 and device.type == "cpu"):
+        mode = "full" if spec.shape.params <= FULL_INIT_MAX_PARAMS else "sharded"
+    if mode != "full" or (spec.world_size == 1 and len(parts) == 1 and device.type == "cpu"):
         return  # one CPU process already initialized the full model from the seed
     # Otherwise the full init is drawn on CPU, whatever the device: the same seed gives the same
     # weights on CPU and GPU (the accelerator's generator draws other numbers), so a GPU run can be
-    # checked step by step against a CPU one.
+    # checked step by step against a CPU one. Only rank 0 holds the full model.
     full_sd: dict[str, torch.Tensor] = {}
     if rank == 0:
         with torch.device("cpu"):
-            _, full = build_model(cfg.model)
+            _, full = build_model(spec.config.model)
             torch.manual_seed(seed)  # after construction: same RNG stream as the meta path above
             full.init_weights()
         full_sd = full.state_dict()
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=world_size > 1, strict=False)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=spec.world_size > 1, strict=False)
     for part in parts:
         set_model_state_dict(part, dict(full_sd), options=options)  # a copy: DSD rewrites the dict it gets
     torch.manual_seed(seed)
 
 
-def logger_backends(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
-    """Logger configs with run-specific W&B defaults: name from run_name or the run dir, tags."""
+def logger_backends(spec: RunSpec, run_dir: str) -> dict[str, Any]:
+    """Logger configs with the run's W&B identity: the name from ``logger.wandb.name``, else
+    ``run_name`` (a sweep job's overrides), else the run dir; ``tags`` added to the backend's."""
+    cfg = spec.config
     backends = OmegaConf.to_container(cfg.logger, resolve=True, enum_to_str=True)
     wandb = backends.get("wandb")
     if wandb is not None:
-        if not wandb.get("name"):
-            wandb["name"] = cfg.run_name or os.path.basename(os.path.normpath(run_dir))
-        wandb["tags"] = list(wandb.get("tags") or []) + [t for t in cfg.tags if t not in (wandb.get("tags") or [])]
+        wandb["name"] = wandb.get("name") or cfg.run_name or os.path.basename(os.path.normpath(run_dir))
+        own = list(wandb.get("tags") or [])
+        wandb["tags"] = own + [t for t in cfg.tags if t not in own]
     return backends
 
 
-def build_dataset(cfg: DictConfig):
+def build_dataset(data: DictConfig):
     """The `data` group's dataset; ``name`` labels the option and is not a constructor argument."""
-    node = OmegaConf.to_container(cfg.data, resolve=True, enum_to_str=True)
+    node = OmegaConf.to_container(data, resolve=True, enum_to_str=True)
     node.pop("name", None)
     return instantiate(node, _convert_="all")
 
 
-def run(cfg: DictConfig, run_dir: str, return_state: bool = False) -> dict[str, Any]:
-    """Train one rank. Returns the run summary (losses, final validation loss...).
+def run(spec: RunSpec, run_dir: str, return_state: bool = False) -> dict[str, Any]:
+    """Train one rank of the run ``spec`` describes. Returns the run summary (losses, final
+    validation loss...).
 
     ``return_state=True`` adds ``full_state``: this rank's trained parameters gathered to
     full CPU tensors (tests compare them across layouts).
     """
     rank, local_rank, world_size = world_info()
-    if cfg.cluster.threads_per_proc:
-        torch.set_num_threads(int(cfg.cluster.threads_per_proc))
-    device = setup_device(cfg.cluster, local_rank)
-    init_distributed(cfg.cluster, world_size)
+    if world_size != spec.world_size:
+        raise UserError(f"this process is one of {world_size} ranks (WORLD_SIZE) but the run was planned for "
+                        f"{spec.world_size}; launch it with cluster.nproc_per_node x cluster.nnodes = {world_size}")
+    cluster = spec.config.cluster
+    if cluster.threads_per_proc:
+        torch.set_num_threads(int(cluster.threads_per_proc))
+    device = setup_device(cluster, local_rank)
+    init_distributed(cluster, world_size)
     try:
-        summary = _run(cfg, run_dir, rank, world_size, device, return_state)
+        summary = _run(spec, run_dir, rank, device, return_state)
     except BaseException:
         if dist.is_initialized():
             dist.destroy_process_group()  # no barrier: a failed rank's peers may never get there
@@ -172,38 +179,13 @@ def run(cfg: DictConfig, run_dir: str, return_state: bool = False) -> dict[str, 
     return summary
 
 
-@dataclass
-class DataPlan:
-    dataset: Any
-    train_loader: Any
-    val_loader_factory: Callable[[], Any]
-    grad_accum_steps: int
-    # a mixture's sources, each with its own held-out split: name -> loader factory (val/<name>/loss)
-    source_val_factories: dict[str, Callable[[], Any]] = field(default_factory=dict)
-
-
-@dataclass
-class BuiltModel:
-    family: Any  # titan_hydra.models.protocol.ModelFamily
-    args: Any
-    parts: list[torch.nn.Module]  # this rank's model (or pipeline stages)
-    runner: Any  # forward_backward / eval_loss for this layout
-    float8: Any
-    flops_per_unit: float  # per token, or per whatever the family's objective counts
-    attention_dtype: Any = None  # the dtype SDPA runs in (None: the compute dtype)
-    # what runs plain causal attention, and why (kernels/attention_policy.py)
-    attention_kernel: KernelChoice = KernelChoice("sdpa", "set explicitly")
-
-
-def build_data(cfg: DictConfig, dims) -> DataPlan:
+def build_data(spec: RunSpec) -> DataPlan:
     """Dataset and this rank's loaders. Runs before the model: bad records fail before anything big."""
-    training = cfg.training
-    dataset = build_dataset(cfg)
+    training, dims = spec.config.training, spec.dims
+    dataset = build_dataset(spec.config.data)
     dp_rank, dp_degree = dims.data_rank(), dims.data_degree
-    local_bs = training.local_batch_size
-    _, grad_accum = dims.batch_plan(local_bs, training.global_batch_size)
-    train_loader = dataset.loader("train", local_bs, dp_rank=dp_rank, dp_degree=dp_degree)
-    val_bs = training.val_local_batch_size or local_bs
+    train_loader = dataset.loader("train", spec.batch.local, dp_rank=dp_rank, dp_degree=dp_degree)
+    val_bs = training.val_local_batch_size or spec.batch.local
     # torchft replica groups validate on the slices of every group (the same data a DDP run of all
     # their ranks validates on), so a group's val/loss is the run's and groups compare across layouts
     val_ranks = [g * dims.dp_degree + dims.dp_rank() for g in range(dims.replica_groups)]
@@ -221,17 +203,15 @@ def build_data(cfg: DictConfig, dims) -> DataPlan:
         val_loader_factory()  # a validation split too small for one batch fails now, not at step val_freq
         for factory in sources.values():
             factory()
-    return DataPlan(dataset, train_loader, val_loader_factory, grad_accum, sources)
+    return DataPlan(dataset, train_loader, val_loader_factory, sources)
 
 
-def build_parallel_model(cfg: DictConfig, dims, device: torch.device, grad_accum: int, rank: int,
-                         world_size: int, dataset: Any) -> BuiltModel:
+def build_parallel_model(spec: RunSpec, device: torch.device, rank: int, dataset: Any) -> BuiltModel:
     """Model on meta -> attention precision -> float8 -> layout -> materialized and initialized."""
+    cfg, dims, family, mp = spec.config, spec.dims, spec.family, spec.mixed_precision
     with torch.device("meta"):
-        family, model = build_model(cfg.model)
-    _, model_args = args_of(cfg.model)
-    mp = mixed_precision_of(cfg)
-    seq_len = int(cfg.training.seq_len)
+        _, model = build_model(cfg.model)
+    seq_len = spec.batch.seq_len
     attention_dtype = apply_attention_precision(model, str(cfg.training.attention_precision), mp, device, seq_len)
     sdpa_dtype = attention_dtype or (torch.bfloat16 if mp == "bf16" else torch.float32)
     attention_kernel = apply_attention_kernel(model, str(cfg.training.attention_kernel), device, dims.cp,
@@ -242,39 +222,34 @@ def build_parallel_model(cfg: DictConfig, dims, device: torch.device, grad_accum
     model = float8.convert(model)
     pm = parallelize(
         model, family, dims, device=device, mixed_precision=mp, loss_fn=family.objective.loss,
-        grad_accum_steps=grad_accum, ac=instantiate(cfg.activation_checkpoint), compiler=instantiate(cfg.compile),
-        document_eos_id=getattr(dataset, "document_eos_id", None),
+        grad_accum_steps=spec.batch.grad_accum, ac=instantiate(cfg.activation_checkpoint),
+        compiler=instantiate(cfg.compile), document_eos_id=getattr(dataset, "document_eos_id", None),
     )
     family.set_loss_scale(pm.model_parts, pm.runner.loss_scale)  # model-internal losses weigh like the main one
-    init_weights(cfg, pm.model_parts, family.shape(model_args).params, device, world_size, rank)
-    return BuiltModel(family, model_args, pm.model_parts, pm.runner, float8,
-                      family.flops_per_unit(model_args, dataset), attention_dtype,
-                      attention_kernel)
+    init_weights(spec, pm.model_parts, device, rank)
+    return BuiltModel(family, spec.model_args, pm.model_parts, pm.runner, float8,
+                      family.flops_per_unit(spec.model_args, dataset), attention_dtype, attention_kernel)
 
 
-def build_optimizer(cfg: DictConfig, built: BuiltModel):
+def optimizer_and_schedule(spec: RunSpec, built: BuiltModel):
     """Optimizer over this rank's parameters (``_partial_``) and its LR schedule."""
     named = [(name, p) for part in built.parts for name, p in part.named_parameters()]
-    optimizer = optimizer_of(cfg.optimizer, named)
+    optimizer = build_optimizer(spec.config.optimizer, named)
     built.float8.register(optimizer, built.parts)  # float8 scale precompute after each optimizer step
-    return optimizer, instantiate(cfg.lr_scheduler)(optimizer, cfg.training.steps)
+    return optimizer, instantiate(spec.config.lr_scheduler)(optimizer, spec.config.training.steps)
 
 
-def periodic_eval_of(cfg: DictConfig, built: BuiltModel, data: DataPlan):
-    """(due, run) of the ``eval`` group for the trainer, or None when it has nothing to do
+def periodic_eval_of(spec: RunSpec, built: BuiltModel, data: DataPlan) -> BoundEval | None:
+    """The ``eval`` group's evaluator bound to this rank's model, or None when it has nothing to do
     (``eval.freq`` and ``eval.sample_every`` both 0)."""
-    evaluator = instantiate(cfg.eval) if OmegaConf.select(cfg, "eval") is not None else None
-    if evaluator is None or not evaluator.enabled:
-        return None
-    return evaluator.due, lambda step, last: evaluator.run(built.parts, built.family, built.args, data.dataset,
-                                                           step, last)
+    evaluator = instantiate(spec.config.eval)
+    return BoundEval(evaluator, built, data.dataset) if evaluator.enabled else None
 
 
-def build_throughput(cfg: DictConfig, device: torch.device, rank: int, world_size: int,
-                     built: BuiltModel) -> ThroughputMeter:
-    bf16 = mixed_precision_of(cfg) == "bf16"
+def build_throughput(spec: RunSpec, device: torch.device, rank: int, built: BuiltModel) -> ThroughputMeter:
+    bf16 = spec.mixed_precision == "bf16"
     peak = device_peak_tflops(
-        device, torch.bfloat16 if bf16 else torch.float32, override=cfg.cluster.peak_tflops,
+        device, torch.bfloat16 if bf16 else torch.float32, override=spec.config.cluster.peak_tflops,
         # The first few runs on a machine re-measure (~1-3 s on CPU) and the cache keeps the best
         # value, so one measurement taken under load cannot leave MFU inflated for every later run.
         refine=True,
@@ -284,88 +259,73 @@ def build_throughput(cfg: DictConfig, device: torch.device, rank: int, world_siz
         if slow:
             log.warning("this CPU has no native bf16 matmuls (bf16 %.3f vs fp32 %.3f TFLOP/s measured): "
                         "bf16 training will be slow here; use training.mixed_precision=fp32", *slow)
-    return ThroughputMeter(built.flops_per_unit, peak, world_size=world_size, rate_key=built.family.objective.rate_key)
+    return ThroughputMeter(built.flops_per_unit, peak, world_size=spec.world_size, rate_key=built.objective.rate_key)
 
 
-def compile_hooks(cfg: DictConfig) -> list:
+def compile_hooks(spec: RunSpec) -> list:
     """A compiled run logs ``compile/graphs`` (dynamo graphs so far): flat after the first steps
     means no step recompiles."""
-    if str(cfg.compile.mode) == "none":
+    if str(spec.config.compile.mode) == "none":
         return []
     return [lambda: {"compile/graphs": float(compiled_graphs())}]
 
 
-def header_of(cfg: DictConfig, dims, data: DataPlan, built: BuiltModel, world_size: int, run_dir: str,
+def header_of(spec: RunSpec, data: DataPlan, built: BuiltModel, run_dir: str,
               fault_tolerance: str | None = None) -> str:
-    t = cfg.training
-    global_bs, _ = dims.batch_plan(t.local_batch_size, t.global_batch_size)
+    cfg = spec.config
     return run_header(
-        flavor=str(OmegaConf.select(cfg, "model.flavor", default=None) or "custom"), family=built.family.name,
-        shape=built.family.shape(built.args), dims=dims, world_size=world_size,
-        precision=precision_choice_of(cfg), attention_dtype=built.attention_dtype,
-        attention_kernel=built.attention_kernel,
+        flavor=spec.flavor, family=built.family.name, shape=spec.shape, dims=spec.dims, world_size=spec.world_size,
+        precision=spec.precision, attention_dtype=built.attention_dtype, attention_kernel=built.attention_kernel,
         ac=str(cfg.activation_checkpoint.mode), compile=str(cfg.compile.mode), float8=str(cfg.float8.recipe),
-        data_name=str(OmegaConf.select(cfg, "data.name", default="data"))
+        data_name=str(cfg.data.name)
         + (" (document mask)" if getattr(data.dataset, "document_eos_id", None) is not None else ""),
         data_stats=getattr(data.dataset, "stats", {}),
-        seq_len=int(t.seq_len), local_batch=int(t.local_batch_size), global_batch=global_bs,
-        grad_accum=data.grad_accum_steps, steps=int(t.steps), run_dir=run_dir,
+        seq_len=spec.batch.seq_len, local_batch=spec.batch.local, global_batch=spec.batch.global_,
+        grad_accum=spec.batch.grad_accum, steps=int(cfg.training.steps), run_dir=run_dir,
         data_summary=data.dataset.summary() if hasattr(data.dataset, "summary") else None,
         fault_tolerance=fault_tolerance,
     )
 
 
-def _run(
-    cfg: DictConfig, run_dir: str, rank: int, world_size: int, device: torch.device, return_state: bool = False
-) -> dict[str, Any]:
+def schedule_of(spec: RunSpec) -> Schedule:
+    t = spec.config.training
+    return Schedule(steps=int(t.steps), grad_accum_steps=spec.batch.grad_accum, max_norm=float(t.max_norm),
+                    log_freq=int(t.log_freq), val_freq=int(t.val_freq), val_steps=int(t.val_steps))
+
+
+def _run(spec: RunSpec, run_dir: str, rank: int, device: torch.device, return_state: bool = False) -> dict[str, Any]:
     started = time.perf_counter()
-    training = cfg.training
-    seed_everything(training.seed, training.deterministic)
-    dims = instantiate(cfg.parallelism, world_size=world_size, _convert_="all")
-    dims.build_mesh(device.type)
+    cfg = spec.config
+    seed_everything(cfg.training.seed, cfg.training.deterministic)
+    spec.dims.build_mesh(device.type)
     ft = instantiate(cfg.fault_tolerance)
-    if ft.enabled:  # this run is one of several torchft replica groups: they split the data
-        dims.replica_groups, dims.replica_group = ft.replica_groups, ft.group
-    data = build_data(cfg, dims)
-    built = build_parallel_model(cfg, dims, device, data.grad_accum_steps, rank, world_size, data.dataset)
-    optimizer, lr_scheduler = build_optimizer(cfg, built)
+    data = build_data(spec)
+    built = build_parallel_model(spec, device, rank, data.dataset)
+    optimizer, lr_scheduler = optimizer_and_schedule(spec, built)
     # the config as composed, plus what its ``auto`` choices settled on here (W&B compares runs by it)
-    resolved = {"mixed_precision": mixed_precision_of(cfg), "attention_kernel": built.attention_kernel.name}
-    metric_logger = MetricLogger(run_dir, rank, backends=logger_backends(cfg, run_dir),
+    resolved = {"mixed_precision": spec.mixed_precision, "attention_kernel": built.attention_kernel.name}
+    metric_logger = MetricLogger(run_dir, rank, backends=logger_backends(spec, run_dir),
                                  config={**to_container(cfg), "resolved": resolved})
     profiler = instantiate(cfg.profiling)(run_dir=run_dir, rank=rank, model_parts=built.parts,
                                           optimizer=optimizer, device=device)
     state = TrainState()
     checkpointer = instantiate(cfg.checkpoint)(
         run_dir=run_dir, model_parts=built.parts, optimizer=optimizer, lr_scheduler=lr_scheduler,
-        train_loader=data.train_loader, train_state=state, dims=dims, family=built.family, model_args=built.args,
-        flavor=str(OmegaConf.select(cfg, "model.flavor", default=None) or "custom"), rank=rank, world_size=world_size,
+        train_loader=data.train_loader, train_state=state, dims=spec.dims, family=built.family,
+        model_args=built.args, flavor=spec.flavor, rank=rank, world_size=spec.world_size,
     )
     trainer = Trainer(
-        model_parts=built.parts, runner=built.runner, optimizer=optimizer, lr_scheduler=lr_scheduler,
-        train_loader=data.train_loader, val_loader_factory=data.val_loader_factory, dims=dims,
-        source_val_factories=data.source_val_factories,
-        steps=training.steps, grad_accum_steps=data.grad_accum_steps, max_norm=training.max_norm,
-        log_freq=training.log_freq, val_freq=training.val_freq, val_steps=training.val_steps,
-        metric_logger=metric_logger, throughput=build_throughput(cfg, device, rank, world_size, built),
-        memory=MemoryMonitor(device), state=state, device=device, checkpointer=checkpointer,
-        preemption=watch_for_preemption(rank, world_size, device),  # None outside SLURM
-        profiler=profiler, step_hooks=built.family.step_hooks(built.parts, dims) + compile_hooks(cfg),
-        periodic_eval=periodic_eval_of(cfg, built, data), objective=built.family.objective,
-        fault_tolerance=ft if ft.enabled else None,
+        model=built, optimizer=optimizer, lr_scheduler=lr_scheduler, data=data, dims=spec.dims,
+        schedule=schedule_of(spec), state=state, device=device, checkpointer=checkpointer,
+        monitors=Monitors(metric_logger, build_throughput(spec, device, rank, built), MemoryMonitor(device), profiler),
+        preemption=watch_for_preemption(rank, spec.world_size, device),  # None outside SLURM
+        step_hooks=built.family.step_hooks(built.parts, spec.dims) + compile_hooks(spec),
+        periodic_eval=periodic_eval_of(spec, built, data), fault_tolerance=ft if ft.enabled else None,
     )
     if rank == 0:
-        print(header_of(cfg, dims, data, built, world_size, run_dir, ft.describe() if ft.enabled else None),
-              flush=True)
+        print(header_of(spec, data, built, run_dir, ft.describe() if ft.enabled else None), flush=True)
     try:
-        checkpointer.restore()
-        if checkpointer.seed_only:
-            trainer.steps = 0
-        if ft.enabled:  # after the restore: the quorum compares the groups' steps
-            ft.start(*live_state_fns(checkpointer.run), rank=rank, world_size=world_size, step=state.step,
-                     device=device, model_parts=built.parts, optimizer=optimizer)
-        summary = trainer.train()
-        checkpointer.close()
+        summary = _train(trainer, checkpointer, ft, rank, device, built, optimizer)
     finally:
         ft.close()
         outputs = metric_logger.outputs()
@@ -378,4 +338,18 @@ def _run(
     if return_state:
         summary["full_state"] = gather_full_state(built.parts)
     summary["dataset_stats"] = getattr(data.dataset, "stats", {})
+    return summary
+
+
+def _train(trainer: Trainer, checkpointer, ft, rank: int, device: torch.device, built: BuiltModel,
+           optimizer) -> dict[str, Any]:
+    """Restore, join the torchft quorum (after the restore: it compares the groups' steps), train."""
+    checkpointer.restore()
+    if checkpointer.seed_only:
+        trainer.steps = 0
+    if ft.enabled:
+        ft.start(*live_state_fns(checkpointer.run), rank=rank, world_size=trainer.dims.world_size,
+                 step=trainer.state.step, device=device, model_parts=built.parts, optimizer=optimizer)
+    summary = trainer.train()
+    checkpointer.close()
     return summary

@@ -12,13 +12,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from titan_hydra.errors import TrainingDiverged
 from titan_hydra.metrics.memory import state_memory_gib
-from titan_hydra.models.objective import NEXT_TOKEN, Objective
+from titan_hydra.train.built import BoundEval, BuiltModel, DataPlan, Monitors, Schedule
 from titan_hydra.train.grad_clip import clip_grad_norm_
 
 
@@ -31,94 +31,47 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 @dataclass
 class TrainState:
-    """Progress that a checkpoint must carry besides model/optimizer/data. ``tokens_seen`` counts
-    the objective's units (tokens; images for an image objective) under its historical name."""
+    """Progress that a checkpoint must carry besides model/optimizer/data. ``seen`` counts the
+    objective's units (tokens for language models, images for an image objective)."""
 
     step: int = 0
-    tokens_seen: int = 0
+    seen: int = 0
     losses: list[float] = field(default_factory=list)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "losses": list(self.losses)}
+        return {"step": self.step, "seen": self.seen, "losses": list(self.losses)}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.step = int(sd["step"])
-        self.tokens_seen = int(sd["tokens_seen"])
+        self.seen = int(sd["seen"] if "seen" in sd else sd["tokens_seen"])  # checkpoints before the rename
         self.losses = [float(x) for x in sd.get("losses", [])]
 
 
 class Trainer:
-    """The loop. ``runner`` (``parallel/runner.py`` or ``parallel/pp.py``) runs each microbatch for
-    whatever layout this rank has; ``checkpointer`` (a CheckpointManager holding ``state``) and
-    ``preemption`` (a SLURM watcher, None elsewhere) are optional."""
+    """The loop. ``model.runner`` (``parallel/runner.py`` or ``parallel/pp.py``) runs each
+    microbatch for whatever layout this rank has; ``checkpointer`` (a CheckpointManager holding
+    ``state``), ``preemption`` (a SLURM watcher), ``periodic_eval`` and ``fault_tolerance``
+    (torchft's quorum, gradient average and commit around each step) are None when off."""
 
-    def __init__(
-        self,
-        *,
-        model_parts: list[torch.nn.Module],
-        runner,
-        optimizer: torch.optim.Optimizer,
-        lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
-        train_loader,
-        val_loader_factory: Callable[[], Any] | None,
-        dims,
-        steps: int,
-        grad_accum_steps: int,
-        max_norm: float,
-        log_freq: int,
-        val_freq: int,
-        val_steps: int,
-        metric_logger,
-        throughput,
-        memory,
-        state: TrainState | None = None,
-        device: torch.device = torch.device("cpu"),
-        checkpointer=None,
-        preemption=None,
-        profiler=None,
-        step_hooks=(),
-        periodic_eval=None,
-        objective: Objective = NEXT_TOKEN,
-        source_val_factories: dict[str, Callable[[], Any]] | None = None,
-        fault_tolerance=None,
-    ) -> None:
-        self.model_parts = model_parts
-        self.runner = runner
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
-        self.train_loader = train_loader
-        self.val_loader_factory = val_loader_factory
-        self.dims = dims
-        self.steps = steps
-        self.grad_accum_steps = grad_accum_steps
-        self.max_norm = max_norm
-        self.log_freq = log_freq
-        self.val_freq = val_freq
-        self.val_steps = val_steps
-        self.metric_logger = metric_logger
-        self.throughput = throughput
-        self.memory = memory
-        self.device = device
-        self.checkpointer = checkpointer
-        self.preemption = preemption  # titan_hydra.runtime.preemption.Preemption inside a SLURM job
-        self.profiler = profiler
-        # The model family's per-optimizer-step work (ModelFamily.step_hooks, e.g. MoE load balancing).
+    def __init__(self, *, model: BuiltModel, optimizer: torch.optim.Optimizer,
+                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler, data: DataPlan, dims, schedule: Schedule,
+                 monitors: Monitors, state: TrainState, device: torch.device, checkpointer=None,
+                 preemption=None, step_hooks=(), periodic_eval: BoundEval | None = None,
+                 fault_tolerance=None) -> None:
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.data, self.dims, self.schedule, self.monitors = data, dims, schedule, monitors
+        self.state, self.device = state, device
+        self.checkpointer, self.preemption = checkpointer, preemption
+        # per-optimizer-step work returning metrics (the family's, e.g. MoE load balancing; compile's)
         self.step_hooks = list(step_hooks)
-        # (due(step, last) -> bool, run() -> metrics): the eval group's harness tasks, None = off
-        self.periodic_eval = periodic_eval
-        self.objective = objective  # what a batch counts for throughput, what validation logs
-        # a data mixture's sources: each one's held-out loss is logged as val/<name>/loss
-        self.source_val_factories = dict(source_val_factories or {})
-        # torchft replica groups (runtime/fault_tolerance.py): quorum, gradient average and commit
-        # across groups around each step; None: this run is the whole data-parallel world
-        self.fault_tolerance = fault_tolerance
-        self.state = state if state is not None else TrainState()
+        self.periodic_eval, self.fault_tolerance = periodic_eval, fault_tolerance
+        self.steps = schedule.steps  # a seed-checkpoint run sets it to 0
         self.last_val_loss: float | None = None
 
     # --- one microbatch -------------------------------------------------------------
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward + backward of one microbatch; returns its (local) mean loss, detached."""
-        return self.runner.forward_backward(to_device(inputs, self.device), to_device(labels, self.device))
+        return self.model.runner.forward_backward(to_device(inputs, self.device), to_device(labels, self.device))
 
     # --- one optimizer step -----------------------------------------------------------
     def train_step(self) -> dict[str, float]:
@@ -130,18 +83,18 @@ class Trainer:
         data_time = 0.0
         losses = []
         tokens = 0
-        for _ in range(self.grad_accum_steps):
+        for _ in range(self.schedule.grad_accum_steps):
             t0 = time.perf_counter()
-            inputs, labels = next(self.train_loader)
+            inputs, labels = next(self.data.train_loader)
             data_time += time.perf_counter() - t0
-            tokens += self.objective.units(inputs)
+            tokens += self.model.objective.units(inputs)
             losses.append(self.forward_backward(inputs, labels))
-        params = [p for m in self.model_parts for p in m.parameters()]
+        params = [p for m in self.model.parts for p in m.parameters()]
         local_loss = torch.stack(losses).mean()
         if ft is not None:  # the other replica groups' gradients (and losses, for the log)
             ft.reduce_gradients(params)
             local_loss = ft.mean(local_loss)
-        grad_norm = clip_grad_norm_(params, self.max_norm, pp_group=self.dims.pp_group())
+        grad_norm = clip_grad_norm_(params, self.schedule.max_norm, pp_group=self.dims.pp_group())
         lr = self.optimizer.param_groups[0]["lr"]
         # named groups (optimizer.param_groups) with their own LR (Muon's peak differs): lr/<name>
         first_peak = self.optimizer.param_groups[0].get("initial_lr")
@@ -162,8 +115,8 @@ class Trainer:
             )
         # Per-device throughput: the tokens of this data-parallel replica are shared by its
         # tp*pp*cp devices (each computes that fraction of the FLOPs).
-        self.throughput.update(tokens / (self.dims.tp * self.dims.pp * self.dims.cp))
-        self.state.tokens_seen += tokens * self.dims.data_degree
+        self.monitors.throughput.update(tokens / (self.dims.tp * self.dims.pp * self.dims.cp))
+        self.state.seen += tokens * self.dims.data_degree
         return {
             "loss": loss,
             "grad_norm": float(grad_norm.item()),
@@ -179,12 +132,12 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """Mean loss over the first ``val_steps`` held-out batches (same batches every time), and
         each data source's own (``val/<name>/loss``) when the data is a mixture."""
-        for m in self.model_parts:
+        for m in self.model.parts:
             m.eval()
-        metrics = self.objective.val_metrics(self._val_loss(self.val_loader_factory()))
-        for name, factory in self.source_val_factories.items():
+        metrics = self.model.objective.val_metrics(self._val_loss(self.data.val_loader_factory()))
+        for name, factory in self.data.source_val_factories.items():
             metrics[f"val/{name}/loss"] = self._val_loss(factory())
-        for m in self.model_parts:
+        for m in self.model.parts:
             m.train()
         return metrics
 
@@ -192,18 +145,18 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         count = 0
         for inputs, labels in loader:
-            if count >= self.val_steps:
+            if count >= self.schedule.val_steps:
                 break  # every rank reads the same number of batches, so all stop together
-            total += self.runner.eval_loss(to_device(inputs, self.device), to_device(labels, self.device))
+            total += self.model.runner.eval_loss(to_device(inputs, self.device), to_device(labels, self.device))
             count += 1
         return self.dims.global_mean(total / max(count, 1))
 
     # --- the loop --------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
-        for m in self.model_parts:
+        for m in self.model.parts:
             m.train()
-        self.throughput.reset()
-        self.memory.reset_peak()
+        self.monitors.throughput.reset()
+        self.monitors.memory.reset_peak()
         while self.state.step < self.steps:
             metrics = self.train_step()
             if not metrics.pop("committed"):
@@ -211,31 +164,31 @@ class Trainer:
             self.state.step += 1
             self.state.losses.append(metrics["loss"])
             step = self.state.step
-            if step % self.log_freq == 0 or step == self.steps or step == 1:
-                metrics.update(self.throughput.report())
-                mem = self.memory.report()
+            if step % self.schedule.log_freq == 0 or step == self.steps or step == 1:
+                metrics.update(self.monitors.throughput.report())
+                mem = self.monitors.memory.report()
                 metrics["memory"] = mem.get("memory_peak_gib", 0.0)
                 metrics.update(mem)
                 if step == 1:  # optimizer state exists from the first step on
-                    metrics.update(state_memory_gib(self.model_parts, self.optimizer))
-                self.metric_logger.log(metrics, step)
-                self.memory.reset_peak()
-            if self.val_freq > 0 and (step % self.val_freq == 0 or step == self.steps):
+                    metrics.update(state_memory_gib(self.model.parts, self.optimizer))
+                self.monitors.metric_logger.log(metrics, step)
+                self.monitors.memory.reset_peak()
+            if self.schedule.val_freq > 0 and (step % self.schedule.val_freq == 0 or step == self.steps):
                 val = self.validate()
                 self.last_val_loss = val["val/loss"]
-                self.metric_logger.log(val, step)
-                self.throughput.reset()  # validation time is not training throughput
-            if self.periodic_eval is not None and self.periodic_eval[0](step, step == self.steps):
-                scores, pictures = self.periodic_eval[1](step, step == self.steps)
+                self.monitors.metric_logger.log(val, step)
+                self.monitors.throughput.reset()  # validation time is not training throughput
+            if self.periodic_eval is not None and self.periodic_eval.due(step, step == self.steps):
+                scores, pictures = self.periodic_eval.run(step, step == self.steps)
                 if scores:
-                    self.metric_logger.log(scores, step)
+                    self.monitors.metric_logger.log(scores, step)
                 for key, (images, captions) in pictures.items():
-                    self.metric_logger.log_images(key, images, step, captions)
-                self.throughput.reset()
+                    self.monitors.metric_logger.log_images(key, images, step, captions)
+                self.monitors.throughput.reset()
             if self.checkpointer is not None:
                 self.checkpointer.maybe_save(step, last=step == self.steps)
-            if self.profiler is not None:
-                self.profiler.step()
+            if self.monitors.profiler is not None:
+                self.monitors.profiler.step()
             if self.preemption is not None and step < self.steps and self.preemption.should_stop():
                 self.preemption.save_and_requeue(self.checkpointer, step)  # all ranks; ends this attempt
         return {
@@ -243,5 +196,5 @@ class Trainer:
             "losses": list(self.state.losses),
             "final_loss": self.state.losses[-1] if self.state.losses else None,
             "final_val_loss": self.last_val_loss,
-            "tokens_seen": self.state.tokens_seen,
+            f"{self.model.objective.unit}s_seen": self.state.seen,
         }

@@ -1,0 +1,82 @@
+"""What the recipe builds for one rank and hands to the loop, as whole objects.
+
+The loop (``trainer.py``) receives these few objects instead of their two dozen parts, so a new
+piece of a run is one field here and one line where the recipe builds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from titan_hydra.kernels.attention_policy import KernelChoice
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """The dataset and this rank's loaders."""
+
+    dataset: Any
+    train_loader: Any
+    val_loader_factory: Callable[[], Any]
+    # a mixture's sources, each with its own held-out split: name -> loader factory (val/<name>/loss)
+    source_val_factories: dict[str, Callable[[], Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    """This rank's model after its layout was applied and its weights initialized."""
+
+    family: Any  # titan_hydra.models.protocol.ModelFamily
+    args: Any
+    parts: list[torch.nn.Module]  # this rank's model (or pipeline stages)
+    runner: Any  # forward_backward / eval_loss for this layout
+    float8: Any
+    flops_per_unit: float  # per token, or per whatever the family's objective counts
+    attention_dtype: Any = None  # the dtype SDPA runs in (None: the compute dtype)
+    # what runs plain causal attention, and why (kernels/attention_policy.py)
+    attention_kernel: KernelChoice = KernelChoice("sdpa", "set explicitly")
+
+    @property
+    def objective(self):
+        return self.family.objective
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How many steps, and what happens every how many of them."""
+
+    steps: int
+    grad_accum_steps: int
+    max_norm: float
+    log_freq: int
+    val_freq: int
+    val_steps: int
+
+
+@dataclass(frozen=True)
+class Monitors:
+    """Where a step's numbers go and what measures them."""
+
+    metric_logger: Any
+    throughput: Any
+    memory: Any
+    profiler: Any = None
+
+
+@dataclass(frozen=True)
+class BoundEval:
+    """The ``eval`` group's evaluator with the model and data it evaluates: ``due`` / ``run``."""
+
+    evaluator: Any  # titan_hydra.train.periodic_eval.PeriodicEval
+    model: BuiltModel
+    dataset: Any
+
+    def due(self, step: int, last: bool) -> bool:
+        return self.evaluator.due(step, last)
+
+    def run(self, step: int, last: bool) -> tuple[dict[str, float], dict[str, tuple[np.ndarray, list[str]]]]:
+        return self.evaluator.run(self.model.parts, self.model.family, self.model.args, self.dataset, step, last)
