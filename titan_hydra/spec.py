@@ -75,6 +75,11 @@ class RunSpec:
             object.__setattr__(self, key, value)
 
 
+def flavor_of(model: DictConfig) -> str:
+    """The model option's published name (``model.flavor``), or "custom" for a hand-made shape."""
+    return str(model.get("flavor") or "custom")
+
+
 def world_size_of(cfg: DictConfig) -> int:
     """World size: under torchrun/SLURM the environment says; otherwise the cluster config."""
     if "WORLD_SIZE" in os.environ:
@@ -106,7 +111,7 @@ def spec_of(cfg: DictConfig) -> RunSpec:
     global_batch, grad_accum = dims.batch_plan(int(t.local_batch_size), int(t.global_batch_size))
     return RunSpec(
         config=cfg, world_size=world_size, dims=dims, family=family, model_args=args,
-        flavor=str(OmegaConf.select(cfg, "model.flavor") or "custom"),
+        flavor=flavor_of(cfg.model),
         precision=precision_choice_of(cfg),
         batch=BatchPlan(int(t.local_batch_size), global_batch, grad_accum, int(t.seq_len)),
         token_data=OmegaConf.select(cfg, "data.tokenizer") is not None,

@@ -173,7 +173,7 @@ def _validate_data(cfg: DictConfig, vocab: int) -> None:
             raise ConfigError(f"data.path={d.path} does not exist")
     if source == "prepared" and (OmegaConf.is_missing(d, "path") or not Path(str(d.path)).expanduser().is_dir()):
         raise ConfigError(f"data=prepared needs data.path=<a directory recipes/prepare_data.py wrote>; "
-                          f"{OmegaConf.select(cfg, 'data.path', default='?')} is not one")
+                          f"{d.get('path') or '?'} is not one")
     if source == "hf" and not d.hf_name:
         raise ConfigError("data.source=hf needs data.hf_name (e.g. allenai/c4)")
     if d.tokenizer != "builtin" and not Path(d.tokenizer).expanduser().exists():

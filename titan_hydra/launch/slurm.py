@@ -36,6 +36,7 @@ from titan_hydra.errors import UserError
 from titan_hydra.launch.slurm_check import check_slurm
 from titan_hydra.runtime.rendezvous import master_address
 from titan_hydra.train.pretrain import run
+from titan_hydra.validate import validate
 from titan_hydra.launch.submitit_jobs import JobFailed, OneLineFailures, failure_of, job_log
 
 try:  # the Hydra plugin is a dependency; keep this module importable without it for unit use
@@ -191,7 +192,7 @@ class RankTask:
 
         export_dist_env(self.cfg)
         try:
-            summary = run(self.cfg, self.run_dir)
+            summary = run(validate(self.cfg), self.run_dir)  # this node's environment decides
         except UserError as e:  # the line the submitting process reports (submitit_jobs.error_line)
             print(f"error: {e}", file=sys.stderr, flush=True)
             raise

@@ -29,7 +29,7 @@ import sys
 from typing import Any, Sequence
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, read_write
 
 from titan_hydra.errors import UserError
 from titan_hydra.launch.slurm_check import check_slurm
@@ -73,16 +73,6 @@ def composition_problem(error: Exception) -> str:
     return first
 
 
-def submit_host_view(cfg: DictConfig) -> DictConfig:
-    """The config as a SLURM submit host validates it: without the device checks, which are the
-    compute node's business (a CPU-only login node submits cluster.device=cuda jobs).
-    ``dry_run`` means exactly "validate everything but the environment"."""
-    view = cfg.copy()
-    with open_dict(view), read_write(view):
-        view.dry_run = True
-    return view
-
-
 def point_problem(config_loader: Any, config: DictConfig, overrides: Sequence[str]) -> str | None:
     """Compose one sweep point as its job will, validate it; the problem in one line, or None."""
     from hydra.errors import HydraException
@@ -95,7 +85,8 @@ def point_problem(config_loader: Any, config: DictConfig, overrides: Sequence[st
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # parallelism=auto prints its choice per point
             resolve_auto(job_cfg)
-            validate(submit_host_view(job_cfg) if job_cfg.cluster.launcher == "slurm" else job_cfg)
+            # a SLURM submit host leaves the device checks to the compute nodes
+            validate(job_cfg, environment=job_cfg.cluster.launcher != "slurm")
     except UserError as e:
         return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     checked_points.add(tuple(overrides))

@@ -42,7 +42,7 @@ from titan_hydra.models.registry import args_of
 from titan_hydra.planner.devices import device_memory_of, peak_tflops_of
 from titan_hydra.planner.plan import ASSUMED_MFU, plan
 from titan_hydra.planner.shape import model_shape, stage_params
-from titan_hydra.spec import RunSpec, spec_of, world_size_of
+from titan_hydra.spec import RunSpec, flavor_of, spec_of, world_size_of
 from titan_hydra.validate import check_layout
 
 CP_MIN_SEQ_LEN = 32768  # consider context parallel only above this sequence length
@@ -280,11 +280,11 @@ def resolve_auto(cfg: DictConfig) -> DictConfig:
 def no_fit_message(cfg: DictConfig, cands: list[Candidate], device_gib: float | None) -> str:
     valid = [c for c in cands if not c.invalid] or cands
     if not valid:
-        return f"parallelism=auto found no layout for model={OmegaConf.select(cfg, 'model.flavor', default='custom')} on this cluster"
+        return f"parallelism=auto found no layout for model={flavor_of(cfg.model)} on this cluster"
     best = min(valid, key=lambda c: c.mem_gib)
     nodes, per_node = topology(cfg)
     return (
-        f"parallelism=auto: model={OmegaConf.select(cfg, 'model.flavor', default='custom')} does not fit on {nodes}x{per_node} devices: the "
+        f"parallelism=auto: model={flavor_of(cfg.model)} does not fit on {nodes}x{per_node} devices: the "
         f"smallest layout ({best.describe()}) needs {best.mem_gib:.1f} GiB/rank, the device has "
         f"{device_gib:.0f} GiB; add nodes (cluster.nnodes), set activation_checkpoint=full, or lower "
         "training.local_batch_size"
