@@ -201,7 +201,7 @@ def test_training_and_the_command_line(corpus, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "prepared 3 file(s)" in proc.stdout and f"data.path={out}" in proc.stdout
     summary = run(spec_of(compose_cfg(TINY + ["data=prepared", f"data.path={out}", "training.steps=3", "training.seq_len=32",
-                                      "training.val_freq=3", "training.val_steps=1", "logger=minimal"]),
+                                      "training.val_freq=3", "training.val_steps=1", "logger=minimal"])),
                   str(tmp_path / "run"))
     assert len(summary["losses"]) == 3 and all(np.isfinite(summary["losses"])) and summary["final_val_loss"] > 0
     bad = subprocess.run([sys.executable, str(REPO / "recipes" / "prepare_data.py"), "data=builtin", f"out={out}2"],
