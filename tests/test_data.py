@@ -12,6 +12,7 @@ import torch
 from titan_hydra.data import corpus
 from titan_hydra.data.dataset import TokenDataset
 from titan_hydra.data.loader import BatchLoader
+from titan_hydra.data.prepare import PrepareSettings, prepare
 from titan_hydra.data.tokenizer import Tokenizer
 
 # torchtitan's test tokenizer (tests/assets of pytorch/torchtitan, BSD-3-Clause): a real HF
@@ -174,6 +175,37 @@ def test_parquet_and_text_sources(tmp_path):
     flat = ds.tokens("train")
     end = int(np.flatnonzero(flat == tok.eos_id)[0])
     assert tok.decode(flat[1:end]).strip() == "first doc line one\nline two"
+
+
+def test_every_reader_packs_the_same_documents_to_one_stream(tmp_path):
+    """The readers differ only in where documents come from: the same documents as json, parquet,
+    text, a dataset directory (hf) or a prepared corpus give one token stream, each document framed
+    as bos ... eos in order; the streaming loader serves consecutive windows of that same stream."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = _docs(24)
+    tok = Tokenizer("builtin")
+    expected = [t for d in docs for t in (tok.bos_id, *tok.encode(d), tok.eos_id)]
+    _write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in docs])
+    pq.write_table(pa.table({"text": docs}), tmp_path / "d.parquet")
+    (tmp_path / "d.txt").write_text("\n\n".join(docs))  # no newline after the last paragraph, which keeps it
+    (tmp_path / "hub").mkdir()
+    _write_jsonl(tmp_path / "hub" / "train.jsonl", [{"text": d} for d in docs])
+    prepare([str(tmp_path / "d.jsonl")], PrepareSettings(source="json", text_field="text", tokenizer="builtin",
+                                                         val_every=0, shard_tokens=100, out=str(tmp_path / "p")))
+    sources = {"json": {"path": str(tmp_path / "d.jsonl")}, "parquet": {"path": str(tmp_path / "d.parquet")},
+               "text": {"path": str(tmp_path / "d.txt")}, "hf": {"hf_name": str(tmp_path / "hub")}}
+    common = {"seq_len": 8, "val_fraction": 0.0, "cache_dir": str(tmp_path / "c")}
+    for source, where in {**sources, "prepared": {"path": str(tmp_path / "p")}}.items():
+        ds = TokenDataset(source, **where, **common)
+        assert np.asarray(ds.tokens("train")[:]).tolist() == expected, source
+        assert ds.stats["documents"] == {"train": 24, "val": 0}, source
+    for source, where in sources.items():
+        streamed = TokenDataset(source, **where, **common, streaming=True)
+        x, y = streamed.loader("train", 3).next_batch()
+        assert x.flatten().tolist() == expected[:24] and y.flatten().tolist() == [
+            t for r in range(3) for t in expected[r * 8 + 1: r * 8 + 9]], source
 
 
 def test_bad_json_records_name_file_and_line(tmp_path):

@@ -14,9 +14,10 @@ from titan_hydra.errors import ConfigError
 from titan_hydra.models.common.hf_decoder import HFConversionError
 from titan_hydra.models.llama3 import FAMILY as LLAMA
 from titan_hydra.models.llama3 import LlamaArgs
-from titan_hydra.models.protocol import ModelFamily
+from titan_hydra.models.protocol import DrawsSamples, ModelFamily
 from titan_hydra.models.qwen3 import FAMILY as QWEN3
 from titan_hydra.models.registry import BUILTIN, args_of, build_model, family_for_hf_type, get_family
+from titan_hydra.train.periodic_eval import PeriodicEval
 
 
 def debug(name: str, *overrides: str):
@@ -171,6 +172,27 @@ def test_cut_stage_keeps_fqns_and_leaves_the_model_alone():
     assert middle.tok_embeddings is None and middle.norm is None and middle.output is None
     assert {n for n, _ in middle.named_parameters()} <= {n for n, _ in model.named_parameters()}
     assert len(model.layers) == 6 and model.output is not None
+
+
+# ------------------------------------------------------------------------------- capabilities
+
+
+def test_drawing_pictures_is_a_capability_a_family_opts_into():
+    """``sample_images`` is no member of ModelFamily: the image family implements DrawsSamples, the
+    language families do not, and a bring-your-own family gets it by defining the method alone."""
+    assert not hasattr(ModelFamily, "sample_images")
+    assert [n for n in BUILTIN if isinstance(get_family(n), DrawsSamples)] == ["flux"]
+
+    class Painter(ModelFamily):  # names no capability class: the protocol is structural
+        name = "painter"
+
+        def sample_images(self, model, dataset, prompts, steps, guidance, seed):
+            return torch.zeros(len(prompts), 4, 4, 3, dtype=torch.uint8)
+
+    pictures = PeriodicEval(sample_every=5, sample_prompts=["a cat"])
+    pictures.check(Painter())
+    with pytest.raises(ConfigError, match=r"eval\.sample_every=5: model family 'llama3' draws no sample pictures"):
+        pictures.check(LLAMA)
 
 
 # ------------------------------------------------------------------------------- HF config

@@ -25,6 +25,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
+from titan_hydra.data.packing import frame, is_document
 from titan_hydra.errors import DataError
 
 STATE_VERSION = 1
@@ -260,15 +261,13 @@ class StreamingBatchLoader:
                 break
             pulled += 1
             text = rec.get(self.text_field)
-            if not isinstance(text, str) or not text.strip():
+            if not is_document(text):
                 self.stats["empty_skipped"] = self.stats.get("empty_skipped", 0) + 1
                 continue
             texts.append(text)
         self._hf_state = copy.deepcopy(self._ds.state_dict())
-        for ids in self.encode_batch(texts) if texts else []:
-            self._buffer.append(self.bos_id)
-            self._buffer.extend(ids)
-            self._buffer.append(self.eos_id)
+        if texts:
+            frame(self.encode_batch(texts), self.bos_id, self.eos_id, self._buffer)
         docs = self.stats.setdefault("documents", {})
         docs[self.split] = docs.get(self.split, 0) + len(texts)
         return pulled > 0

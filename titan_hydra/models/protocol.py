@@ -17,6 +17,11 @@ never names a family. It gets a ``ModelFamily`` from the ``model.family`` config
   optimizer step that belongs to the model, e.g. MoE load balancing, returning metrics to log);
 * conversion: ``hf`` (an ``HFAdapter``; None when the family has no HF counterpart).
 
+Optional capabilities are not members of ``ModelFamily``, so a family implements only what it
+has: a capability is a small protocol of its own the engine checks with ``isinstance``
+(``DrawsSamples``: pictures from prompts, ``eval.sample_every``), or a flag that says what the
+model's ``forward`` takes (``supports_document_mask``).
+
 ``common/decoder_family.DecoderFamily`` implements all of it for models built from
 ``common/decoder.Decoder``; a family subclasses it and overrides what differs. A model that is
 not a ``Decoder`` implements this class directly (README: "Bring your own model").
@@ -25,7 +30,7 @@ not a ``Decoder`` implements this class directly (README: "Bring your own model"
 from __future__ import annotations
 
 from dataclasses import dataclass, fields as dc_fields
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -141,15 +146,6 @@ class ModelFamily:
     def check(self, args: Any, dims: Any, seq_len: int) -> None:
         """Raise ConfigError (one line) for a layout or length this family cannot run."""
 
-    # Families that draw pictures (``eval.sample_every``) set this and implement sample_images.
-    draws_samples: bool = False
-
-    def sample_images(self, model: nn.Module, dataset: Any, prompts: list[str], steps: int, guidance: float,
-                      seed: int) -> torch.Tensor:
-        """uint8 pictures [len(prompts), H, W, 3] drawn by ``model`` (an unsharded CPU copy) from
-        these prompts, with the dataset's encoders."""
-        raise NotImplementedError(f"model family {self.name!r} draws no pictures")
-
     def check_data(self, args: Any, dims: Any, data_cfg: Any) -> None:
         """Raise ConfigError (one line) for a layout this family cannot run on samples of this data
         config (read before any data is; e.g. context parallel splits every sample's tokens)."""
@@ -192,3 +188,15 @@ class ModelFamily:
         """Callables the trainer runs once per optimizer step (after backward of every microbatch,
         before ``optimizer.step``); each returns ``{metric: value}`` logged with the step."""
         return []
+
+
+@runtime_checkable
+class DrawsSamples(Protocol):
+    """The capability of a family that draws pictures from prompts (``eval.sample_every``): an
+    image family implements it, a language family does not (checked with ``isinstance``)."""
+
+    def sample_images(self, model: nn.Module, dataset: Any, prompts: list[str], steps: int, guidance: float,
+                      seed: int) -> torch.Tensor:
+        """uint8 pictures [len(prompts), H, W, 3] drawn by ``model`` (an unsharded CPU copy) from
+        these prompts, with the dataset's encoders."""
+        ...

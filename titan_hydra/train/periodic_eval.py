@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from titan_hydra.errors import ConfigError
+from titan_hydra.models.protocol import DrawsSamples
 from titan_hydra.parallel.full_state import gather_full_state
 
 
@@ -50,7 +51,7 @@ class PeriodicEval:
         """Before training (one line each): lm-eval importable and every task known; a family
         that draws pictures, and prompts to draw, for sample pictures."""
         if self.sample_every > 0:
-            if not family.draws_samples:
+            if not isinstance(family, DrawsSamples):
                 raise ConfigError(f"eval.sample_every={self.sample_every}: model family {family.name!r} draws no "
                                   "sample pictures; set eval.sample_every=0")
             if not self.sample_prompts:

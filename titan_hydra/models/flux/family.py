@@ -27,7 +27,7 @@ from titan_hydra.models.flux.examples import image_tokens_of
 from titan_hydra.models.flux.model import Flux, FluxArgs
 from titan_hydra.models.flux.sampling import sample_images
 from titan_hydra.models.objective import Objective
-from titan_hydra.models.protocol import ModelFamily, ModelShape
+from titan_hydra.models.protocol import DrawsSamples, ModelFamily, ModelShape
 
 
 class FlowMatching(Objective):
@@ -77,7 +77,7 @@ def parameter_groups(args: FluxArgs) -> dict[str, int]:
     return groups
 
 
-class FluxFamily(ModelFamily):
+class FluxFamily(ModelFamily, DrawsSamples):
     name = "flux"
     args_cls = FluxArgs
     objective = FLOW_MATCHING
@@ -164,9 +164,7 @@ class FluxFamily(ModelFamily):
                 raise ConfigError(f"{what} tokens per sample ({n}) must be divisible by 2*parallelism.cp="
                                   f"{2 * dims.cp} (context parallel splits them into equal chunks); change {key}")
 
-    # --- pictures (eval.sample_every) -------------------------------------------------------
-    draws_samples = True
-
+    # --- pictures (eval.sample_every: the DrawsSamples capability) ----------------------------
     def sample_images(self, model: Flux, dataset: Any, prompts: list[str], steps: int, guidance: float,
                       seed: int) -> torch.Tensor:
         return sample_images(model, dataset.examples, prompts, int(dataset.image_size), steps=steps,
