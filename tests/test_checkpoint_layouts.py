@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from titan_hydra.spec import spec_of
 from helpers import BASE, GLOBAL_BATCH, REPO, by_step, compose_cfg, read_metrics
 from titan_hydra.checkpoint.storage import load_plain, read_metadata, tensor_entries
 
@@ -61,7 +62,7 @@ def run_here(run_dir: Path, extra: list[str], ckpt: list[str] = SEED_RUN) -> Non
     cfg = compose_cfg([*BASE, *ckpt, "cluster.nproc_per_node=1", "parallelism=single",
                        f"training.local_batch_size={GLOBAL_BATCH}", *extra])
     run_dir.mkdir(parents=True, exist_ok=True)
-    run(cfg, str(run_dir))
+    run(spec_of(cfg), str(run_dir))
 
 
 def entries_of(run_dir: Path, step: int, prefixes: tuple[str, ...] = ("model.",)) -> dict[str, torch.Tensor]:

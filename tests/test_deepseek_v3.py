@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from titan_hydra.spec import spec_of
 from helpers import compose_cfg, read_metrics, series
 
 from titan_hydra.errors import ConfigError
@@ -198,7 +199,7 @@ def test_debug_flavor_trains_and_logs_expert_load(tmp_path):
     cfg = compose_cfg(["model=deepseek_v3_debug", "logger=minimal", "training.val_freq=0",
                        "cluster.threads_per_proc=1", f"training.steps={steps}", "training.seq_len=128",
                        "training.local_batch_size=4", "data.max_documents=200"])
-    losses = run(cfg, str(tmp_path / "run"))["losses"]
+    losses = run(spec_of(cfg), str(tmp_path / "run"))["losses"]
     # measured: 8.12 8.19 8.22 8.07 ... 7.20 7.00 7.12 (first 3 mean 8.18, last 3 7.10)
     assert len(losses) == steps and all(math.isfinite(x) for x in losses), losses
     assert math.log(2048) - 0.2 < losses[0] < math.log(2048) + 1.0, losses[0]

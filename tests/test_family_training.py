@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 
+from titan_hydra.spec import spec_of
 from helpers import BASE, GLOBAL_BATCH, assert_parity, compose_cfg, read_metrics, run_layout, run_single
 
 # family -> (parity overrides after helpers.BASE: dim 64, 4 layers, 4/2 heads, seq 64, 10 steps, fp32;
@@ -58,7 +59,7 @@ def test_debug_flavor_trains_with_falling_loss(tmp_path, family):
     cfg = compose_cfg([f"model={family}_debug", "logger=minimal", "training.val_freq=0", "cluster.threads_per_proc=1",
                        f"training.steps={steps}", "training.seq_len=128", "training.local_batch_size=4",
                        "data.max_documents=200", "optimizer.lr=2e-3"])
-    losses = run(cfg, str(tmp_path / "run"))["losses"]
+    losses = run(spec_of(cfg), str(tmp_path / "run"))["losses"]
     # measured (gpt_oss): 8.01 8.02 7.88 7.82 7.67 6.91 ... 6.76 6.95 6.94 6.65 (first 3 mean 7.97, last 3 6.84)
     assert len(losses) == steps and all(math.isfinite(x) for x in losses), losses
     assert math.log(2048) - 0.2 < losses[0] < math.log(2048) + 1.0, losses[0]
@@ -88,6 +89,6 @@ def test_exact_resume(singles, tmp_path, capsys, family):
     cfg = compose_cfg(BASE + overrides(family) + ["cluster.nproc_per_node=1", "parallelism=single",
                                                   f"training.local_batch_size={GLOBAL_BATCH}"])
     capsys.readouterr()
-    losses = run(cfg, str(tmp_path))["losses"]
+    losses = run(spec_of(cfg), str(tmp_path))["losses"]
     assert f"loaded {tmp_path / 'checkpoint' / 'step-5'}" in capsys.readouterr().out
     assert losses == reference

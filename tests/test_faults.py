@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from titan_hydra.spec import spec_of
 from helpers import BASE, GLOBAL_BATCH, REPO, TINY, by_step, compose_cfg
 from test_bad_inputs import manager
 from titan_hydra.checkpoint import CheckpointError, latest_complete, list_steps, read_marker
@@ -191,7 +192,7 @@ def test_enospc_while_saving_keeps_the_previous_checkpoint(tmp_path):
     # The same run dir, disk space back: the run resumes from step 2 and finishes.
     from titan_hydra.train.pretrain import run
 
-    run(compose_cfg(ENOSPC_RUN), str(run_dir))
+    run(spec_of(compose_cfg(ENOSPC_RUN)), str(run_dir))
     losses = by_step(run_dir, "loss")
     assert sorted(losses) == [1, 2, 3, 4, 5, 6], losses  # steps 3..6 after the resume; 1..4 logged before
     assert [s.step for s in list_steps(folder) if s.complete][-1] == 6

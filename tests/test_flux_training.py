@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from titan_hydra.spec import spec_of
 from helpers import by_step, compose_cfg, read_metrics, run_launch, series
 from titan_hydra.errors import ConfigError
 from titan_hydra.validate import validate
@@ -46,7 +47,7 @@ def run_in_process(tmp_path: Path, overrides: list[str]) -> list[dict]:
 
     run_dir = tmp_path / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
-    run(compose_cfg(FLUX + ["training.local_batch_size=8", *overrides]), str(run_dir))
+    run(spec_of(compose_cfg(FLUX + ["training.local_batch_size=8", *overrides])), str(run_dir))
     return read_metrics(run_dir)
 
 

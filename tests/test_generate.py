@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from titan_hydra.spec import spec_of
 from titan_hydra.errors import ConfigError
 from titan_hydra.generate import SamplingConfig, filter_logits, generate
 
@@ -92,7 +93,7 @@ def test_cli_samples_from_a_training_checkpoint_and_refuses_bad_input(tmp_path, 
 
     cfg = compose_cfg(["experiment=debug_tiny", "checkpoint=default", "checkpoint.interval=0", "training.steps=3",
                        "training.val_freq=0"])
-    run(cfg, str(tmp_path / "run"))
+    run(spec_of(cfg), str(tmp_path / "run"))
     step = tmp_path / "run" / "checkpoint" / "step-3"
     capsys.readouterr()
     assert main([str(step), "--prompt", "def main(", "--max-new-tokens", "8", "--temperature", "0.8",
