@@ -155,6 +155,8 @@ def run(spec: RunSpec, run_dir: str, return_state: bool = False) -> dict[str, An
     ``return_state=True`` adds ``full_state``: this rank's trained parameters gathered to
     full CPU tensors (tests compare them across layouts).
     """
+    if not isinstance(spec, RunSpec):
+        raise TypeError(f"run() takes the RunSpec that titan_hydra.validate.validate(cfg) returns, not {type(spec).__name__}")
     rank, local_rank, world_size = world_info()
     if world_size != spec.world_size:
         raise UserError(f"this process is one of {world_size} ranks (WORLD_SIZE) but the run was planned for "
