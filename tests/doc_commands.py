@@ -162,3 +162,14 @@ def conf_commands(conf: Path = ROOT / "conf") -> list[DocCommand]:
 
 def all_commands() -> list[DocCommand]:
     return [c for path in SOURCES for c in markdown_commands(path)] + conf_commands()
+
+
+def unique(commands: list[DocCommand]) -> list[DocCommand]:
+    """One command per distinct line (the same words in several places run once), its ``where``
+    naming every place."""
+    first: dict[tuple[str, ...], DocCommand] = {}
+    for cmd in commands:
+        key = tuple(cmd.argv)
+        seen = first.get(key)
+        first[key] = cmd if seen is None else DocCommand(f"{seen.where}, {cmd.where}", seen.line)
+    return list(first.values())

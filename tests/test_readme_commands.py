@@ -29,13 +29,13 @@ from hydra import compose, initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from doc_commands import ROOT, DocCommand, all_commands
+from doc_commands import ROOT, DocCommand, all_commands, unique
 from helpers import run_launch
 from titan_hydra.config import CONF_DIR, compose_config
 from titan_hydra.launch.entry import launch
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
-LAUNCH_LINES = [c for c in all_commands() if c.program == "launch.py"]
+LAUNCH_LINES = unique([c for c in all_commands() if c.program == "launch.py"])
 
 # Lines planned only as real processes (below), with why they cannot be planned in this process.
 SUBPROCESS_ONLY = {
@@ -135,7 +135,7 @@ def test_the_docs_show_the_commands_this_suite_runs():
         assert any(c.line.startswith(prefix) for c in LAUNCH_LINES), f"{prefix}: no such line any more"
 
 
-@pytest.mark.parametrize("cmd", [c for c in LAUNCH_LINES if not _subprocess_only(c)], ids=lambda c: c.where)
+@pytest.mark.parametrize("cmd", [c for c in LAUNCH_LINES if not _subprocess_only(c)], ids=lambda c: c.where.split(",")[0])
 def test_launch_line_plans(cmd, workdir, monkeypatch):
     monkeypatch.chdir(workdir)
     cmd = cmd.concrete({"tokenizer": str(workdir / "tokenizer")})
@@ -201,7 +201,7 @@ def test_cfg_job_and_a_multirun_line_run_as_printed(workdir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cmd", [c for c in LAUNCH_LINES if _subprocess_only(c)], ids=lambda c: c.where)
+@pytest.mark.parametrize("cmd", [c for c in LAUNCH_LINES if _subprocess_only(c)], ids=lambda c: c.where.split(",")[0])
 def test_subprocess_only_line_plans(cmd):
     """As the docs print it, run by a shell from the repository root (its ``$PWD`` and
     ``PYTHONPATH``), in planning mode."""
