@@ -84,12 +84,13 @@ def user(tmp_path_factory) -> tuple[Path, dict[str, str]]:
                        "lr_scheduler.warmup_steps=1", "training.attention_kernel=sdpa", "checkpoint=default",
                        "logger=minimal", f"hydra.sweep.dir={sweep}"], cwd=work, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == "", proc.stderr[-3000:]  # one process saving a checkpoint: no DCP warning
     # `python launch.py experiment=flux_debug`, one step on small images.
     flux = work / "outputs" / "flux"
     proc = run_launch(["experiment=flux_debug", "data.num_images=16", "data.image_size=32", "training.steps=1",
                        "training.local_batch_size=4", "training.val_freq=0", "lr_scheduler.warmup_steps=1",
                        "eval.sample_every=0", "logger=minimal", f"hydra.run.dir={flux}"], cwd=work, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
     paths = {"sweep": str(sweep), "llm_step": str(sweep / "0" / "checkpoint" / "step-1"),
              "flux_run": str(flux), "flux_step": str(flux / "checkpoint" / "step-1"),
              "tokenizer": str(work / "tokenizer")}
