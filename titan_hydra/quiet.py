@@ -9,7 +9,8 @@ only: real errors still come through, and later messages of the same loggers are
 ``ignoring`` does the same for one call's Python warnings, by their text: DCP warns that it
 "assumes the intent is to load (save) in a single process" on every load or save without a process
 group, which is exactly what a recipe (convert, generate, eval) or a one-process run means to do.
-``without_progress_bars`` turns off tqdm's bars (lm-eval building its requests, HF datasets
+``loggers_at_error`` quiets a library's info log for one call (lm-eval announcing each request
+type under a run's INFO logging). ``without_progress_bars`` turns off tqdm's bars (lm-eval building its requests, HF datasets
 generating a split) for a recipe whose own lines say what it did.
 
 This module sits at the bottom of the package (it imports only the standard library).
@@ -34,12 +35,19 @@ DCP_SINGLE_PROCESS = "torch.distributed is disabled, unavailable or uninitialize
 
 def import_quietly(name: str, noisy: tuple[str, ...] = IMPORT_NOISE) -> ModuleType:
     """``importlib.import_module(name)`` with the ``noisy`` loggers at ERROR meanwhile."""
-    loggers = [logging.getLogger(n) for n in noisy]
+    with loggers_at_error(*noisy):
+        return importlib.import_module(name)
+
+
+@contextmanager
+def loggers_at_error(*names: str) -> Iterator[None]:
+    """The ``names`` loggers (and their children) at ERROR meanwhile, their levels restored after."""
+    loggers = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)
     try:
-        return importlib.import_module(name)
+        yield
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
