@@ -27,6 +27,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from titan_hydra.quiet import without_progress_bars  # noqa: E402
+
+without_progress_bars()  # before anything imports tqdm: lm-eval's and datasets' bars say nothing to act on
+
 from titan_hydra.errors import ConfigError, UserError, first_line  # noqa: E402
 
 def evaluate(checkpoint: str | Path, tasks: list[str], limit: int | None = None, batch_size: int = 8,

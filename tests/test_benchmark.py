@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -36,3 +37,9 @@ def test_benchmark_precision_suite_tiny(tmp_path):
     assert [r["precision"] for r in rows] == ["fp32", "bf16"]  # read back from each run's header
     assert "| fp32 eager | fp32, sdpa | 1x1 |" in report["table"]
     assert "| bf16 autocast | bf16, " in report["table"]
+    # Its console is its own lines only (as tests/test_recipe_commands.py asks of every recipe):
+    # a progress line per variant and where the JSON went on stderr, the table on stdout.
+    progress = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(progress) == 3 and progress[-1] == f"wrote {out}", progress
+    assert all(re.fullmatch(r"  (fp32 eager|bf16 autocast): ok \(\d+s\)", line) for line in progress[:2]), progress
+    assert proc.stdout.startswith("suite `precision`") and not re.search(r"Warning|warn\(", proc.stdout)

@@ -24,12 +24,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from datasets.utils import logging as datasets_logging
 from lm_eval.api.model import LM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from titan_hydra.data import corpus
 from titan_hydra.errors import ConfigError
 from titan_hydra.generate import SamplingConfig, generate
+from titan_hydra.quiet import loggers_at_error
 
 LOCAL_TASKS = ("builtin_ppl", "jsonl_mc:<file.jsonl>")
 
@@ -109,8 +111,12 @@ class TitanLM(LM):
 
 # ------------------------------------------------------------------------------ tasks
 
-PPL_METRICS = [{"metric": m, "higher_is_better": False}
-               for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")]
+# Each metric names its aggregation (the harness's own defaults for them): unnamed, the harness
+# prints a line per metric saying it picked the default.
+PPL_METRICS = [{"metric": m, "aggregation": agg, "higher_is_better": False}
+               for m, agg in (("word_perplexity", "weighted_perplexity"), ("byte_perplexity", "weighted_perplexity"),
+                              ("bits_per_byte", "bits_per_byte"))]
+FEWSHOT_SEED = 1234  # simple_evaluate's default
 MC_METRICS = [{"metric": m, "aggregation": "mean", "higher_is_better": True} for m in ("acc", "acc_norm")]
 
 
@@ -172,14 +178,27 @@ def check_tasks(tasks: list[str], manager=None) -> None:
 
 
 def run_harness(lm: LM, tasks: list[str], limit: int | None = None, manager=None) -> dict[str, dict[str, float]]:
-    """{task: {metric: value}} of lm-eval's ``simple_evaluate`` on ``lm``."""
+    """{task: {metric: value}} of lm-eval's ``evaluate`` on ``lm``, with the task setup its
+    ``simple_evaluate`` does (zero-shot unless a task says otherwise, a seeded few-shot sampler)
+    and without what that adds for a results file: its environment report runs ``git describe``,
+    whose "fatal: not a git repository" reached the console outside a clone. Quiet meanwhile: the
+    harness's info log and HF datasets' bar while it builds a local task's split."""
     from lm_eval import evaluator
 
     if manager is None:
         manager = task_manager_for(tasks)
-    with tempfile.TemporaryDirectory() as work:
-        results = evaluator.simple_evaluate(model=lm, tasks=task_configs(tasks, Path(work)), limit=limit,
-                                            task_manager=manager, bootstrap_iters=0, log_samples=False,
-                                            verbosity="ERROR")
+    bars = datasets_logging.is_progress_bar_enabled()
+    datasets_logging.disable_progress_bar()
+    try:
+        with tempfile.TemporaryDirectory() as work, loggers_at_error("lm_eval"):
+            loaded = manager.load(task_configs(tasks, Path(work)))
+            for task in loaded["tasks"].values():
+                if task.get_config("num_fewshot") is None:
+                    task.set_config(key="num_fewshot", value=0)
+                task.set_fewshot_seed(seed=FEWSHOT_SEED)
+            results = evaluator.evaluate(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=0, log_samples=False)
+    finally:
+        if bars:
+            datasets_logging.enable_progress_bar()
     return {task: {k.split(",")[0]: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "alias"}
             for task, metrics in results["results"].items()}

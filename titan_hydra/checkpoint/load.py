@@ -30,6 +30,7 @@ from titan_hydra.checkpoint.storage import (
     verify_files,
 )
 from titan_hydra.errors import UserError, first_line
+from titan_hydra.quiet import DCP_SINGLE_PROCESS, ignoring
 
 
 def _degrees(layout: dict | None) -> str:
@@ -83,7 +84,8 @@ def load(run: RunParts, path: str | Path, model_only: bool = False, exclude: lis
         )
     _verify(run, path, marker, check_files(path, read_metadata(path), set(want)))
     try:
-        dcp.load(want, storage_reader=safe_reader(path))
+        with ignoring(DCP_SINGLE_PROCESS):  # loading in one process (a recipe, a 1-rank run) is the intent
+            dcp.load(want, storage_reader=safe_reader(path))
     except DCP_ERRORS as e:
         raise CheckpointError(f"checkpoint {path}: reading failed ({str(e).strip().splitlines()[-1][:300]})") from e
     _apply(run, path, want, model_sd, optim_sd, exclude, model_only, load_rank, rank_key)

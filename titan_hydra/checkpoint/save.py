@@ -32,6 +32,7 @@ from titan_hydra.checkpoint.storage import (
     write_marker,
 )
 from titan_hydra.errors import first_line
+from titan_hydra.quiet import DCP_SINGLE_PROCESS, ignoring
 
 
 def root_cause(error: BaseException) -> str:
@@ -97,7 +98,8 @@ class Saver:
             run.log(f"step {step}: async save started ({time.perf_counter() - t0:.2f}s blocking)")
             return path
         try:
-            dcp.save(state, checkpoint_id=str(path))
+            with ignoring(DCP_SINGLE_PROCESS):  # a 1-rank run saves without a process group
+                dcp.save(state, checkpoint_id=str(path))
         except DCP_ERRORS as e:
             self._failed(step, path, e)
         run.barrier()

@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from titan_hydra.errors import first_line
+from titan_hydra.quiet import DCP_SINGLE_PROCESS, ignoring
 from titan_hydra.errors import CheckpointError  # re-exported: titan_hydra.checkpoint.storage.CheckpointError
 
 MARKER = "COMPLETE.json"
@@ -293,7 +294,8 @@ def load_plain(path: str | Path, keys: list[str], dtype: torch.dtype | None = No
         raise CheckpointError(f"checkpoint {path}: missing entries {missing[:5]}")
     verify_files(path, read_marker(path), check_files(path, metadata, set(keys)))
     out = {k: torch.empty(tuple(entries[k].size), dtype=entries[k].properties.dtype) for k in keys}
-    dcp.load(out, storage_reader=safe_reader(path), no_dist=True)
+    with ignoring(DCP_SINGLE_PROCESS):  # no_dist=True: one process is the intent
+        dcp.load(out, storage_reader=safe_reader(path), no_dist=True)
     if dtype is not None:
         out = {k: v.to(dtype) if v.is_floating_point() else v for k, v in out.items()}
     return out
@@ -305,5 +307,6 @@ def save_plain(path: str | Path, state: dict[str, torch.Tensor], marker: dict[st
     if path.exists():
         remove_dir(path)
     path.mkdir(parents=True)
-    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    with ignoring(DCP_SINGLE_PROCESS):
+        dcp.save(state, checkpoint_id=str(path), no_dist=True)
     write_marker(path, marker)

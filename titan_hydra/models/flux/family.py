@@ -77,6 +77,20 @@ def parameter_groups(args: FluxArgs) -> dict[str, int]:
     return groups
 
 
+# What a Flux run needs from its data config (``FluxFamily.require``): image-caption data, and for a
+# guidance-distilled flavor the scale it was distilled at (FLUX.1 [dev]'s default, as in diffusers).
+NEEDS_IMAGE_DATA = "model.family=flux trains on image-caption data"
+IMAGE_DATA = "data=flux_shapes"
+OWN_IMAGES = "or data=flux_images with data.path for your own images"
+DEV_GUIDANCE = 3.5
+
+
+def has_image_data(data_cfg: Any) -> bool:
+    """Whether ``data_cfg`` is an image-caption group (an example builder and an image size)."""
+    return (data_cfg is not None and getattr(data_cfg, "examples", None) is not None
+            and getattr(data_cfg, "image_size", None) is not None)
+
+
 class FluxFamily(ModelFamily, DrawsSamples):
     name = "flux"
     args_cls = FluxArgs
@@ -116,16 +130,38 @@ class FluxFamily(ModelFamily, DrawsSamples):
 
     def tokens_of(self, data_cfg: Any) -> tuple[int, int]:
         """(image, text) tokens of one sample of an image-caption data config, before any data is read."""
+        if not has_image_data(data_cfg):
+            raise ConfigError(f"{NEEDS_IMAGE_DATA}: set {IMAGE_DATA} ({OWN_IMAGES})")
+        return image_tokens_of(int(data_cfg.image_size)), int(data_cfg.examples.max_text_len)
+
+    def require(self, args: FluxArgs, data_cfg: Any) -> None:
+        """Everything this flavor needs from the data config and lacks, named in one line with the
+        overrides that supply it: a user meets all of them at once, not one per attempt."""
+        missing = []  # (why, the override that supplies it)
+        if not has_image_data(data_cfg):
+            missing.append((NEEDS_IMAGE_DATA, IMAGE_DATA))
         examples = getattr(data_cfg, "examples", None) if data_cfg is not None else None
-        if examples is None or getattr(data_cfg, "image_size", None) is None:
-            raise ConfigError("model.family=flux trains on image-caption data: add data=flux_shapes "
-                              "(or data=flux_images with data.path)")
-        return image_tokens_of(int(data_cfg.image_size)), int(examples.max_text_len)
+        guidance = examples.get("guidance") if hasattr(examples, "get") else None
+        if args.guidance_embed and guidance is None:
+            missing.append(("model.guidance_embed=true (a guidance-distilled flavor like flux_dev) needs the scale "
+                            "it is trained at", f"data.examples.guidance={DEV_GUIDANCE}"))
+        if not missing:
+            return
+        message = "; ".join(why for why, _ in missing) + ": set " + " ".join(fix for _, fix in missing)
+        if not has_image_data(data_cfg):
+            message += f" ({OWN_IMAGES})"
+        if args.guidance_embed:
+            data = getattr(data_cfg, "name", None) if has_image_data(data_cfg) else None
+            message += (f", e.g. python launch.py model=flux_dev data={data or 'flux_shapes'} "
+                        f"data.examples.guidance={DEV_GUIDANCE} dry_run=true")
+        raise ConfigError(message)
 
     def sample_tokens(self, args: FluxArgs, data_cfg: Any, seq_len: int) -> int:
+        self.require(args, data_cfg)
         return sum(self.tokens_of(data_cfg))
 
     def flops_per_sample(self, args: FluxArgs, data_cfg: Any, seq_len: int) -> float:
+        self.require(args, data_cfg)
         return self.flops_per_image(args, *self.tokens_of(data_cfg))
 
     def check(self, args: FluxArgs, dims: Any, seq_len: int) -> None:
@@ -149,11 +185,9 @@ class FluxFamily(ModelFamily, DrawsSamples):
     def check_data(self, args: FluxArgs, dims: Any, data_cfg: Any) -> None:
         """The examples feed a guidance scale iff the model embeds one; context parallel splits the
         image and the text tokens of each sample into 2*cp equal chunks."""
+        self.require(args, data_cfg)
         image, text = self.tokens_of(data_cfg)
         guidance = data_cfg.examples.get("guidance") if hasattr(data_cfg.examples, "get") else None
-        if args.guidance_embed and guidance is None:
-            raise ConfigError("model.guidance_embed=true (a guidance-distilled flavor like flux_dev) needs the scale "
-                              "it is trained at: set data.examples.guidance=3.5")
         if not args.guidance_embed and guidance is not None:
             raise ConfigError(f"data.examples.guidance={guidance}: model.guidance_embed=false has no guidance "
                               "embedding to feed; set data.examples.guidance=null (or use model=flux_dev)")
