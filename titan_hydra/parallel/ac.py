@@ -138,8 +138,9 @@ def checkpointed_layer_ids(layer_names: list[str], mode: str, freq: int) -> list
 class ActivationCheckpointing:
     """The ``activation_checkpoint`` group's object (``_target_``): applies one mode to blocks."""
 
-    def __init__(self, mode: str = "none", selective_layer_freq: int = 2,
-                 selective_op_policy: str = "all_mm") -> None:
+    def __init__(self, mode: str = "none",  # one of MODES
+                 selective_layer_freq: int = 2,  # selective_layer: every freq-th block recomputed
+                 selective_op_policy: str = "all_mm") -> None:  # one of SAC_POLICIES: which matmul outputs selective_op saves
         mode = str(getattr(mode, "value", mode))
         if mode not in MODES:
             raise ConfigError(f"activation_checkpoint.mode={mode!r} is not one of {', '.join(MODES)}")
@@ -160,8 +161,8 @@ class ActivationCheckpointing:
 
 def apply_ac(layers: torch.nn.ModuleDict, ac_cfg) -> list[str]:
     """``ActivationCheckpointing(**ac_cfg).apply(layers)`` for a config node (tests, tools)."""
-    return ActivationCheckpointing(ac_cfg.mode, int(ac_cfg.get("selective_layer_freq", 2)),
-                                   str(ac_cfg.get("selective_op_policy", "all_mm"))).apply(layers)
+    settings = {k: v for k, v in ac_cfg.items() if not str(k).startswith("_")}  # the class fills the rest
+    return ActivationCheckpointing(**settings).apply(layers)
 
 
 def selective_op_policy_check(name: str) -> None:

@@ -1,0 +1,21 @@
+"""``training.mixed_precision`` resolved for the device the run uses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from titan_hydra.config.plain import plain
+from titan_hydra.hardware import Resolved, resolve_precision
+
+
+def mixed_precision_of(cfg: Any) -> str:
+    """``training.mixed_precision`` as the plain "bf16" / "fp32" it means on ``cluster.device``."""
+    return precision_choice_of(cfg).value
+
+
+def precision_choice_of(cfg: Any) -> Resolved:
+    """``training.mixed_precision`` resolved for ``cluster.device``, with the reason (``auto``)."""
+    device = plain(OmegaConf.select(cfg, "cluster.device", default="cpu"))
+    return resolve_precision(plain(cfg.training.mixed_precision), device)
