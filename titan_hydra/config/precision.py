@@ -7,6 +7,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from titan_hydra.config.plain import plain
+from titan_hydra.config.schemas import ClusterConfig
 from titan_hydra.hardware import Resolved, resolve_precision
 
 
@@ -17,5 +18,5 @@ def mixed_precision_of(cfg: Any) -> str:
 
 def precision_choice_of(cfg: Any) -> Resolved:
     """``training.mixed_precision`` resolved for ``cluster.device``, with the reason (``auto``)."""
-    device = plain(OmegaConf.select(cfg, "cluster.device", default="cpu"))
+    device = plain(OmegaConf.select(cfg, "cluster.device", default=ClusterConfig.device))  # no cluster node: its default
     return resolve_precision(plain(cfg.training.mixed_precision), device)
