@@ -12,6 +12,7 @@ import inspect
 import pickle
 import subprocess
 import sys
+from collections.abc import Mapping
 from enum import Enum
 
 import pytest
@@ -48,6 +49,8 @@ def target_defaults(target) -> dict:
 def plain(value):
     if isinstance(value, Enum):
         return value.value
+    if isinstance(value, Mapping):
+        return dict(value)
     return list(value) if isinstance(value, tuple) else value
 
 

@@ -20,7 +20,7 @@ from typing import Iterable, Optional
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 
-from titan_hydra.checkpoint.manager import ASYNC_MODES, EXPORT_DTYPES, CheckpointManager, CheckpointSettings
+from titan_hydra.checkpoint.manager import ASYNC_MODES, EXPORT_DTYPES, CheckpointSettings
 from titan_hydra.config import choice, register_base, schema_from
 from titan_hydra.data import dataset as token_data
 from titan_hydra.data import image_caption
@@ -68,7 +68,8 @@ ImageCaptionDataConfig = schema_from(image_caption.ImageCaptionDataset, name="Im
                                      links={"seed": SEED})
 MixtureDataConfig = schema_from(MixtureDataset, name="MixtureDataConfig", module=__name__, extra=DATA_NAME,
                                 links={"seq_len": SEQ_LEN, "seed": SEED})
-CheckpointConfig = schema_from(CheckpointSettings, target=CheckpointManager, name="CheckpointConfig", module=__name__,
+CheckpointConfig = schema_from(CheckpointSettings, target="titan_hydra.checkpoint.CheckpointManager",
+                               name="CheckpointConfig", module=__name__,
                                partial=True, choices={"async_mode": AsyncMode, "export_dtype": ExportDtype})
 ActivationCheckpointConfig = schema_from(ac.ActivationCheckpointing, name="ActivationCheckpointConfig", module=__name__,
                                          choices={"mode": ACMode, "selective_op_policy": SACPolicy})

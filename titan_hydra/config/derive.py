@@ -56,14 +56,16 @@ def schema_from(owner: Any, *, name: str, module: str, target: Any = None, parti
                 links: Optional[Mapping[str, str]] = None, extra: Optional[Mapping[str, tuple[Any, Any]]] = None,
                 doc: str = "") -> type:
     """The structured-config dataclass ``module.name`` (``module`` is where the caller binds it, so
-    that it pickles into spawned workers). ``target`` (default: ``owner``) is what ``_target_``
-    names when the settings live on a separate dataclass (checkpoint's CheckpointSettings)."""
+    that it pickles into spawned workers). ``target`` (default: ``owner``; a class or its public
+    dotted path) is what ``_target_`` names when the settings live on a separate dataclass
+    (checkpoint's CheckpointSettings)."""
     choices, links, extra = dict(choices or {}), dict(links or {}), dict(extra or {})
     settings = owner_settings(owner, given)
     unknown = (set(choices) | set(links)) - set(settings)
     if unknown:
         raise TypeError(f"{name}: {sorted(unknown)} are not settings of {target_path(owner)}")
-    specs: list[tuple[str, Any, Any]] = [("_target_", str, dataclasses.field(default=target_path(target or owner)))]
+    target = target if isinstance(target, str) else target_path(target or owner)
+    specs: list[tuple[str, Any, Any]] = [("_target_", str, dataclasses.field(default=target))]
     if partial:
         specs.append(("_partial_", bool, dataclasses.field(default=True)))
     for key, (hint, default) in extra.items():
@@ -85,11 +87,11 @@ def schema_from(owner: Any, *, name: str, module: str, target: Any = None, parti
 def _field(default: Any) -> Any:
     if default is NO_DEFAULT:
         return dataclasses.field(default=MISSING)
-    if isinstance(default, (list, tuple, dict)):
+    if isinstance(default, (list, tuple, Mapping)):  # a fresh container per config
         return dataclasses.field(default_factory=_copy_of(default))
     return dataclasses.field(default=default)
 
 
 def _copy_of(value: Any) -> Callable[[], Any]:
-    kind = dict if isinstance(value, dict) else list
+    kind = dict if isinstance(value, Mapping) else list
     return lambda: kind(value)

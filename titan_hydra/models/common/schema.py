@@ -50,7 +50,7 @@ def schema_of(args_cls: type, *, name: str, module: str, target: str | None = No
 def omegaconf_type(hint: Any) -> Any:
     """The annotation OmegaConf checks for a Python type hint: ``X | None`` -> ``Optional[X]``,
     any sequence of X (``list[X]``, ``tuple[X, ...]``, ``Sequence[X]``) -> ``List[X]``,
-    ``dict[K, V]`` -> ``Dict[K, V]``."""
+    ``dict[K, V]`` / ``Mapping[K, V]`` -> ``Dict[K, V]``."""
     origin = typing.get_origin(hint)
     if origin in (types.UnionType, typing.Union):
         others = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -60,7 +60,7 @@ def omegaconf_type(hint: Any) -> Any:
     if origin in (list, tuple, collections.abc.Sequence, collections.abc.Iterable):
         item = typing.get_args(hint)[0]
         return List[omegaconf_type(item)]
-    if origin is dict:
+    if origin in (dict, collections.abc.Mapping):
         key, value = typing.get_args(hint)
         return Dict[key, omegaconf_type(value)]
     return hint
