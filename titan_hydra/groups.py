@@ -91,9 +91,11 @@ WandbBackendConfig = schema_from(WandbBackend, name="WandbBackendConfig", module
 class LoggerConfig:
     """Metric sinks; set one to null (``logger.wandb=null``) to turn it off."""
 
+    # (the backend schemas are made at run time: ``valid-type`` silences type checkers, not Hydra)
     console: Optional[ConsoleBackendConfig] = field(default_factory=ConsoleBackendConfig)  # type: ignore[valid-type]
     jsonl: Optional[JsonlBackendConfig] = field(default_factory=JsonlBackendConfig)  # type: ignore[valid-type]
-    tensorboard: Optional[TensorBoardBackendConfig] = field(default_factory=TensorBoardBackendConfig)  # type: ignore[valid-type]
+    tensorboard: Optional[TensorBoardBackendConfig] = field(  # type: ignore[valid-type]
+        default_factory=TensorBoardBackendConfig)
     wandb: Optional[WandbBackendConfig] = field(default_factory=WandbBackendConfig)  # type: ignore[valid-type]
 
 

@@ -18,5 +18,6 @@ def mixed_precision_of(cfg: Any) -> str:
 
 def precision_choice_of(cfg: Any) -> Resolved:
     """``training.mixed_precision`` resolved for ``cluster.device``, with the reason (``auto``)."""
-    device = plain(OmegaConf.select(cfg, "cluster.device", default=ClusterConfig.device))  # no cluster node: its default
+    # a config without a cluster node runs on ClusterConfig's default device
+    device = plain(OmegaConf.select(cfg, "cluster.device", default=ClusterConfig.device))
     return resolve_precision(plain(cfg.training.mixed_precision), device)
