@@ -19,7 +19,7 @@ atexit.register(gc.freeze)
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-import titan_hydra.config  # noqa: E402,F401  (registers schemas and resolvers before composing)
+import titan_hydra.groups  # noqa: E402,F401  (registers schemas and resolvers before composing)
 from titan_hydra.launch.entry import launch  # noqa: E402
 
 

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as for launch.py")
     args = p.parse_args(argv)
 
-    from titan_hydra.config import compose_config
+    from titan_hydra.groups import compose_config
     from titan_hydra.errors import UserError
     from titan_hydra.spec import spec_of
     from titan_hydra.planner.plan import plan

@@ -57,7 +57,7 @@ def overrides(row: dict) -> list[str]:
 
 def evaluate_row(row: dict) -> dict:
     """Estimated peak GiB and tokens/s per GPU of one row, with the published numbers beside."""
-    from titan_hydra.config import compose_config
+    from titan_hydra.groups import compose_config
     from titan_hydra.planner.auto import estimated_step_time
     from titan_hydra.spec import spec_of
     from titan_hydra.planner.plan import ASSUMED_MFU, plan

@@ -33,7 +33,7 @@ def main() -> None:
 
     import torch
     import torch.nn.functional as F
-    from titan_hydra.config import compose_config
+    from titan_hydra.groups import compose_config
     from titan_hydra.models.registry import args_of, build_model
     from titan_hydra.train.optimizers import build_optimizer
     from titan_hydra.train.pretrain import build_dataset

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-import titan_hydra.config  # noqa: E402,F401  (registers schemas and resolvers before composing)
+import titan_hydra.groups  # noqa: E402,F401  (registers schemas and resolvers before composing)
 from titan_hydra.data.dataset import resolve_files  # noqa: E402
 from titan_hydra.data.documents import hub_shards  # noqa: E402
 from titan_hydra.data.prepare import PrepareSettings, prepare, val_every_of  # noqa: E402

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
+from titan_hydra.groups import compose_config
 from titan_hydra.spec import spec_of
-from titan_hydra.config import compose_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"

@@ -31,7 +31,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from doc_commands import ROOT, DocCommand, all_commands, unique
 from helpers import run_launch
-from titan_hydra.config import CONF_DIR, compose_config
+from titan_hydra.groups import CONF_DIR, compose_config
 from titan_hydra.launch.entry import launch
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"

@@ -15,9 +15,9 @@ decisions (when to save, what to resume from) and leaves each job to its module:
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,10 +30,26 @@ from titan_hydra.checkpoint.save import Saver
 from titan_hydra.checkpoint.state import RunParts
 from titan_hydra.errors import check_writable_dir
 
-DEFAULTS = {"enable": False, "folder": "checkpoint", "interval": 500, "keep_latest_k": 3,
-            "async_mode": "disabled", "load_step": -1, "initial_load_path": None,
-            "initial_load_model_only": True, "exclude_from_loading": [], "last_save_model_only": False,
-            "export_dtype": "float32", "create_seed_checkpoint": False}
+ASYNC_MODES = ("disabled", "async")
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class CheckpointSettings:
+    """The ``checkpoint`` group's settings and their defaults (its schema is derived from them)."""
+
+    enable: bool = False
+    folder: str = "checkpoint"  # relative to the run dir
+    interval: int = 500  # save every N steps; 0 = only at the end of the run (and on preemption)
+    keep_latest_k: int = 3  # newest complete checkpoints kept; 0 = keep all
+    async_mode: str = "disabled"  # one of ASYNC_MODES
+    load_step: int = -1  # resume from this step; -1 = the newest complete one
+    initial_load_path: Optional[str] = None
+    initial_load_model_only: bool = True
+    exclude_from_loading: List[str] = field(default_factory=list)
+    last_save_model_only: bool = False
+    export_dtype: str = "float32"  # one of EXPORT_DTYPES: the last model-only save's dtype
+    create_seed_checkpoint: bool = False  # one process: save the initialized model as step-0, train nothing
 
 
 def _run_field(name: str) -> property:
@@ -76,10 +92,7 @@ class CheckpointManager:
         """``settings`` are the ``checkpoint`` group's fields (the group instantiates this class as a
         partial); the rest is what the recipe built. ``train_state`` is the trainer's progress
         (step, tokens, losses), saved and restored with everything else."""
-        unknown = set(settings) - set(DEFAULTS)
-        if unknown:
-            raise TypeError(f"unknown checkpoint settings {sorted(unknown)}")
-        ckpt = SimpleNamespace(**{**DEFAULTS, **settings})
+        ckpt = CheckpointSettings(**settings)
         self.cfg = ckpt
         self.enabled = bool(ckpt.enable)
         folder = Path(ckpt.folder)

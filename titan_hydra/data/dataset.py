@@ -67,7 +67,7 @@ class TokenDataset:
 
     def __init__(
         self,
-        source: str,
+        source: str = "builtin",
         path: str | None = None,
         tokenizer: str = "builtin",
         seq_len: int = 256,

@@ -20,7 +20,8 @@ what the weights say, exactly and in every layout, and a sweep over one weight
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -52,7 +53,7 @@ def check_weights(weights: dict[str, Any]) -> None:
         raise DataError("data.sources weights sum to 0; give at least one source a positive weight")
 
 
-def check_sources(sources: dict[str, Any]) -> dict[str, float]:
+def check_sources(sources: Mapping[str, Any]) -> dict[str, float]:
     """The weights of ``data.sources`` ({name: {path, weight}}), or a one-line DataError: no sources,
     a source without a path or with one that does not exist, a bad weight (before anything is read)."""
     if not sources:
@@ -140,7 +141,7 @@ class MixtureDataset:
     ``val_sources()`` (each source's own held-out split).
     """
 
-    def __init__(self, sources: dict[str, dict[str, Any]], tokenizer: str = "builtin", seq_len: int = 256,
+    def __init__(self, sources: Mapping[str, Any] = MappingProxyType({}), tokenizer: str = "builtin", seq_len: int = 256,
                  shuffle: bool = True, seed: int = 0, document_mask: bool = False, cache_dir: str | None = None):
         self.weights = check_sources(sources)
         self.seq_len, self.shuffle, self.seed = int(seq_len), bool(shuffle), int(seed)

@@ -10,7 +10,7 @@ is what lets a restarted run find its checkpoint.
 A worker that fails on bad input (a UserError) is reported by the parent as that UserError,
 so ``launch.py`` prints one ``error: ...`` line and exits non-zero, as a single process would.
 ``torchrun --standalone --nproc-per-node N launch.py ...`` bypasses this module: every rank
-composes the same config, shares the run dir through TORCHELASTIC_RUN_ID (config.run_subdir)
+composes the same config, shares the run dir through TORCHELASTIC_RUN_ID (config.run_dir.run_subdir)
 and runs the recipe in-rank (launch/entry.py).
 """
 

@@ -149,6 +149,9 @@ class TensorBoardBackend:
             self._w = None
 
 
+WANDB_MODES = ("offline", "online", "disabled")  # wandb.init's modes (the schema checks logger.wandb.mode)
+
+
 class WandbBackend:
     """A W&B run under `run_dir/wandb`, offline by default.
 

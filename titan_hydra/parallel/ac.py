@@ -62,10 +62,10 @@ SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
                         torch.ops.profiler._record_function_exit._RecordFunction})
 # The projections a block's Linear layers dispatch to (what every_second_mm counts).
 MM_OPS = {getattr(torch.ops.aten, n).default for n in ("mm", "addmm", "_scaled_mm") if hasattr(torch.ops.aten, n)}
-SAC_POLICIES = ("all_mm", "every_second_mm")
+SAC_POLICIES = ("all_mm", "every_second_mm")  # the first is the default
 
 
-def selective_op_policy(name: str = "all_mm") -> Callable:
+def selective_op_policy(name: str) -> Callable:
     """A fresh policy function for one checkpointed call.
 
     ``every_second_mm`` numbers the matmuls of the call and recomputes the even ones. Forward and
@@ -85,12 +85,12 @@ def selective_op_policy(name: str = "all_mm") -> Callable:
     return policy
 
 
-def selective_op_context(policy: str = "all_mm"):
+def selective_op_context(policy: str):
     """Fresh (forward, recompute) context pair for one checkpointed call."""
     return create_selective_checkpoint_contexts(selective_op_policy(policy))
 
 
-def checkpoint_block(block: torch.nn.Module, selective_op: bool = False, policy: str = "all_mm") -> None:
+def checkpoint_block(block: torch.nn.Module, selective_op: bool = False, policy: str = SAC_POLICIES[0]) -> None:
     """Make ``block`` recompute its forward in backward (in place; FQNs unchanged)."""
     if getattr(block, "_th_ac_mode", None) is not None:
         return  # already checkpointed
@@ -138,8 +138,9 @@ def checkpointed_layer_ids(layer_names: list[str], mode: str, freq: int) -> list
 class ActivationCheckpointing:
     """The ``activation_checkpoint`` group's object (``_target_``): applies one mode to blocks."""
 
-    def __init__(self, mode: str = "none", selective_layer_freq: int = 2,
-                 selective_op_policy: str = "all_mm") -> None:
+    def __init__(self, mode: str = "none",  # one of MODES
+                 selective_layer_freq: int = 2,  # selective_layer: every freq-th block recomputed
+                 selective_op_policy: str = SAC_POLICIES[0]) -> None:  # which matmul outputs selective_op saves
         mode = str(getattr(mode, "value", mode))
         if mode not in MODES:
             raise ConfigError(f"activation_checkpoint.mode={mode!r} is not one of {', '.join(MODES)}")
@@ -160,8 +161,8 @@ class ActivationCheckpointing:
 
 def apply_ac(layers: torch.nn.ModuleDict, ac_cfg) -> list[str]:
     """``ActivationCheckpointing(**ac_cfg).apply(layers)`` for a config node (tests, tools)."""
-    return ActivationCheckpointing(ac_cfg.mode, int(ac_cfg.get("selective_layer_freq", 2)),
-                                   str(ac_cfg.get("selective_op_policy", "all_mm"))).apply(layers)
+    settings = {k: v for k, v in ac_cfg.items() if not str(k).startswith("_")}  # the class fills the rest
+    return ActivationCheckpointing(**settings).apply(layers)
 
 
 def selective_op_policy_check(name: str) -> None:

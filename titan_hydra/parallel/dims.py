@@ -30,10 +30,19 @@ PP_SCHEDULES = (
     "ZBVZeroBubble",
     "DualPipeV",
 )
+RESHARD_POLICIES = ("default", "always", "never")
+CP_ROTATE_METHODS = ("allgather", "alltoall")
 
 
 @dataclass
 class ParallelDims:
+    """Degrees of every parallel dimension; world size = dp_replicate*dp_shard*cp*tp*pp
+    (``ep`` adds no ranks: it must divide dp_shard*cp). Its fields and defaults are the
+    ``parallelism`` group's schema (titan_hydra.groups); the recipe passes ``world_size``.
+
+    ``dp_shard=-1`` takes whatever the other degrees leave of the world size.
+    """
+
     world_size: int = 1
     name: str = "single"
     dp_replicate: int = 1
@@ -41,16 +50,22 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    fsdp_reshard_after_forward: str = "default"
+    # FSDP / DDP
+    fsdp_reshard_after_forward: str = "default"  # one of RESHARD_POLICIES
     fsdp_cpu_offload: bool = False
+    # tensor parallel
     tp_sequence_parallel: bool = True
     tp_loss_parallel: bool = True
     tp_async: bool = False
-    pp_schedule: str = "1F1B"
+    # pipeline parallel
+    pp_schedule: str = "1F1B"  # one of PP_SCHEDULES
     pp_microbatches: int | None = None
     pp_layers_per_stage: int | None = None
     pp_split_points: list[str] = field(default_factory=list)
-    cp_rotate_method: str = "allgather"
+    # context parallel
+    cp_rotate_method: str = "allgather"  # one of CP_ROTATE_METHODS
+    # expert parallel (MoE models): routed experts split over ep ranks borrowed from dp_shard x cp;
+    # -1 = all of them
     ep: int = 1
     # torchft replica groups (the ``fault_tolerance`` group): this mesh is one of ``replica_groups``
     # identical groups that average gradients through torchft; all of them together read
@@ -79,16 +94,16 @@ class ParallelDims:
                 f"(cluster.nnodes*cluster.nproc_per_node); set parallelism.dp_shard=-1 or fix the degrees"
             )
         self._check_ep()
-        if self.fsdp_reshard_after_forward not in ("default", "always", "never"):
+        if self.fsdp_reshard_after_forward not in RESHARD_POLICIES:
             raise ConfigError(
                 f"parallelism.fsdp_reshard_after_forward={self.fsdp_reshard_after_forward!r}; "
-                "use default, always or never"
+                f"use one of {', '.join(RESHARD_POLICIES)}"
             )
         if self.pp_schedule not in PP_SCHEDULES:
             raise ConfigError(f"parallelism.pp_schedule={self.pp_schedule!r} unknown; use one of {PP_SCHEDULES}")
-        if self.cp_rotate_method not in ("allgather", "alltoall"):
+        if self.cp_rotate_method not in CP_ROTATE_METHODS:
             raise ConfigError(
-                f"parallelism.cp_rotate_method={self.cp_rotate_method!r}; use allgather or alltoall"
+                f"parallelism.cp_rotate_method={self.cp_rotate_method!r}; use one of {', '.join(CP_ROTATE_METHODS)}"
             )
 
     def _check_ep(self) -> None:

@@ -23,7 +23,7 @@ the same code is exercised without a GPU; it is not faster there.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -70,7 +70,7 @@ class Float8Converter:
         recipe: str = "none",
         enable_fsdp_float8_all_gather: bool = False,
         precompute_float8_dynamic_scale_for_fsdp: bool = False,
-        filter_fqns: list[str] | None = None,
+        filter_fqns: Sequence[str] = ("output",),  # the output projection stays in high precision
         auto_filter_small_kn: bool = True,
         emulate: bool = False,
     ) -> None:
@@ -89,7 +89,7 @@ class Float8Converter:
         self.recipe = recipe
         self.enable_fsdp_float8_all_gather = enable_fsdp_float8_all_gather
         self.precompute_float8_dynamic_scale_for_fsdp = precompute_float8_dynamic_scale_for_fsdp
-        self.filter_fqns = list(filter_fqns or [])
+        self.filter_fqns = list(filter_fqns)
         self.auto_filter_small_kn = auto_filter_small_kn
         self.emulate = emulate
         self.converted: list[str] = []

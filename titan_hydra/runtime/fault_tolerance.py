@@ -55,13 +55,26 @@ SEMI_SYNC = ("local_sgd", "diloco")
 
 
 class FaultTolerance:
-    """The ``fault_tolerance`` group's object (``_target_``)."""
+    """The ``fault_tolerance`` group's object (``_target_``): its keyword defaults are the group's schema."""
 
-    def __init__(self, name: str = "none", replica_groups: int = 1, min_replicas: int = 1,
-                 lighthouse: str | None = None, timeout_s: float = 60.0, quorum_timeout_s: float = 60.0,
-                 join_timeout_ms: int = 1000, max_restarts: int = 3, group: int | None = None,
-                 semi_sync: str | None = None, sync_every: int = 20, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, outer_nesterov: bool = True) -> None:
+    def __init__(self, name: str = "none",  # one of NAMES
+                 replica_groups: int = 1,  # groups the local launcher starts (each cluster.nproc_per_node ranks)
+                 min_replicas: int = 1,  # a step commits only with at least this many groups in the quorum
+                 lighthouse: str | None = None,  # http://host:port of a running Lighthouse; None: launcher starts one
+                 timeout_s: float = 60.0,  # collectives and checkpoint transfer between groups
+                 quorum_timeout_s: float = 60.0,  # how long a step waits for its quorum
+                 join_timeout_ms: int = 1000,  # Lighthouse: how long a forming quorum waits for more groups
+                 max_restarts: int = 3,  # local launcher: restarts of a group that died, per group
+                 # this run is replica group <group> alone (started on its own: another machine, a SLURM
+                 # job), meeting the others at ``lighthouse``; None: launch.py starts every group here
+                 group: int | None = None,
+                 # None: every step averages gradients over the groups; local_sgd / diloco: each group
+                 # steps on its own and the groups meet every sync_every steps (weights averaged /
+                 # DiLoCo outer step)
+                 semi_sync: str | None = None,
+                 sync_every: int = 20,
+                 # DiLoCo's outer optimizer: SGD with Nesterov momentum (the paper's values)
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, outer_nesterov: bool = True) -> None:
         if name not in NAMES:
             raise ConfigError(f"fault_tolerance={name!r} is not one of {', '.join(NAMES)}")
         if replica_groups < 1 or not 1 <= min_replicas <= replica_groups:

@@ -53,17 +53,20 @@ def build_lr_scheduler(
     optimizer: torch.optim.Optimizer,
     total_steps: int,
     *,
-    name: str = "custom",
-    warmup_steps: int | None = 0,
-    warmup_fraction: float = 0.0,
+    name: str = "warmup_cosine",
+    warmup_steps: int | None = None,
+    warmup_fraction: float = 0.2,
     decay_ratio: float | None = None,
     decay_type: str = "cosine",
     min_lr_factor: float = 0.0,
 ) -> LambdaLR:
-    """LambdaLR over ``optimizer`` for a run of ``total_steps`` optimizer steps.
+    """LambdaLR over ``optimizer`` for a run of ``total_steps`` optimizer steps; the
+    ``lr_scheduler`` group's target (its keyword defaults are the group's schema).
 
     ``warmup_steps=None`` warms up for ``warmup_fraction`` of the run, so the default schedule
-    fits a run of any length (``training.steps=5`` warms up for 1 step).
+    fits a run of any length (``training.steps=5`` warms up for 1 step). ``decay_ratio``: the
+    fraction of the steps after warmup spent decaying (None: all of them); the LR decays to
+    ``min_lr_factor`` x the peak. ``name`` labels the option.
     """
     if warmup_steps is None:
         warmup_steps = round(warmup_fraction * total_steps)

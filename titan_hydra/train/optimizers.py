@@ -35,7 +35,8 @@ from __future__ import annotations
 import fnmatch
 import inspect
 from collections.abc import Iterator, Mapping
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
 
 import torch
 from hydra.utils import get_class
@@ -46,6 +47,30 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from titan_hydra.errors import ConfigError
 
 SELECTORS = ("name", "match", "ndim")
+
+
+@dataclass
+class OptimizerConfig:
+    """The ``optimizer`` group's schema: the node ``build_optimizer`` reads, with the defaults the
+    recipe trains with. Written here rather than derived from ``_target_``: the target is any torch
+    optimizer class (AdamW, Adam, SGD, ...), the schema is the union of their settings, a null one
+    is not passed (left to the class), and torch's own AdamW defaults (lr 1e-3, betas (0.9,
+    0.999), weight_decay 0.01) are not the ones titan_hydra trains with."""
+
+    _target_: str = "torch.optim.AdamW"
+    _partial_: bool = True
+    lr: float = 8e-4
+    betas: Optional[List[float]] = field(default_factory=lambda: [0.9, 0.95])
+    eps: Optional[float] = 1e-8
+    weight_decay: float = 0.1
+    momentum: Optional[float] = None  # SGD's (null settings are not passed to the optimizer)
+    foreach: Optional[bool] = None
+    # null: fused where the optimizer class has a fused kernel for the parameters' device (AdamW,
+    # Adam, SGD, Adagrad on CPU and CUDA), as torchtitan does; torch's own CPU default is a loop
+    fused: Optional[bool] = None
+    # per-group settings / other optimizers by parameter name and shape (this module's docstring):
+    # [{name, match: [fnmatch FQN patterns], ndim, _target_?, <settings>}]
+    param_groups: List[Any] = field(default_factory=list)
 # wrapper segments that activation checkpointing / torch.compile may add to an FQN
 _WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.")
 

@@ -16,7 +16,7 @@ future work.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -28,10 +28,20 @@ from titan_hydra.parallel.full_state import gather_full_state
 
 
 class PeriodicEval:
-    def __init__(self, freq: int = 0, tasks: list[str] | tuple[str, ...] = (), limit: int | None = None,
-                 batch_size: int = 8, max_seq_len: int | None = None, sample_every: int = 0,
-                 sample_prompts: list[str] | tuple[str, ...] = (), sample_steps: int = 20,
-                 sample_guidance: float = 3.0, sample_seed: int = 0):
+    """lm-eval harness tasks run on a full copy of the model every ``freq`` steps (0 = never);
+    sample pictures drawn by it every ``sample_every`` steps (families that draw them: Flux).
+    The ``eval`` group's target: its keyword defaults are the group's schema."""
+
+    def __init__(self, freq: int = 0,
+                 tasks: Sequence[str] = (),  # builtin_ppl, jsonl_mc:<file>, harness names
+                 limit: int | None = None,  # documents per task
+                 batch_size: int = 8,
+                 max_seq_len: int | None = None,  # scoring window (the schema links it to training.seq_len)
+                 sample_every: int = 0,  # steps between sample pictures (and at the end); 0 = none
+                 sample_prompts: Sequence[str] = (),  # one picture each, in one row
+                 sample_steps: int = 20,  # sampler steps per picture
+                 sample_guidance: float = 3.0,  # guidance scale (classifier-free, or flux_dev's embedded one)
+                 sample_seed: int = 0):  # the pictures' noise: the same at every step, so rows compare
         if freq < 0:
             raise ConfigError(f"eval.freq={freq} must be >= 0 (0 = no evaluation during training)")
         if sample_every < 0:

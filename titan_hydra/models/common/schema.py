@@ -10,10 +10,11 @@ its own derived schema).
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import types
 import typing
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
@@ -35,25 +36,31 @@ def schema_of(args_cls: type, *, name: str, module: str, target: str | None = No
         if f.name in nested:
             specs.append((f.name, nested[f.name], dataclasses.field(default_factory=nested[f.name])))
         elif f.default is not dataclasses.MISSING:
-            specs.append((f.name, _omegaconf_type(hints[f.name]), dataclasses.field(default=f.default)))
+            specs.append((f.name, omegaconf_type(hints[f.name]), dataclasses.field(default=f.default)))
         elif f.default_factory is not dataclasses.MISSING:
-            specs.append((f.name, _omegaconf_type(hints[f.name]), dataclasses.field(default_factory=f.default_factory)))
+            specs.append((f.name, omegaconf_type(hints[f.name]), dataclasses.field(default_factory=f.default_factory)))
         else:
-            specs.append((f.name, _omegaconf_type(hints[f.name]), dataclasses.field(default=MISSING)))
+            specs.append((f.name, omegaconf_type(hints[f.name]), dataclasses.field(default=MISSING)))
     schema = dataclasses.make_dataclass(name, specs)
     schema.__module__ = module
     schema.__doc__ = f"Hydra schema of {args_cls.__name__} (titan_hydra.models.common.schema derives it)."
     return schema
 
 
-def _omegaconf_type(hint: Any) -> Any:
+def omegaconf_type(hint: Any) -> Any:
+    """The annotation OmegaConf checks for a Python type hint: ``X | None`` -> ``Optional[X]``,
+    any sequence of X (``list[X]``, ``tuple[X, ...]``, ``Sequence[X]``) -> ``List[X]``,
+    ``dict[K, V]`` / ``Mapping[K, V]`` -> ``Dict[K, V]``."""
     origin = typing.get_origin(hint)
     if origin in (types.UnionType, typing.Union):
         others = [a for a in typing.get_args(hint) if a is not type(None)]
         if len(others) != 1:
             raise TypeError(f"a schema field cannot be the union {hint}; give it a nested schema")
-        return Optional[_omegaconf_type(others[0])]
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        return List[_omegaconf_type(item)]
+        return Optional[omegaconf_type(others[0])]
+    if origin in (list, tuple, collections.abc.Sequence, collections.abc.Iterable):
+        item = typing.get_args(hint)[0]
+        return List[omegaconf_type(item)]
+    if origin in (dict, collections.abc.Mapping):
+        key, value = typing.get_args(hint)
+        return Dict[key, omegaconf_type(value)]
     return hint

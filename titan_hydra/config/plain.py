@@ -1,0 +1,18 @@
+"""Plain values out of a composed config, for libraries and loggers that want str / dict."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+from omegaconf import OmegaConf
+
+
+def plain(value: Any) -> Any:
+    """A Choice as its plain string (for libraries that check ``type(x) is str``); else unchanged."""
+    return str(value.value) if isinstance(value, Enum) else value
+
+
+def to_container(cfg: Any) -> dict:
+    """Resolved plain-dict view of a config (for loggers and W&B)."""
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]

@@ -1,0 +1,138 @@
+"""The schemas of what builds nothing: the root config, ``training`` and ``cluster``.
+
+Every group whose option builds an object (``_target_``) has its schema derived from that object's
+class in ``titan_hydra.groups``, which registers them all; the root types those groups ``Any``
+here (this layer is below the classes), and each option file types its node by extending
+``schema_<group>``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+from titan_hydra.config.choice import choice
+from titan_hydra.config.run_dir import run_subdir
+from titan_hydra.models.registry import register_schemas
+
+Precision = choice("Precision", "auto bf16 fp32", __name__)  # bf16 autocast / FSDP param dtype, plain fp32, or auto (hardware.py)
+Device = choice("Device", "cpu cuda", __name__)
+Backend = choice("Backend", "gloo nccl", __name__)
+Launcher = choice("Launcher", "local slurm", __name__)
+StartMethod = choice("StartMethod", "spawn fork forkserver", __name__)
+AttentionPrecision = choice("AttentionPrecision", "auto compute fp32", __name__)
+AttentionKernel = choice("AttentionKernel", "auto sdpa small_head scores", __name__)
+InitMode = choice("InitMode", "auto full sharded", __name__)
+
+
+@dataclass
+class ClusterConfig:
+    """Where and how ranks run: device, backend, processes, launcher settings."""
+
+    name: str = "local_cpu"
+    device: Device = Device["cpu"]
+    backend: Backend = Backend["gloo"]
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    threads_per_proc: Optional[int] = None
+    max_restarts: int = 0
+    master_port: Optional[int] = None
+    # How the local launcher starts its workers. spawn (torch elastic's default): each worker
+    # imports torch and the program again (~3-5 s of CPU per rank before its first step).
+    # forkserver: one server process imports them once and forks every worker (half spawn's CPU
+    # for 2 ranks). fork: workers are copies of the launcher, which has imported everything
+    # already (fastest), but it forks a process that has threads; CPU only. The default comes
+    # from the environment variable TITAN_HYDRA_START_METHOD when set (the tests use forkserver).
+    start_method: StartMethod = "${oc.env:TITAN_HYDRA_START_METHOD,spawn}"  # type: ignore[assignment]
+    # Longest a rank waits for its peers at startup (rendezvous + process group connections);
+    # past it the rank fails with one line naming the address it could not reach (runtime/rendezvous.py).
+    init_timeout_s: int = 300
+    peak_tflops: Optional[float] = None  # per-device peak for MFU; None = table or measured
+    # Memory of one device in GiB for the estimator's fit check (planner/devices.py);
+    # None = looked up from the GPU name in cluster.name / cluster.constraint.
+    gpu_mem_gib: Optional[float] = None
+    # SLURM (used by slurm clusters through hydra/launcher=titan_slurm; see launch/slurm.py)
+    launcher: Launcher = Launcher["local"]
+    tasks_per_node: Optional[int] = None  # SLURM tasks (= ranks) per node; slurm clusters tie nproc_per_node to it
+    max_requeue: int = 3  # requeues after timeout/preemption (submitit max_num_timeout)
+    signal_delay_s: int = 120  # SLURM signals this long before the time limit
+    partition: Optional[str] = None
+    gpus_per_node: int = 0
+    cpus_per_task: Optional[int] = None
+    mem_gb: Optional[int] = None
+    timeout_min: int = 60
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    setup: List[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 50
+    local_batch_size: int = 8
+    global_batch_size: int = -1  # -1 = local_batch_size * data-parallel degree (no accumulation)
+    seq_len: int = 256
+    max_norm: float = 1.0
+    seed: int = 42
+    # auto: bf16 where the device multiplies bf16 natively (CUDA Ampere+, CPUs with AVX512-BF16 /
+    # AMX / Arm BF16), fp32 elsewhere (titan_hydra.hardware); bf16 / fp32 force one.
+    mixed_precision: Precision = Precision["auto"]
+    # dtype of scaled-dot-product attention under bf16: compute (bf16), fp32 (q/k/v upcast), or
+    # auto = fp32 on CPU for head_dim < 32, where torch's CPU flash kernel runs fp32 faster than
+    # bf16 (titan_hydra.kernels.attention_precision), compute everywhere else.
+    attention_precision: AttentionPrecision = AttentionPrecision["auto"]
+    attention_kernel: AttentionKernel = AttentionKernel["auto"]
+    deterministic: bool = False
+    log_freq: int = 1
+    val_freq: int = 25  # 0 disables validation
+    val_steps: int = 4
+    val_local_batch_size: Optional[int] = None
+    # How initial weights are made. full: rank 0 initializes the whole model from the seed and
+    # broadcasts it into every layout's shards, so all layouts start from identical weights
+    # (loss parity). sharded: each rank initializes its own shards (no full copy in memory;
+    # weights then depend on the layout). auto: full below 1.5B parameters.
+    init_mode: InitMode = InitMode["auto"]
+
+
+@dataclass
+class TitanConfig:
+    """The primary config (``conf/config.yaml`` extends it). A group that builds an object is
+    ``Any`` here and typed by its option's schema (``schema_<group>``, titan_hydra.groups)."""
+
+    # Typed by the chosen option's family schema (schema_model_<family>), or free-form for a
+    # model defined outside titan_hydra (README: bring your own model).
+    model: Any = MISSING
+    parallelism: Any = MISSING
+    optimizer: Any = MISSING
+    lr_scheduler: Any = MISSING
+    float8: Any = MISSING
+    cluster: ClusterConfig = MISSING
+    # Typed by the chosen option's schema: token data (schema_data), a mixture of prepared
+    # corpora (schema_data_mixture) or image-caption data (schema_data_image_caption).
+    data: Any = MISSING
+    checkpoint: Any = MISSING
+    activation_checkpoint: Any = MISSING
+    compile: Any = MISSING
+    logger: Any = MISSING
+    profiling: Any = MISSING
+    eval: Any = MISSING
+    fault_tolerance: Any = MISSING
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    dry_run: bool = False
+    run_name: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+
+
+def register_base(cs: ConfigStore) -> None:
+    """Store the root, cluster and model schemas and the run-dir resolver (idempotent)."""
+    if not OmegaConf.has_resolver("th_run_subdir"):
+        OmegaConf.register_new_resolver("th_run_subdir", run_subdir)
+    # Stored outside the groups (``schema_<group>``), so that ``--help`` lists only real options;
+    # each option file extends its schema with ``defaults: [/schema_<group>@_here_, _self_]``.
+    cs.store(name="schema_titan", node=TitanConfig)
+    cs.store(name="schema_cluster", node=ClusterConfig)
+    register_schemas(cs)
