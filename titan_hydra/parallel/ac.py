@@ -158,12 +158,6 @@ class ActivationCheckpointing:
         return chosen
 
 
-def apply_ac(layers: torch.nn.ModuleDict, ac_cfg) -> list[str]:
-    """``ActivationCheckpointing(**ac_cfg).apply(layers)`` for a config node (tests, tools)."""
-    return ActivationCheckpointing(ac_cfg.mode, int(ac_cfg.get("selective_layer_freq", 2)),
-                                   str(ac_cfg.get("selective_op_policy", "all_mm"))).apply(layers)
-
-
 def selective_op_policy_check(name: str) -> None:
     if str(name) not in SAC_POLICIES:
         raise ConfigError(f"activation_checkpoint.selective_op_policy={name!r} is not one of "
