@@ -39,6 +39,7 @@ from titan_hydra.parallel.compile import compiled_graphs
 from titan_hydra.parallel.full_state import gather_full_state
 from titan_hydra.runtime.preemption import watch_for_preemption
 from titan_hydra.runtime.rendezvous import init_process_group  # bounded, one-line failure
+from titan_hydra.train.moe_balance import moe_balance_hooks
 from titan_hydra.train.optimizers import build_optimizer as optimizer_of
 from titan_hydra.train.trainer import Trainer, TrainState
 
@@ -350,7 +351,7 @@ def _run(
         metric_logger=metric_logger, throughput=build_throughput(cfg, device, rank, world_size, built),
         memory=MemoryMonitor(device), state=state, device=device, checkpointer=checkpointer,
         preemption=watch_for_preemption(rank, world_size, device),  # None outside SLURM
-        profiler=profiler, step_hooks=built.family.step_hooks(built.parts, dims) + compile_hooks(cfg),
+        profiler=profiler, step_hooks=moe_balance_hooks(built.parts, dims) + built.family.step_hooks(built.parts, dims) + compile_hooks(cfg),
         periodic_eval=periodic_eval_of(cfg, built, data), objective=built.family.objective,
         fault_tolerance=ft if ft.enabled else None,
     )
