@@ -235,68 +235,92 @@ def _heap_cap(megabytes: int | None):
 
 
 def data_suite(args, tmp: Path) -> tuple[list[str], dict]:
-    from titan_hydra.data.dataset import TokenDataset
-    from titan_hydra.data.tokenizer import BUILTIN_PATH, Tokenizer
-
+    """Preparation throughput (prepare_data, and datatrove on the same corpus if given), the
+    loader's rate over the shards, and what the debug model's training step consumes."""
     corpus = generate_corpus(tmp / "corpus", args.corpus_mb)
     corpus_bytes = sum(f.stat().st_size for f in corpus.iterdir())
-    rows = []
-    for workers in sorted({1, args.workers}):
-        out = tmp / f"prepared_{workers}"
-        t0 = time.time()
-        proc = subprocess.run([sys.executable, str(REPO / "recipes" / "prepare_data.py"), "data=json",
-                               f"data.path={corpus}", f"out={out}", f"workers={workers}"],
-                              capture_output=True, text=True, preexec_fn=_heap_cap(args.heap_cap_mb))
-        wall = time.time() - t0
-        if proc.returncode != 0:
-            raise SystemExit(f"prepare_data failed: {proc.stderr.strip().splitlines()[-1:]}")
-        manifest = json.loads((out / "manifest.json").read_text())
-        tokens = sum(s["tokens"] for s in manifest["splits"].values())
-        rows.append({"system": "titan_hydra prepare_data", "workers": workers, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-                     "tokens_per_s_per_process": tokens / wall / workers,
-                     "shard_bytes": sum(f.stat().st_size for f in out.rglob("*.bin"))})
+    rows = [prepare_row(args, corpus, tmp / f"prepared_{workers}", workers) for workers in sorted({1, args.workers})]
     if args.datatrove_python:  # the same corpus, tokenizer, workers and cap through datatrove's pipeline
         # a pool whose worker died (the heap cap) waits forever: 5x prepare_data's time, then it failed
         limit = 5 * max(r["wall_s"] for r in rows) + 60
-        for workers in sorted({1, args.workers}):
-            out = tmp / f"datatrove_{workers}"
-            # its own session and files for output: a worker killed by the heap cap can leave datatrove's
-            # multiprocessing manager behind, holding pipes open
-            log = tmp / f"datatrove_{workers}.log"
-            with log.open("w") as f:
-                proc = subprocess.Popen([args.datatrove_python, str(REPO / "recipes" / "datatrove_tokenize.py"),
-                                         "--corpus", str(corpus), "--tokenizer", str(BUILTIN_PATH), "--out", str(out),
-                                         "--workers", str(workers), "--eos", Tokenizer("builtin").eos_token],
-                                        stdout=f, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                        preexec_fn=_heap_cap(args.heap_cap_mb))
-                try:
-                    proc.wait(timeout=limit)
-                except subprocess.TimeoutExpired:
-                    pass
-                finally:
-                    try:
-                        os.killpg(proc.pid, signal.SIGKILL)  # the pool and its manager too
-                    except ProcessLookupError:
-                        pass
-                    proc.wait()
-            lines = log.read_text().strip().splitlines()
-            if proc.returncode != 0:  # reported in the table, not fatal: the cap is part of what is measured
-                failed = next((l for l in lines if "memory allocation" in l or "Error" in l), lines[-1] if lines else "")
-                rows.append({"system": "datatrove 0.10.1", "workers": workers, "failed": failed.strip()[:120]})
-                continue
-            got = json.loads(lines[-1])
-            rows.append({"system": "datatrove 0.10.1", "workers": workers, "tokens": got["tokens"],
-                         "wall_s": got["wall_s"], "tokens_per_s": got["tokens"] / got["wall_s"],
-                         "tokens_per_s_per_process": got["tokens"] / got["wall_s"] / workers,
-                         "shard_bytes": sum(f.stat().st_size for f in out.rglob("*.ds"))})
+        rows += [datatrove_row(args, corpus, tmp, workers, limit) for workers in sorted({1, args.workers})]
     prepared = tmp / f"prepared_{args.workers}"
+    loader_tps = loader_tokens_per_s(prepared, args)
+    train_tps, data_ms = training_consumption(prepared, args, tmp)
+    result = {"suite": "data", "corpus_bytes": corpus_bytes, "heap_cap_mb": args.heap_cap_mb, "prepare": rows,
+              "loader_tokens_per_s": loader_tps, "train_tokens_per_s": train_tps, "data_time_ms": data_ms,
+              "seq_len": args.seq_len, "batch": args.batch}
+    return data_table(args, result), result
+
+
+def prepare_row(args, corpus: Path, out: Path, workers: int) -> dict:
+    """recipes/prepare_data.py over the corpus with ``workers`` processes, timed."""
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, str(REPO / "recipes" / "prepare_data.py"), "data=json",
+                           f"data.path={corpus}", f"out={out}", f"workers={workers}"],
+                          capture_output=True, text=True, preexec_fn=_heap_cap(args.heap_cap_mb))
+    wall = time.time() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"prepare_data failed: {proc.stderr.strip().splitlines()[-1:]}")
+    manifest = json.loads((out / "manifest.json").read_text())
+    tokens = sum(s["tokens"] for s in manifest["splits"].values())
+    return {"system": "titan_hydra prepare_data", "workers": workers, "tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall, "tokens_per_s_per_process": tokens / wall / workers,
+            "shard_bytes": sum(f.stat().st_size for f in out.rglob("*.bin"))}
+
+
+def datatrove_row(args, corpus: Path, tmp: Path, workers: int, limit: float) -> dict:
+    """recipes/datatrove_tokenize.py (in ``--datatrove-python``'s venv) over the same corpus; a
+    failure (the heap cap is part of what is measured) is a row, not fatal."""
+    from titan_hydra.data.tokenizer import BUILTIN_PATH, Tokenizer
+
+    out = tmp / f"datatrove_{workers}"
+    # its own session and files for output: a worker killed by the heap cap can leave datatrove's
+    # multiprocessing manager behind, holding pipes open
+    log = tmp / f"datatrove_{workers}.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen([args.datatrove_python, str(REPO / "recipes" / "datatrove_tokenize.py"),
+                                 "--corpus", str(corpus), "--tokenizer", str(BUILTIN_PATH), "--out", str(out),
+                                 "--workers", str(workers), "--eos", Tokenizer("builtin").eos_token],
+                                stdout=f, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                preexec_fn=_heap_cap(args.heap_cap_mb))
+        try:
+            proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the pool and its manager too
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    lines = log.read_text().strip().splitlines()
+    if proc.returncode != 0:
+        failed = next((l for l in lines if "memory allocation" in l or "Error" in l), lines[-1] if lines else "")
+        return {"system": "datatrove 0.10.1", "workers": workers, "failed": failed.strip()[:120]}
+    got = json.loads(lines[-1])
+    return {"system": "datatrove 0.10.1", "workers": workers, "tokens": got["tokens"],
+            "wall_s": got["wall_s"], "tokens_per_s": got["tokens"] / got["wall_s"],
+            "tokens_per_s_per_process": got["tokens"] / got["wall_s"] / workers,
+            "shard_bytes": sum(f.stat().st_size for f in out.rglob("*.ds"))}
+
+
+def loader_tokens_per_s(prepared: Path, args) -> float:
+    """Tokens the shuffled loader serves per second over the prepared shards (5 s, after one batch)."""
+    from titan_hydra.data.dataset import TokenDataset
+
     ds = TokenDataset("prepared", path=str(prepared), seq_len=args.seq_len, seed=0)
     loader = ds.loader("train", args.batch)
     next(loader)
     t0, served = time.perf_counter(), 0
     while time.perf_counter() - t0 < 5.0:
         served += next(loader)[0].numel()
-    loader_tps = served / (time.perf_counter() - t0)
+    return served / (time.perf_counter() - t0)
+
+
+def training_consumption(prepared: Path, args, tmp: Path) -> tuple[float | None, float | None]:
+    """(tokens/s, data_time ms per step) of the debug model training on the shards (medians after
+    warmup); (None, None) if the run failed."""
     run_dir = tmp / "train"
     train = subprocess.run([sys.executable, str(REPO / "launch.py"), "data=prepared", f"data.path={prepared}",
                             f"training.steps={args.steps}", f"training.seq_len={args.seq_len}",
@@ -306,27 +330,29 @@ def data_suite(args, tmp: Path) -> tuple[list[str], dict]:
                            capture_output=True, text=True, cwd=tmp)
     metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()] if train.returncode == 0 else []
     steady = [m for m in metrics if "tps" in m and m["step"] > args.warmup]
-    train_tps = statistics.median(m["tps"] for m in steady) if steady else None
-    data_ms = statistics.median(1e3 * m["data_time"] for m in steady) if steady else None
-    result = {"suite": "data", "corpus_bytes": corpus_bytes, "heap_cap_mb": args.heap_cap_mb, "prepare": rows,
-              "loader_tokens_per_s": loader_tps, "train_tokens_per_s": train_tps, "data_time_ms": data_ms,
-              "seq_len": args.seq_len, "batch": args.batch}
+    if not steady:
+        return None, None
+    return statistics.median(m["tps"] for m in steady), statistics.median(1e3 * m["data_time"] for m in steady)
+
+
+def data_table(args, result: dict) -> list[str]:
+    """The data suite's markdown report."""
+    loader_tps, train_tps, data_ms = result["loader_tokens_per_s"], result["train_tokens_per_s"], result["data_time_ms"]
     cap = f", each process capped at {args.heap_cap_mb} MiB of heap" if args.heap_cap_mb else ""
     lines = [f"suite `data` — {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, a generated "
-             f"{corpus_bytes / 1e9:.2f} GB JSON-lines corpus{cap}", "",
+             f"{result['corpus_bytes'] / 1e9:.2f} GB JSON-lines corpus{cap}", "",
              "| what | workers | tokens | wall s | tokens/s total | tokens/s per process | shards MB |",
              "|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in result["prepare"]:
         if "failed" in r:
             lines.append(f"| {r['system']} | {r['workers']} | failed: {r['failed']} | | | | |")
             continue
         lines.append(f"| {r['system']} | {r['workers']} | {r['tokens']:,} | {r['wall_s']:.1f} | {r['tokens_per_s']:,.0f} | "
                      f"{r['tokens_per_s_per_process']:,.0f} | {r['shard_bytes'] / 1e6:,.0f} |")
-    lines += ["", f"loader over the shards (shuffled, {args.batch} x {args.seq_len}): {loader_tps:,.0f} tokens/s; "
-              f"the debug model's training step consumes {train_tps or 0:,.0f} tokens/s "
-              f"(data_time {data_ms or 0:.2f} ms per step; loader/consumption "
-              f"{loader_tps / train_tps if train_tps else float('nan'):,.0f}x)"]
-    return lines, result
+    return lines + ["", f"loader over the shards (shuffled, {args.batch} x {args.seq_len}): {loader_tps:,.0f} tokens/s; "
+                    f"the debug model's training step consumes {train_tps or 0:,.0f} tokens/s "
+                    f"(data_time {data_ms or 0:.2f} ms per step; loader/consumption "
+                    f"{loader_tps / train_tps if train_tps else float('nan'):,.0f}x)"]
 
 
 def variant_table(title: str, columns: list[str], rows: list[dict], cells) -> list[str]:
@@ -446,7 +472,7 @@ def moe_memory_suite(args, tmp: Path) -> tuple[list[str], dict]:
 EXTRA_SUITES = {"data": data_suite, "ft": ft_suite, "moe_memory": moe_memory_suite}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", default="precision", choices=sorted([*SUITES, *EXTRA_SUITES]))
     p.add_argument("--sync-every", type=int, default=20, help="ft suite: steps between LocalSGD / DiLoCo meetings")
@@ -464,17 +490,30 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--out", default=None, help="JSON path (default bench_out/<suite>.json)")
     p.add_argument("extra", nargs="*", help="extra Hydra overrides for every variant")
-    args = p.parse_args()
-    if args.suite in EXTRA_SUITES:
-        with tempfile.TemporaryDirectory(prefix=f"titan_bench_{args.suite}_") as tmp:
-            lines, result = EXTRA_SUITES[args.suite](args, Path(tmp))
-        print("\n".join(lines))
-        out = Path(args.out or f"bench_out/{args.suite}.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
-        print(f"\nwrote {out}")
-        return
+    return p.parse_args()
 
+
+def main() -> None:
+    args = parse_args()
+    if args.suite in EXTRA_SUITES:
+        run_extra_suite(args)
+    else:
+        run_training_suite(args)
+
+
+def run_extra_suite(args) -> None:
+    """A suite that measures something other than training variants (data, ft, moe_memory)."""
+    with tempfile.TemporaryDirectory(prefix=f"titan_bench_{args.suite}_") as tmp:
+        lines, result = EXTRA_SUITES[args.suite](args, Path(tmp))
+    print("\n".join(lines))
+    out = Path(args.out or f"bench_out/{args.suite}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {out}")
+
+
+def run_training_suite(args) -> None:
+    """Every variant of ``SUITES[args.suite]`` as a training run; the table against each group's baseline."""
     import torch
 
     from titan_hydra.hardware import cpu_isa, cpu_model
@@ -494,16 +533,31 @@ def main() -> None:
                 r["mfu_vs_bf16_peak_pct"] = 100 * r["tflops_per_rank"] / rank_peak
             results.append(r)
             print(f"  {name}: {r['status']} ({r['wall_s']:.0f}s)", file=sys.stderr, flush=True)
+    heading = (f"suite `{args.suite}` — {time.strftime('%Y-%m-%d')}, {cpu}, {os.cpu_count()} cores, "
+               f"{args.threads} thread(s)/process unless a variant says, torch {torch.__version__}, bf16 matmul peak "
+               f"{peak_bf16:.2f} TFLOP/s/process, {args.steps} steps (median after {args.warmup})")
+    table = training_table(heading, results)
+    print(table)
+    out = Path(args.out or REPO / "bench_out" / f"{args.suite}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "suite": args.suite, "date": time.strftime("%Y-%m-%d"), "cpu": cpu,
+        "threads_per_proc": args.threads, "torch": torch.__version__, "peak_bf16_tflops": peak_bf16,
+        "steps": args.steps, "warmup": args.warmup, "results": results, "table": table,
+    }, indent=2))
+    print(f"\nwrote {out}", file=sys.stderr)
 
+
+def training_table(heading: str, results: list[dict]) -> str:
+    """The markdown table of a training suite; sets each row's ``speedup_vs_baseline`` (against
+    the first successful variant of its group)."""
     unit = next((r["unit"] for r in results if r["status"] == "ok"), "tok")  # a suite counts one unit
     baselines: dict[str, dict] = {}
     for r in results:
         if r["status"] == "ok":
             baselines.setdefault(r["group"], r)
     lines = [
-        f"suite `{args.suite}` — {time.strftime('%Y-%m-%d')}, {cpu}, {os.cpu_count()} cores, "
-        f"{args.threads} thread(s)/process unless a variant says, torch {torch.__version__}, bf16 matmul peak "
-        f"{peak_bf16:.2f} TFLOP/s/process, {args.steps} steps (median after {args.warmup})",
+        heading,
         "",
         f"| variant | precision, attention | ranks x threads | {unit}/s/rank | {unit}/s total | TFLOP/s/rank | MFU (bf16 peak) | peak RSS/rank GiB | params+optim/rank GiB | vs baseline |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -524,16 +578,7 @@ def main() -> None:
             f"{r['tflops_per_rank']:.3f} | {r['mfu_vs_bf16_peak_pct']:.1f}% | {r['peak_memory_gib']:.2f} | "
             f"{state} | {ratio:.2f}x |" + (f" {r['moe_max_over_mean'] or 0:.2f} |" if moe else "")
         )
-    table = "\n".join(lines)
-    print(table)
-    out = Path(args.out or REPO / "bench_out" / f"{args.suite}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "suite": args.suite, "date": time.strftime("%Y-%m-%d"), "cpu": cpu,
-        "threads_per_proc": args.threads, "torch": torch.__version__, "peak_bf16_tflops": peak_bf16,
-        "steps": args.steps, "warmup": args.warmup, "results": results, "table": table,
-    }, indent=2))
-    print(f"\nwrote {out}", file=sys.stderr)
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

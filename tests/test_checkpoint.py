@@ -199,7 +199,7 @@ def good(tmp_path_factory):
     """A model-only checkpoint of the small model used by the bad-checkpoint tests."""
     path = tmp_path_factory.mktemp("good") / "step-0"
     m = _manager(path.parent)
-    save_plain(path, m.state_to_save(model_only=True), m._marker_info(0, "model_only", "float32"))
+    save_plain(path, m.state_to_save(model_only=True), m.run.marker_info(0, "model_only", "float32"))
     return path
 
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 from titan_hydra.spec import spec_of
 from helpers import compose_cfg, run_launch
+from hydra.utils import instantiate
 
 from titan_hydra.config import mixed_precision_of
 from titan_hydra.planner.plan import plan
 from titan_hydra.models.registry import build_model
-from titan_hydra.parallel.ac import apply_ac
 from titan_hydra.models.objective import cross_entropy_loss
 from titan_hydra.kernels.attention_policy import apply_attention_kernel
 from titan_hydra.kernels.attention_precision import apply_attention_precision
@@ -35,7 +35,7 @@ def measured_peak_gib(cfg) -> float:
     cpu = torch.device("cpu")  # as the trainer does: the precision rule, then the kernel policy
     apply_attention_precision(m, str(cfg.training.attention_precision), mp, cpu, int(cfg.training.seq_len))
     apply_attention_kernel(m, str(cfg.training.attention_kernel), cpu, seq_len=int(cfg.training.seq_len))
-    apply_ac(family.blocks(m), cfg.activation_checkpoint)
+    instantiate(cfg.activation_checkpoint).apply(family.blocks(m))
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
     t = cfg.training
     x = torch.randint(0, cfg.model.vocab_size, (t.local_batch_size, t.seq_len))
@@ -119,7 +119,7 @@ def measured_flux_peak_gib(cfg) -> float:
     torch.manual_seed(0)
     family, m = build_model(cfg.model)
     m.init_weights()
-    apply_ac(family.blocks(m), cfg.activation_checkpoint)
+    instantiate(cfg.activation_checkpoint).apply(family.blocks(m))
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
     a, b = m.args, int(cfg.training.local_batch_size)
     side, n_txt = int(image_tokens_of(cfg.data.image_size) ** 0.5), int(cfg.data.examples.max_text_len)

@@ -15,13 +15,15 @@ from titan_hydra.spec import spec_of
 from helpers import compose_cfg, read_metrics
 
 from titan_hydra.errors import ConfigError
+from titan_hydra.kernels import grouped_mm
+from titan_hydra.kernels.grouped_mm import grouped_mm_works
 from titan_hydra.models.common.moe import (
-    GroupedExperts, MoE, MoEArgs, TokenChoiceRouter, balance_step, bucket_counts, grouped_mm_works, grouped_swiglu,
-    looped_swiglu, set_aux_grad_scale,
+    GroupedExperts, MoE, MoEArgs, TokenChoiceRouter, bucket_counts, grouped_swiglu, looped_swiglu, set_aux_grad_scale,
 )
 from titan_hydra.models.gpt_oss.model import GptOssExperts
 from titan_hydra.models.registry import args_of
 from titan_hydra.parallel.ac import checkpoint_block
+from titan_hydra.train.moe_balance import balance_step, moe_balance_hooks
 
 
 def make_moe(seed: int = 0, dim: int = 32, **moe) -> MoE:
@@ -116,13 +118,11 @@ def dense_reference(m: MoE, x: torch.Tensor) -> torch.Tensor:
 def test_grouped_mm_probe_is_not_fooled_by_no_grad_or_autocast(monkeypatch):
     """The probe runs once, often from init_weights under no_grad (a backward there would fail
     and silently route every run through the loop): it must give the eager answer anyway."""
-    from titan_hydra.models.common import moe
-
-    monkeypatch.setattr(moe, "_GROUPED_MM_WORKS", {})
+    monkeypatch.setattr(grouped_mm, "_GROUPED_MM_WORKS", {})
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), torch.device("meta"):
-        inside = moe.grouped_mm_works(torch.device("cpu"), torch.float32)
-    monkeypatch.setattr(moe, "_GROUPED_MM_WORKS", {})
-    assert inside is True and moe.grouped_mm_works(torch.device("cpu"), torch.float32) is True
+        inside = grouped_mm_works(torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(grouped_mm, "_GROUPED_MM_WORKS", {})
+    assert inside is True and grouped_mm_works(torch.device("cpu"), torch.float32) is True
 
 
 def test_grouped_mm_equals_loop_equals_per_token_reference():
@@ -231,6 +231,20 @@ def test_counts_only_in_training_and_balance_step():
     assert balance_step(parts) == metrics
     assert torch.allclose(layer0.expert_bias, 2 * expected)
     assert balance_step(parts) == {}  # no tokens counted: nothing to report
+
+
+def test_balance_hook_only_for_models_with_moe_layers():
+    """The trainer's step hook: none for a dense model (or a pipeline stage without MoE layers);
+    for an MoE model one balancing step over what the forwards counted."""
+    assert moe_balance_hooks([torch.nn.Linear(4, 4)], None) == []
+    m = make_moe(load_balance_coeff=0.01)
+    m.train()
+    m(torch.randn(2, 5, 32))
+    hooks = moe_balance_hooks([m], None)
+    assert len(hooks) == 1
+    metrics = hooks[0]()
+    assert metrics["moe/max_over_mean"] >= 1.0 and m.tokens_per_expert.sum() == 0
+    assert m.expert_bias.abs().sum() > 0  # the bias moved
 
 
 @pytest.mark.parametrize("mode", ["full", "selective_op"])

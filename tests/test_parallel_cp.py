@@ -40,8 +40,9 @@ def _attention_diffs(method: str, rank: int, mesh) -> dict[str, float]:
     """Sharded causal SDPA (ring, CPU flash kernel) vs plain SDPA on the full sequence."""
     import torch.nn.functional as F
     from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attn
 
-    from titan_hydra.parallel.cp_cpu_attention import configure_ring_attention, load_balance_enabled, rotate_method
+    from titan_hydra.parallel.cp_cpu_attention import configure_ring_attention
 
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(2, 4, 32, 8, generator=g) for _ in range(4))
@@ -59,8 +60,10 @@ def _attention_diffs(method: str, rank: int, mesh) -> dict[str, float]:
     got = [out, ql.grad, kl.grad, vl.grad]
     diffs = {f"attn_{method}_{n}": _max_diff(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), got, expected)}
     diffs[f"attn_{method}_shard_is_head_tail"] = _max_diff(shards[0], _head_tail(q, 2, rank, CP))
-    diffs[f"attn_{method}_load_balance_on"] = 0.0 if load_balance_enabled() else 1.0
-    diffs[f"attn_{method}_rotate_method_set"] = 0.0 if rotate_method() == method else 1.0
+    options = cp_attn._cp_options  # what torch's ring attention reads
+    diffs[f"attn_{method}_load_balance_on"] = 0.0 if options.enable_load_balance else 1.0
+    rotate = {"ALL_GATHER": "allgather", "ALL_TO_ALL": "alltoall"}[options.rotate_method.name]
+    diffs[f"attn_{method}_rotate_method_set"] = 0.0 if rotate == method else 1.0
     return diffs
 
 

@@ -208,12 +208,15 @@ def test_runner_lets_the_schedule_drop_each_microbatch_output():
 
     schedule = RecordingSchedule()
     dims_ = SimpleNamespace(broadcast_pp_loss=lambda loss: loss)
-    runner = PipelineRunner(schedule, [], n_microbatches=4, grad_accum=1,
-                            loss_fn=lambda out, tgt: out.mean(), dims=dims_,
-                            step_context=lambda inputs, labels: contextlib.nullcontext())
     labels = torch.arange(8.0).reshape(4, 2)
-    for first in (True, False):
-        runner.has_first_stage = first
+    # this rank (pp rank 0) holds both stages, or only the last one
+    for first, parts, owner in ((True, {0: torch.nn.Identity(), 1: torch.nn.Identity()}, [0, 0]),
+                                (False, {1: torch.nn.Identity()}, [1, 0])):
+        runner = PipelineRunner(parts, owner, lambda loss_fn: schedule, n_microbatches=4, grad_accum=1,
+                                loss_fn=lambda out, tgt: out.mean(), dims=dims_,
+                                step_context=lambda inputs, labels: contextlib.nullcontext(),
+                                pp_rank=0, group=None, device=torch.device("cpu"))
+        assert runner.has_first_stage is first and runner.has_last_stage and runner.schedule is schedule
         loss = runner.forward_backward(labels, labels)
         assert schedule.calls[-1].get("return_outputs") is False
         assert loss.item() == pytest.approx(3.5)  # mean of the 4 microbatch means 0.5 .. 6.5

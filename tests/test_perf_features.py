@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from titan_hydra.errors import UserError
 from titan_hydra.models.llama3 import Llama3
 from titan_hydra.models.qwen3 import Qwen3
-from titan_hydra.parallel.ac import apply_ac
+from titan_hydra.parallel.ac import ActivationCheckpointing
 from titan_hydra.parallel.compile import apply_compile, build_loss_fn
 from titan_hydra.quant.float8 import Float8Converter
 from titan_hydra.models.objective import cross_entropy_loss
@@ -43,8 +43,7 @@ def tiny_model(ac: str = "none", layers: int = LAYERS, float8: str | None = None
     if float8:
         Float8Converter(float8, filter_fqns=["output"], auto_filter_small_kn=False).convert(m)
     mode, _, policy = ac.partition(":")  # "selective_op:every_second_mm" = mode:policy
-    apply_ac(m.layers, OmegaConf.create({"mode": mode, "selective_layer_freq": 2,
-                                         "selective_op_policy": policy or "all_mm"}))
+    ActivationCheckpointing(mode, selective_layer_freq=2, selective_op_policy=policy or "all_mm").apply(m.layers)
     return m
 
 
@@ -218,7 +217,7 @@ def test_selective_ac_saves_inside_compiled_moe_pieces():
         torch.manual_seed(0)
         family, m = build_model(compose_cfg(["model=qwen3_moe_debug", "model.n_layers=2"]).model)
         m.init_weights("cpu")
-        apply_ac(m.layers, OmegaConf.create({"mode": ac}))
+        ActivationCheckpointing(ac).apply(m.layers)
         apply_compile(m, m.layers, cfg, [e for _, e in family.expert_modules(m)])
         x = batch(2, 32)
         loss = cross_entropy_loss(m(x), x)

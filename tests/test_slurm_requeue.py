@@ -62,6 +62,7 @@ def _agreement_worker(rank: int, out_dir: str, fail_requeue: bool) -> None:
         if fail_requeue:
             raise RuntimeError("scontrol requeue refused")
 
+    previous = signal.getsignal(signal.SIGUSR2)
     pre = Preemption(rank, 2, torch.device("cpu"), signal.SIGUSR2, requeue_fn, log=lambda m: None).install()
     ckpt = FakeCheckpointer()
     result = {"rank": rank, "stopped_at": None, "exit": None, "error": None}
@@ -80,7 +81,7 @@ def _agreement_worker(rank: int, out_dir: str, fail_requeue: bool) -> None:
     except RuntimeError as e:
         result["error"] = str(e)
     finally:
-        pre.uninstall()
+        signal.signal(signal.SIGUSR2, previous)
         result["saved"] = ckpt.saved
         result["signalled"] = pre.signalled
         (Path(out_dir) / f"result.{rank}.json").write_text(json.dumps(result))

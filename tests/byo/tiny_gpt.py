@@ -127,7 +127,7 @@ class TinyGPTFamily(ModelFamily):
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-        from titan_hydra.parallel.styles import ReplicateParallel
+        from titan_hydra.models.common.tp_styles import ReplicateParallel
 
         plan: dict = {}
         if model.wte is not None:

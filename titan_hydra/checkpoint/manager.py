@@ -118,9 +118,6 @@ class CheckpointManager:
     def layout(self) -> dict[str, int]:
         return self.run.layout()
 
-    def _marker_info(self, step: int, kind: str, dtype: str) -> dict[str, Any]:
-        return self.run.marker_info(step, kind, dtype)
-
     def state_to_save(self, model_only: bool = False, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         return self.run.state_to_save(model_only=model_only, dtype=dtype)
 

@@ -82,12 +82,6 @@ def load():
                                 f"install a C++ compiler and ninja, or set training.attention_kernel=sdpa") from None
 
 
-def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the kernel computes this call: CPU, [B, H, S, 16] with as many k/v heads as q heads."""
-    return (q.device.type == "cpu" and q.dim() == 4 and q.shape[-1] == HEAD_DIM and q.shape == k.shape == v.shape
-            and q.dtype in (torch.float32, torch.bfloat16, torch.float16))
-
-
 def _rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[B, H, S, D] (any strides) -> contiguous [B*H, S, D] in ``dtype`` (what the kernel reads)."""
     b, h, s, d = x.shape

@@ -99,11 +99,6 @@ def read_offline_run(path: str | Path) -> dict[str, Any]:
     return _read_file(files[-1])
 
 
-def read_offline_runs(path: str | Path) -> list[dict[str, Any]]:
-    """Every run under `path`, oldest first (e.g. a sweep's run dirs share a parent)."""
-    return [_read_file(f) for f in find_wandb_files(path)]
-
-
 def _read_file(file: Path) -> dict[str, Any]:
     from wandb.proto import wandb_internal_pb2 as pb
 

@@ -14,7 +14,7 @@ never names a family. It gets a ``ModelFamily`` from the ``model.family`` config
   shards over its own mesh);
 * training: ``objective`` (the loss, and what throughput counts: ``objective.py``; language
   families predict the next token), ``flops_per_unit``, ``step_hooks`` (work once per
-  optimizer step that belongs to the model, e.g. MoE load balancing, returning metrics to log);
+  optimizer step that belongs to the model, returning metrics to log);
 * conversion: ``hf`` (an ``HFAdapter``; None when the family has no HF counterpart).
 
 Optional capabilities are not members of ``ModelFamily``, so a family implements only what it

@@ -159,12 +159,6 @@ class ActivationCheckpointing:
         return chosen
 
 
-def apply_ac(layers: torch.nn.ModuleDict, ac_cfg) -> list[str]:
-    """``ActivationCheckpointing(**ac_cfg).apply(layers)`` for a config node (tests, tools)."""
-    settings = {k: v for k, v in ac_cfg.items() if not str(k).startswith("_")}  # the class fills the rest
-    return ActivationCheckpointing(**settings).apply(layers)
-
-
 def selective_op_policy_check(name: str) -> None:
     if str(name) not in SAC_POLICIES:
         raise ConfigError(f"activation_checkpoint.selective_op_policy={name!r} is not one of "

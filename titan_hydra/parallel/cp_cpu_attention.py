@@ -16,7 +16,7 @@ Private torch internals used here, and only here (checked by ``_private()``):
   * ``torch.distributed.tensor.experimental._context_parallel._attention``:
     ``custom_ops`` (dict merged into DTensor's handlers while CP is active),
     ``_templated_ring_attention``, ``_templated_ring_attention_backward``,
-    ``_cp_options`` (``enable_load_balance``, ``rotate_method``), ``set_rotate_method``;
+    ``_cp_options.enable_load_balance``, ``set_rotate_method``;
   * ``DTensor._local_tensor``, ``DTensor._spec``, the ``DTensor(local, spec, requires_grad=)``
     constructor, ``torch.distributed.tensor._dtensor_spec.{DTensorSpec, TensorMeta}`` and
     ``torch.distributed.tensor._utils.compute_global_tensor_info``.
@@ -179,13 +179,3 @@ def configure_ring_attention(rotate_method: str, device_type: str, load_balance:
     api.cp_attn._cp_options.enable_load_balance = bool(load_balance)
     if device_type == "cpu":
         register_cpu_sdpa_handlers()
-
-
-def load_balance_enabled() -> bool:
-    return bool(_private().cp_attn._cp_options.enable_load_balance)
-
-
-def rotate_method() -> str:
-    """The rotate method torch's ring attention will use now (allgather | alltoall)."""
-    method = _private().cp_attn._cp_options.rotate_method
-    return {"ALL_GATHER": "allgather", "ALL_TO_ALL": "alltoall"}[method.name]

@@ -27,7 +27,6 @@ Why it is built this way:
 from __future__ import annotations
 
 import contextlib
-
 import re
 from typing import Any, Callable
 
@@ -35,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from titan_hydra.errors import ConfigError
-from titan_hydra.parallel.runner import ParallelModel
+from titan_hydra.parallel.runner import BatchKwargs, ParallelModel, no_batch_kwargs
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
@@ -170,24 +169,25 @@ class PipelineRunner:
     ``loss / (microbatches * grad_accum_steps)``. ``eval_loss`` walks the stages forward-only.
     """
 
-    def __init__(self, schedule, stages, n_microbatches: int, grad_accum: int, loss_fn: Callable,
-                 dims, step_context) -> None:
-        self.schedule = schedule
-        self.stages = stages
+    def __init__(self, parts: dict[int, torch.nn.Module], stage_owner: list[int], make_schedule: Callable,
+                 n_microbatches: int, grad_accum: int, loss_fn: Callable, dims, step_context, *,
+                 pp_rank: int, group, device: torch.device, batch_kwargs: BatchKwargs = no_batch_kwargs) -> None:
+        """``parts``: this rank's stage modules by stage index; ``stage_owner``: the pp rank of
+        every stage, in stage order; ``make_schedule(loss_fn)``: the torch schedule over this
+        rank's stages, given the loss function it must call (this runner's ``loss_fn``)."""
+        self.parts = parts
+        self.stage_owner = stage_owner
+        self.has_first_stage, self.has_last_stage = 0 in parts, len(stage_owner) - 1 in parts
+        self.pp_rank, self.group, self.device = pp_rank, group, device
         self.n_microbatches = n_microbatches
         self.scale = 1.0 / (n_microbatches * grad_accum)
         self.base_loss_fn = loss_fn
         self.dims = dims
         self.step_context = step_context
+        self.batch_kwargs = batch_kwargs  # extra model inputs of a batch (document ids), to every stage
         self._recorded: list[torch.Tensor] = []
-        # Filled by build_pipeline: which pp rank owns each stage, this rank's stage modules.
-        self.stage_owner: list[int] = []
-        self.parts: dict[int, torch.nn.Module] = {}
-        self.pp_rank, self.group, self.device = 0, None, torch.device("cpu")
-        self.has_first_stage = self.has_last_stage = True
         self._probed = False  # the first step's shape-inference forward has been undone
-        # extra model inputs of a batch (document ids), given to every stage: see runner.py
-        self.batch_kwargs: Callable[[torch.Tensor], dict] = lambda inputs: {}
+        self.schedule = make_schedule(self.loss_fn)
 
     @property
     def loss_scale(self) -> float:
@@ -267,8 +267,7 @@ def _undo_probe_forward(parts: list[torch.nn.Module]):
     received shapes on the others), then a backward through that probe for the gradients'
     shapes, before the real microbatches. Stateful buffers (MoE load counts) would count the
     probe, and under activation checkpointing that backward reruns the probe's blocks after its
-    forward has returned (the MoE no longer counts in a recompute, but a buffer written there
-    would change again). So each stage's buffers are put back to what they held before the step
+    forward has returned. So each stage's buffers are put back to what they held before the step
     when its second forward (the first real microbatch) starts, after the probe's forward and
     backward both ran.
     """
@@ -320,7 +319,7 @@ def _recv_tensor(src: int, group, device: torch.device) -> torch.Tensor:
 
 
 def build_pipeline(model, family, dims, device: torch.device, parallelize_part, make_step_context, *,
-                   grad_accum: int, loss_fn: Callable, batch_kwargs=None):
+                   grad_accum: int, loss_fn: Callable, batch_kwargs: BatchKwargs = no_batch_kwargs) -> ParallelModel:
     """Split ``model`` into this rank's stages (``family.cut_stage``), parallelize each, build the schedule.
 
     ``parallelize_part(part)`` applies the per-stage techniques (TP, AC, compile, FSDP);
@@ -329,43 +328,32 @@ def build_pipeline(model, family, dims, device: torch.device, parallelize_part, 
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-
     ranges = stage_layer_ranges(dims, len(family.blocks(model)))
     check_stage_count(dims, len(ranges), len(family.blocks(model)))
     n_stages = len(ranges)
     pp_mesh = dims.submesh("pp")
     pp_rank, group = pp_mesh.get_local_rank(), pp_mesh.get_group()
     ids = stage_ids_for_rank(pp_rank, dims.pp, n_stages, dims.pp_schedule)
-    parts, stages = [], []
+    parts: dict[int, torch.nn.Module] = {}
+    stages = []
     for sid in ids:
         part = family.cut_stage(model, ranges[sid], is_first=sid == 0, is_last=sid == n_stages - 1)
-        part = parallelize_part(part)
-        parts.append(part)
-        stages.append(PipelineStage(part, sid, n_stages, device, group=group))
-
+        parts[sid] = parallelize_part(part)
+        stages.append(PipelineStage(parts[sid], sid, n_stages, device, group=group))
     n_mb = num_microbatches(dims, n_stages)
-    runner = PipelineRunner(None, stages, n_mb, grad_accum, loss_fn, dims, make_step_context(parts))
-    if batch_kwargs is not None:
-        runner.batch_kwargs = batch_kwargs
     cls = get_schedule_class(dims.pp_schedule)
-    if issubclass(cls, PipelineScheduleSingle):
-        schedule = cls(stages[0], n_microbatches=n_mb, loss_fn=runner.loss_fn, scale_grads=False)
-    else:
-        schedule = cls(stages, n_microbatches=n_mb, loss_fn=runner.loss_fn, scale_grads=False)
-    runner.schedule = schedule
-    runner.stage_owner = [
-        r for sid in range(n_stages) for r in range(dims.pp)
-        if sid in stage_ids_for_rank(r, dims.pp, n_stages, dims.pp_schedule)
-    ]
-    runner.parts = dict(zip(ids, parts))
-    runner.pp_rank, runner.group, runner.device = pp_rank, group, device
-    runner.has_first_stage, runner.has_last_stage = 0 in ids, n_stages - 1 in ids
-    return ParallelModel(
-        model_parts=parts,
-        runner=runner,
-        notes=[f"pp: {dims.pp_schedule}, {n_stages} stages {[list(r) for r in ranges]}, "
-               f"this rank {ids}, {n_mb} microbatches"],
-    )
+
+    def make_schedule(runner_loss_fn: Callable):
+        if issubclass(cls, PipelineScheduleSingle):
+            return cls(stages[0], n_microbatches=n_mb, loss_fn=runner_loss_fn, scale_grads=False)
+        return cls(stages, n_microbatches=n_mb, loss_fn=runner_loss_fn, scale_grads=False)
+
+    stage_owner = [r for sid in range(n_stages) for r in range(dims.pp)
+                   if sid in stage_ids_for_rank(r, dims.pp, n_stages, dims.pp_schedule)]
+    runner = PipelineRunner(parts, stage_owner, make_schedule, n_mb, grad_accum, loss_fn, dims,
+                            make_step_context(list(parts.values())), pp_rank=pp_rank, group=group, device=device,
+                            batch_kwargs=batch_kwargs)
+    return ParallelModel(model_parts=list(parts.values()), runner=runner)
 
 
 # --------------------------------------------------------------------------- validation

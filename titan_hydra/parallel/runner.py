@@ -20,7 +20,7 @@ the model, or to every pipeline stage, split into microbatches like the tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -36,7 +36,6 @@ class ParallelModel:
 
     model_parts: list[torch.nn.Module]
     runner: Any  # SingleStageRunner | pp.PipelineRunner: forward_backward / eval_loss
-    notes: list[str] = field(default_factory=list)
 
 
 def no_batch_kwargs(inputs: torch.Tensor) -> dict[str, Any]:

@@ -9,6 +9,8 @@ tests/data/torchtitan_h100_202412.yaml). Kept apart from the measured CPU coeffi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from omegaconf import DictConfig, OmegaConf
 
 from titan_hydra.models.protocol import ModelShape
@@ -81,6 +83,50 @@ def saved_block_bytes_cuda(args: ModelShape, mode: str, tokens: float, tp: int, 
     return block_activation_bytes(args, "bf16_params", "none", tokens, tp)
 
 
+@dataclass(frozen=True)
+class StepTerms:
+    """The byte terms of one step that the schedule does not change (per rank, CUDA, bf16 FSDP)."""
+
+    tp: int
+    ac_mode: str  # as modeled on CUDA (selective_layer counted as none: the upper bound)
+    sac_policy: str
+    compiled: bool
+    fsdp: bool
+    weight_bytes: int  # per unsharded block weight element (1 under float8 all-gather)
+    block_weights: float  # one block as FSDP unshards it (the largest; 0 without FSDP)
+    root_weights: float  # embedding + output, unsharded (0 without FSDP)
+    block_grads: float  # one block's unsharded grads: bf16 + the fp32 reduce-scatter input
+    layer_params: float  # parameters of one layer on average (what a pipeline stage holds)
+
+
+def step_terms(cfg: DictConfig, dims, args: ModelShape) -> StepTerms:
+    """What FSDP unshards and what AC recomputes, from the config and the layout."""
+    tp = dims.tp
+    f8 = OmegaConf.select(cfg, "float8", default=None)
+    fp8_gather = bool(f8 is not None and str(f8.recipe) != "none" and f8.enable_fsdp_float8_all_gather)
+    # One block as FSDP unshards it: for MoE the largest (a MoE block with its 1/ep of the routed
+    # experts); per layer on average for what a pipeline stage holds unsharded.
+    ep = int(getattr(dims, "ep", 1))
+    blk = largest_block_params(args, ep)
+    avg_blk = args.block_params - (args.expert_params / args.n_layers) * (1 - 1 / max(ep, 1)) \
+        if args.moe_layers else args.block_params
+    # Unsharded block weights: the Linear weights travel (and stay) as float8 under fp8 all-gather.
+    w_bytes = 1 if fp8_gather and dims.fsdp_enabled else 2
+    block_w = blk / tp * w_bytes
+    if not dims.fsdp_enabled:
+        block_w = 0.0  # the local params are already whole; counted in the static state
+    root_w = (args.embedding_params + args.head_params) / tp * 2 if dims.fsdp_enabled else 0.0
+    ac = cfg.activation_checkpoint
+    mode = str(ac.mode)
+    return StepTerms(
+        tp=tp, ac_mode="none" if mode == "selective_layer" else mode,
+        sac_policy=str(ac.get("selective_op_policy", "all_mm")),
+        compiled=str(OmegaConf.select(cfg, "compile.mode", default="none")) != "none",
+        fsdp=bool(dims.fsdp_enabled), weight_bytes=w_bytes, block_weights=block_w, root_weights=root_w,
+        block_grads=blk / tp * (2 + 4), layer_params=avg_blk,
+    )
+
+
 def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime,
                       pp_rank: int | None = None, seq_len: int | None = None) -> tuple[float, float]:
     """(peak bytes above the sharded fp32 state, unsharded parameter bytes within it) on the
@@ -96,77 +142,111 @@ def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime,
     are alive at each moment; the worst moment of the worst rank counts. ``seq_len``: positions
     per sample where they are not ``training.seq_len`` (the family's ``sample_tokens``).
     """
-    t, ac = cfg.training, cfg.activation_checkpoint
-    seq = int(seq_len or t.seq_len)
-    tp = dims.tp
-    compiled = str(OmegaConf.select(cfg, "compile.mode", default="none")) != "none"
-    f8 = OmegaConf.select(cfg, "float8", default=None)
-    fp8_gather = bool(f8 is not None and str(f8.recipe) != "none" and f8.enable_fsdp_float8_all_gather)
-    # One block as FSDP unshards it: for MoE the largest (a MoE block with its 1/ep of the routed
-    # experts); per layer on average for what a pipeline stage holds unsharded.
-    ep = int(getattr(dims, "ep", 1))
-    blk = largest_block_params(args, ep)
-    avg_blk = args.block_params - (args.expert_params / args.n_layers) * (1 - 1 / max(ep, 1)) \
-        if args.moe_layers else args.block_params
-    # Unsharded block weights: the Linear weights travel (and stay) as float8 under fp8 all-gather.
-    w_bytes = 1 if fp8_gather and dims.fsdp_enabled else 2
-    block_w = blk / tp * w_bytes
-    if not dims.fsdp_enabled:
-        block_w = 0.0  # the local params are already whole; counted in the static state
-    root_w = (args.embedding_params + args.head_params) / tp * 2 if dims.fsdp_enabled else 0.0
-    block_grad = blk / tp * (2 + 4)  # bf16 unsharded grads + fp32 reduce-scatter input
-    mode = str(ac.mode)
-    policy = str(ac.get("selective_op_policy", "all_mm"))
-    if mode == "selective_layer":
-        mode = "none"  # not modeled separately on CUDA: the upper bound
+    seq = int(seq_len or cfg.training.seq_len)
+    tokens = cfg.training.local_batch_size * seq / dims.cp
+    terms = step_terms(cfg, dims, args)
     if dims.pp == 1:
-        tokens = t.local_batch_size * seq / dims.cp
-        saved = args.n_layers * saved_block_bytes_cuda(args, mode, tokens, tp, policy)
-        rebuild = recompute_bytes(args, tokens, tp, compiled) if mode != "none" else 0.0
-        dyn = saved + max(loss_peak_bytes(args, tokens, dims), rebuild + block_grad)
-        unsharded = root_w + 2 * block_w  # root + the last block (kept) + the one in use
-        return dyn + unsharded, unsharded
+        return unpipelined_peak(args, dims, terms, tokens)
+    return pipelined_peak(args, dims, terms, runtime, tokens, pp_rank)
+
+
+def recompute_with_grads(args: ModelShape, terms: StepTerms, tokens: float) -> float:
+    """One block rebuilt in backward (under AC) while its unsharded gradients exist."""
+    rebuild = recompute_bytes(args, tokens, terms.tp, terms.compiled) if terms.ac_mode != "none" else 0.0
+    return rebuild + terms.block_grads
+
+
+def unpipelined_peak(args: ModelShape, dims, terms: StepTerms, tokens: float) -> tuple[float, float]:
+    """``cuda_dynamic_peak`` without PP, for this rank's ``tokens`` per step."""
+    saved = args.n_layers * saved_block_bytes_cuda(args, terms.ac_mode, tokens, terms.tp, terms.sac_policy)
+    dyn = saved + max(loss_peak_bytes(args, tokens, dims), recompute_with_grads(args, terms, tokens))
+    unsharded = terms.root_weights + 2 * terms.block_weights  # root + the last block (kept) + the one in use
+    return dyn + unsharded, unsharded
+
+
+@dataclass(frozen=True)
+class MicrobatchBytes:
+    """What one pipeline microbatch holds on a stage (bytes)."""
+
+    n_mb: int
+    per_block: float  # saved for backward by one block
+    io: float  # a stage's input or output (the residual stream)
+    logits: float  # the last stage's output
+    backward_extra: float  # one block's recompute + unsharded grads
+    loss_peak: float  # the loss backward's peak (last stage)
+
+
+def microbatch_bytes(args: ModelShape, dims, terms: StepTerms, tokens: float) -> MicrobatchBytes:
+    """torch.distributed.pipelining's buffers (stage.py): a stage that receives activations has a
+    recv buffer per microbatch, one that receives gradients a grad buffer per microbatch, both
+    allocated once and kept; fwd_cache keeps each in-flight microbatch's stage output until its
+    backward. Stage I/O is the residual stream, sequence-sharded under TP's sequence parallel;
+    the last stage's output is its logits (vocab-sharded under loss parallel)."""
     n_mb = int(dims.pp_microbatches or dims.pp)
-    mb_tokens = t.local_batch_size * seq / dims.cp / n_mb
+    mb_tokens = tokens / n_mb
+    tp = terms.tp
+    return MicrobatchBytes(
+        n_mb=n_mb, per_block=saved_block_bytes_cuda(args, terms.ac_mode, mb_tokens, tp, terms.sac_policy),
+        io=mb_tokens * 2 * args.dim / (tp if dims.tp_sequence_parallel else 1),
+        logits=mb_tokens * 2 * args.vocab_size / (tp if dims.loss_parallel_enabled else 1),
+        backward_extra=recompute_with_grads(args, terms, mb_tokens),
+        loss_peak=loss_peak_bytes(args, mb_tokens, dims),
+    )
+
+
+def pipelined_peak(args: ModelShape, dims, terms: StepTerms, runtime: Runtime, tokens: float,
+                   pp_rank: int | None) -> tuple[float, float]:
+    """``cuda_dynamic_peak`` with PP: the worst of the pipeline ranks (or rank ``pp_rank``)."""
+    mb = microbatch_bytes(args, dims, terms, tokens)
     sizes = stage_layer_counts(dims, args.n_layers, runtime)
     n_local = len(sizes) // dims.pp
-    per_block = saved_block_bytes_cuda(args, mode, mb_tokens, tp, policy)
-    rebuild = recompute_bytes(args, mb_tokens, tp, compiled) if mode != "none" else 0.0
-    # torch.distributed.pipelining's buffers (stage.py): a stage that receives activations has a
-    # recv buffer per microbatch, one that receives gradients a grad buffer per microbatch, both
-    # allocated once and kept; fwd_cache keeps each in-flight microbatch's stage output until its
-    # backward. Stage I/O is the residual stream, sequence-sharded under TP's sequence parallel;
-    # the last stage's output is its logits (vocab-sharded under loss parallel). A received input
-    # is also the first block's saved input (counted in per_block), hence ``io`` is taken back.
-    io = mb_tokens * 2 * args.dim / (tp if dims.tp_sequence_parallel else 1)
-    logits_out = mb_tokens * 2 * args.vocab_size / (tp if dims.loss_parallel_enabled else 1)
     worst = (0.0, 0.0)
     for rank in range(dims.pp) if pp_rank is None else [pp_rank]:
         stages = [rank + k * dims.pp for k in range(n_local)]
-        last = len(sizes) - 1
-        p2p = sum(n_mb * io * ((s != 0) + (s != last)) for s in stages)
-        unsharded = sum(sizes[s] * avg_blk / tp * w_bytes for s in stages) if dims.fsdp_enabled else 0.0
-        unsharded += (args.embedding_params / tp * 2 if 0 in stages and dims.fsdp_enabled else 0.0)
-        unsharded += (args.head_params / tp * 2 if last in stages and dims.fsdp_enabled else 0.0)
-        live = [0] * n_local
-        done = [0] * n_local  # microbatches whose backward has run, per local stage
-        peak = 0.0
-        for op, k in pipeline_order(str(dims.pp_schedule), dims.pp, rank, n_mb, n_local):
-            if op == "F":
-                live[k] += 1
-                continue
-            held = sum(n * (sizes[s] * per_block + (logits_out if s == last else io) - (io if s else 0))
-                       for n, s in zip(live, stages)) + p2p
-            if runtime.pp_keeps_outputs and last in stages:  # outputs kept past their backward
-                held += done[stages.index(last)] * logits_out
-            grads_done = [d > 0 and n_mb > 1 for d in done]
-            acc = sum(sizes[s] * avg_blk / tp * 4 for g, s in zip(grads_done, stages) if g)
-            extra = rebuild + block_grad
-            if stages[k] == last:
-                extra = max(extra, loss_peak_bytes(args, mb_tokens, dims))
-            peak = max(peak, held + acc + extra)
-            live[k] -= 1
-            done[k] += 1
+        unsharded = stage_unsharded_bytes(args, terms, sizes, stages)
+        peak = schedule_peak(dims, runtime, rank, stages, sizes, mb, terms)
         if peak + unsharded > sum(worst):
             worst = (peak, unsharded)
     return worst[0] + worst[1], worst[1]
+
+
+def stage_unsharded_bytes(args: ModelShape, terms: StepTerms, sizes: list[int], stages: list[int]) -> float:
+    """A rank's stages' parameters, kept unsharded by FSDP through the whole step."""
+    if not terms.fsdp:
+        return 0.0
+    last = len(sizes) - 1
+    unsharded = sum(sizes[s] * terms.layer_params / terms.tp * terms.weight_bytes for s in stages)
+    unsharded += (args.embedding_params / terms.tp * 2 if 0 in stages else 0.0)
+    unsharded += (args.head_params / terms.tp * 2 if last in stages else 0.0)
+    return unsharded
+
+
+def schedule_peak(dims, runtime: Runtime, rank: int, stages: list[int], sizes: list[int],
+                  mb: MicrobatchBytes, terms: StepTerms) -> float:
+    """The most a rank holds at any backward of its schedule: in-flight microbatches'
+    activations and stage outputs, the p2p buffers, gradients accumulated so far, and the
+    backward's own transient. A received input is also the first block's saved input (counted
+    in ``per_block``), hence ``io`` is taken back for every stage but the first."""
+    last = len(sizes) - 1
+    n_local = len(stages)
+    p2p = sum(mb.n_mb * mb.io * ((s != 0) + (s != last)) for s in stages)
+    live = [0] * n_local
+    done = [0] * n_local  # microbatches whose backward has run, per local stage
+    peak = 0.0
+    for op, k in pipeline_order(str(dims.pp_schedule), dims.pp, rank, mb.n_mb, n_local):
+        if op == "F":
+            live[k] += 1
+            continue
+        held = sum(n * (sizes[s] * mb.per_block + (mb.logits if s == last else mb.io) - (mb.io if s else 0))
+                   for n, s in zip(live, stages)) + p2p
+        if runtime.pp_keeps_outputs and last in stages:  # outputs kept past their backward
+            held += done[stages.index(last)] * mb.logits
+        grads_done = [d > 0 and mb.n_mb > 1 for d in done]
+        acc = sum(sizes[s] * terms.layer_params / terms.tp * 4 for g, s in zip(grads_done, stages) if g)
+        extra = mb.backward_extra
+        if stages[k] == last:
+            extra = max(extra, mb.loss_peak)
+        peak = max(peak, held + acc + extra)
+        live[k] -= 1
+        done[k] += 1
+    return peak

@@ -133,78 +133,124 @@ def plan(cfg: DictConfig, dims, runtime: Runtime = TITAN_HYDRA) -> Plan:
     args = family.shape(margs)
     t = cfg.training
     mp = mixed_precision_of(cfg)
-    ac = cfg.activation_checkpoint
-    n = args.params
-    n_emb = args.embedding_params
     data_cfg = OmegaConf.select(cfg, "data")
     seq = family.sample_tokens(margs, data_cfg, int(t.seq_len))  # positions per sample
     per_sample = family.flops_per_sample(margs, data_cfg, int(t.seq_len))
     fpt = per_sample / seq
-    local_bs = t.local_batch_size
-    global_bs, accum = dims.batch_plan(local_bs, t.global_batch_size)
+    global_bs, accum = dims.batch_plan(t.local_batch_size, t.global_batch_size)
     tokens = global_bs * seq
+    mem = rank_memory(cfg, dims, args, runtime, mp, seq)
+    ep = int(getattr(dims, "ep", 1))
+    a2a = alltoall_bytes(args, precision_kind(mp, dims.fsdp_enabled), t.local_batch_size * seq / dims.cp * accum,
+                         math.ceil(args.moe_layers / dims.pp), ep)
+    peak_tflops = peak_tflops_of(cfg)
+    flops_rank = fpt * tokens / dims.world_size
+    step_time = flops_rank / (ASSUMED_MFU * peak_tflops * 1e12) if peak_tflops else None
+    per_unit = family.objective.unit == "token"
+    return Plan(
+        flavor=str(OmegaConf.select(cfg, "model.flavor", default=None) or "custom"), params=args.params,
+        active_params=args.active_params, non_embedding_params=args.params - args.embedding_params,
+        flops_per_token=fpt, tokens_per_step=tokens, flops_per_step=fpt * tokens, world_size=dims.world_size,
+        layout=layout_label(dims, ep), grad_accum_steps=accum, mem_params_gib=mem.params / GIB,
+        mem_grads_gib=mem.grads / GIB, mem_optimizer_gib=mem.optimizer / GIB,
+        mem_activations_gib=mem.activations / GIB, mem_total_gib=mem.peak / GIB,
+        mixed_precision=mp, ac_mode=str(cfg.activation_checkpoint.mode), mem_transient_gib=mem.transient / GIB,
+        device_memory_gib=device_memory_of(cfg),
+        tflops_per_rank_at_mfu40=ASSUMED_MFU * peak_tflops if peak_tflops else 0.0, step_time_s_at_mfu40=step_time,
+        expert_parallel=ep, alltoall_gib_per_step=a2a / GIB, unit=family.objective.unit,
+        flops_per_unit=fpt if per_unit else per_sample, units_per_step=tokens if per_unit else global_bs,
+        tokens_per_sample=seq,
+    )
+
+
+def layout_label(dims, ep: int) -> str:
+    layout = f"dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp} pp={dims.pp} cp={dims.cp}"
+    return layout + f" ep={ep}" if ep > 1 else layout
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes on one rank: the static fp32 state, what backward adds, and the step's peak."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    transient: float
+    peak: float
+
+
+def rank_memory(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime, mp: str, seq: int) -> RankMemory:
+    """Per-rank memory of a step (``plan``'s docstring) for ``seq`` positions per sample."""
+    ac = cfg.activation_checkpoint
     fsdp_shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
     params_local = stage_params(args, dims.pp) / dims.tp / fsdp_shard
     mem_params = params_local * 4  # fp32 master weights
     mem_grads = params_local * 4
     mem_optim = params_local * 8  # AdamW exp_avg + exp_avg_sq
     kind = precision_kind(mp, dims.fsdp_enabled)
-    local_tokens = local_bs * seq / dims.cp
-    if dims.pp > 1:  # microbatches in flight on the first stage: up to pp of them
-        micro = dims.pp_microbatches or dims.pp
-        local_tokens = local_tokens / micro * min(micro, dims.pp)
-    layers = math.ceil(args.n_layers / dims.pp)
-    moe_layers = math.ceil(args.moe_layers / dims.pp)
-    ep = int(getattr(dims, "ep", 1))
-    act = activation_bytes(args, kind, ac.mode, local_tokens, layers, int(ac.selective_layer_freq), dims.tp,
-                           str(ac.get("selective_op_policy", "all_mm")))
-    act += moe_layers * moe_activation_bytes(args, kind, ac.mode, local_tokens)
-    act += head_activation_bytes(args, local_tokens, dims)
-    act += fp32_attention_bytes(cfg, args, mp, ac, local_tokens, layers, dims.tp)
-    if kind == "bf16":  # autocast's bf16 copies of the weights live until backward ends
-        act += params_local * 2
-    transient = end_of_backward = 0.0
-    if dims.fsdp_enabled:
-        block = largest_block_params(args, ep) / dims.tp
-        head = args.head_params / dims.tp
-        pbytes = 2 if kind == "bf16_params" else 4
-        transient = (head + block) * (pbytes + 4)  # unsharded params + their unsharded grads
-        # Last groups of backward: (almost) every sharded gradient already exists while a group
-        # is still unsharded: its params, its unsharded grads and reduce-scatter's fp32 copy-in.
-        # This is the peak when parameters outweigh activations (the ~100M model at 128 tokens).
-        end_of_backward = mem_grads + max(head, block) * (2 * pbytes + 4)
-    # AdamW on CUDA is foreach (a temporary as large as all local params); on CPU it loops
-    # per tensor (a temporary as large as the largest one: embedding/output or an FFN weight).
-    expert_tensor = args.expert_params / max(3 * args.moe_layers, 1)  # one of w1/w2/w3 of a layer
-    largest = max(n_emb, args.dim * args.ffn_dim, expert_tensor) / dims.tp / fsdp_shard
-    optimizer_step = mem_grads + 4 * (params_local if cfg.cluster.device == "cuda" else largest)
+    local_tokens = in_flight_tokens(cfg.training.local_batch_size, seq, dims)
+    act = saved_activation_bytes(cfg, dims, args, mp, kind, local_tokens, params_local)
+    transient, end_of_backward = fsdp_unsharded_bytes(args, dims, kind, mem_grads)
+    optimizer_step = optimizer_step_bytes(cfg, args, dims, params_local, mem_grads, fsdp_shard)
     if cfg.cluster.device == "cuda" and kind == "bf16_params":
         # CUDA: what the run holds (cuda_dynamic_peak) times the caching allocator's reserve.
         dyn, unsharded = cuda_dynamic_peak(cfg, dims, args, runtime, seq_len=seq)
-        dyn += moe_layers * moe_activation_bytes(args, kind, ac.mode, local_tokens)
+        dyn += math.ceil(args.moe_layers / dims.pp) * moe_activation_bytes(args, kind, ac.mode, local_tokens)
         act, transient = dyn - unsharded, unsharded
         compiled = str(OmegaConf.select(cfg, "compile.mode", default="none")) != "none"
         reserve = ALLOCATOR_RESERVE_COMPILED if compiled else ALLOCATOR_RESERVE_EAGER
         peak = mem_params + mem_optim + reserve * max(dyn, optimizer_step, end_of_backward)
     else:
         peak = mem_params + mem_optim + max(act + transient, optimizer_step, end_of_backward)
-    layout = f"dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp} pp={dims.pp} cp={dims.cp}"
-    if ep > 1:
-        layout += f" ep={ep}"
-    a2a = alltoall_bytes(args, kind, local_bs * seq / dims.cp * accum, moe_layers, ep)
-    peak_tflops = peak_tflops_of(cfg)
-    flops_rank = fpt * tokens / dims.world_size
-    step_time = flops_rank / (ASSUMED_MFU * peak_tflops * 1e12) if peak_tflops else None
-    return Plan(
-        flavor=str(OmegaConf.select(cfg, "model.flavor", default=None) or "custom"), params=n,
-        active_params=args.active_params, non_embedding_params=n - n_emb, flops_per_token=fpt,
-        tokens_per_step=tokens, flops_per_step=fpt * tokens, world_size=dims.world_size, layout=layout,
-        grad_accum_steps=accum, mem_params_gib=mem_params / GIB, mem_grads_gib=mem_grads / GIB,
-        mem_optimizer_gib=mem_optim / GIB, mem_activations_gib=act / GIB, mem_total_gib=peak / GIB,
-        mixed_precision=mp, ac_mode=str(ac.mode), mem_transient_gib=transient / GIB,
-        device_memory_gib=device_memory_of(cfg),
-        tflops_per_rank_at_mfu40=ASSUMED_MFU * peak_tflops if peak_tflops else 0.0, step_time_s_at_mfu40=step_time,
-        expert_parallel=ep, alltoall_gib_per_step=a2a / GIB, unit=family.objective.unit,
-        flops_per_unit=fpt if family.objective.unit == "token" else per_sample,
-        units_per_step=tokens if family.objective.unit == "token" else global_bs, tokens_per_sample=seq,
-    )
+    return RankMemory(mem_params, mem_grads, mem_optim, act, transient, peak)
+
+
+def in_flight_tokens(local_batch_size: int, seq: int, dims) -> float:
+    """Tokens whose activations a rank holds at once: its CP share of the local batch; under PP
+    the microbatches in flight on the first stage (up to pp of them)."""
+    local_tokens = local_batch_size * seq / dims.cp
+    if dims.pp > 1:
+        micro = dims.pp_microbatches or dims.pp
+        local_tokens = local_tokens / micro * min(micro, dims.pp)
+    return local_tokens
+
+
+def saved_activation_bytes(cfg: DictConfig, dims, args: ModelShape, mp: str, kind: str, local_tokens: float,
+                           params_local: float) -> float:
+    """Activations saved for backward on one rank (the measured CPU coefficients)."""
+    ac = cfg.activation_checkpoint
+    layers = math.ceil(args.n_layers / dims.pp)
+    act = activation_bytes(args, kind, ac.mode, local_tokens, layers, int(ac.selective_layer_freq), dims.tp,
+                           str(ac.get("selective_op_policy", "all_mm")))
+    act += math.ceil(args.moe_layers / dims.pp) * moe_activation_bytes(args, kind, ac.mode, local_tokens)
+    act += head_activation_bytes(args, local_tokens, dims)
+    act += fp32_attention_bytes(cfg, args, mp, ac, local_tokens, layers, dims.tp)
+    if kind == "bf16":  # autocast's bf16 copies of the weights live until backward ends
+        act += params_local * 2
+    return act
+
+
+def fsdp_unsharded_bytes(args: ModelShape, dims, kind: str, mem_grads: float) -> tuple[float, float]:
+    """(unsharded params + grads of the groups in use at the start of backward, the end-of-backward
+    peak): both 0 without FSDP."""
+    if not dims.fsdp_enabled:
+        return 0.0, 0.0
+    block = largest_block_params(args, int(getattr(dims, "ep", 1))) / dims.tp
+    head = args.head_params / dims.tp
+    pbytes = 2 if kind == "bf16_params" else 4
+    transient = (head + block) * (pbytes + 4)  # unsharded params + their unsharded grads
+    # Last groups of backward: (almost) every sharded gradient already exists while a group
+    # is still unsharded: its params, its unsharded grads and reduce-scatter's fp32 copy-in.
+    # This is the peak when parameters outweigh activations (the ~100M model at 128 tokens).
+    return transient, mem_grads + max(head, block) * (2 * pbytes + 4)
+
+
+def optimizer_step_bytes(cfg: DictConfig, args: ModelShape, dims, params_local: float, mem_grads: float,
+                         fsdp_shard: int) -> float:
+    """Gradients + AdamW's temporaries. On CUDA AdamW is foreach (a temporary as large as all
+    local params); on CPU it loops per tensor (as large as the largest one: embedding/output or an
+    FFN weight)."""
+    expert_tensor = args.expert_params / max(3 * args.moe_layers, 1)  # one of w1/w2/w3 of a layer
+    largest = max(args.embedding_params, args.dim * args.ffn_dim, expert_tensor) / dims.tp / fsdp_shard
+    return mem_grads + 4 * (params_local if cfg.cluster.device == "cuda" else largest)

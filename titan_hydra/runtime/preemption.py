@@ -68,18 +68,11 @@ class Preemption:
         self.requeue_fn = requeue_fn
         self.log = log or (lambda msg: print(f"[preemption] {msg}", flush=True) if rank == 0 else None)
         self.signalled = False
-        self._previous: Any = None
 
     # ------------------------------------------------------------------ the flag
     def install(self) -> "Preemption":
-        self._previous = signal.getsignal(self.signum)
         signal.signal(self.signum, self._on_signal)
         return self
-
-    def uninstall(self) -> None:
-        if self._previous is not None:
-            signal.signal(self.signum, self._previous)
-            self._previous = None
 
     def _on_signal(self, signum: int, frame: Any = None) -> None:
         self.signalled = True  # no I/O here: the handler may interrupt a print or a collective's setup

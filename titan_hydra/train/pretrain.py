@@ -40,6 +40,7 @@ from titan_hydra.runtime.preemption import watch_for_preemption
 from titan_hydra.runtime.rendezvous import init_process_group  # bounded, one-line failure
 from titan_hydra.spec import RunSpec
 from titan_hydra.train.built import BoundEval, BuiltModel, DataPlan, Monitors, Schedule
+from titan_hydra.train.moe_balance import moe_balance_hooks
 from titan_hydra.train.optimizers import build_optimizer
 from titan_hydra.train.trainer import Trainer, TrainState
 
@@ -321,7 +322,8 @@ def _run(spec: RunSpec, run_dir: str, rank: int, device: torch.device, return_st
         schedule=schedule_of(spec), state=state, device=device, checkpointer=checkpointer,
         monitors=Monitors(metric_logger, build_throughput(spec, device, rank, built), MemoryMonitor(device), profiler),
         preemption=watch_for_preemption(rank, spec.world_size, device),  # None outside SLURM
-        step_hooks=built.family.step_hooks(built.parts, spec.dims) + compile_hooks(spec),
+        step_hooks=moe_balance_hooks(built.parts, spec.dims) + built.family.step_hooks(built.parts, spec.dims)
+        + compile_hooks(spec),
         periodic_eval=periodic_eval_of(spec, built, data), fault_tolerance=ft if ft.enabled else None,
     )
     if rank == 0:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import json
 from functools import lru_cache
 from typing import Any
@@ -197,15 +196,6 @@ class DecoderFamily(ModelFamily):
     def set_loss_scale(self, model_parts: list[nn.Module], scale: float) -> None:
         if any(self.expert_modules(part) for part in model_parts):
             moe.set_aux_grad_scale(model_parts, scale)
-
-    def step_hooks(self, model_parts: list[nn.Module], dims: Any) -> list:
-        """MoE models: one load-balancing step per optimizer step (expert bias update + load
-        metrics), with token counts summed over the data x context parallel ranks."""
-        if not any(self.expert_modules(part) for part in model_parts):
-            return []  # dense (or a pipeline stage without MoE layers)
-        mesh = dims.submesh("dp_cp") if dims is not None else None
-        group = mesh.get_group() if mesh is not None else None
-        return [functools.partial(moe.balance_step, model_parts, group)]
 
     def cut_stage(self, model: nn.Module, layer_ids: range, is_first: bool, is_last: bool) -> nn.Module:
         stage = copy.deepcopy(model)

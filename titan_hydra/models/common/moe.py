@@ -11,13 +11,12 @@ Why it is built this way:
   The bias steers load without entering the function the model computes for a given choice.
 * Dispatch is local: the (token, expert) pairs are sorted by expert (stable sort), so each
   expert's rows are contiguous and ``GroupedExperts`` runs one grouped GEMM per projection
-  (``torch._grouped_mm``) over all experts. ``GroupedExperts.forward(x, counts)`` is the cut
-  expert parallelism wraps (all-to-all around it), so the router and combine never know about
-  EP. Outputs are weighted by their gates and summed back into token order in fp32.
-* Load is counted per optimizer step (training forwards only) in a buffer; the trainer's step
-  hook calls ``balance_step`` once per step, which all-reduces the counts over data-parallel
-  ranks and updates every rank's bias identically. Its metrics are ratios, so a layer counted
-  twice (activation-checkpoint recompute) reports the same numbers.
+  (``torch._grouped_mm``, where ``kernels/grouped_mm.py`` finds that it works) over all
+  experts. ``GroupedExperts.forward(x, counts)`` is the cut expert parallelism wraps (all-to-all
+  around it), so the router and combine never know about EP. Outputs are weighted by their gates and summed back into token order in fp32.
+* Load is counted per optimizer step (training forwards only, not an activation-checkpoint
+  recompute) in a buffer; a training hook (``train/moe_balance.py``) sums it over the
+  data-parallel ranks once per step and moves the bias, so this module never communicates.
 * The optional sequence-wise auxiliary loss (DeepSeek-V3) reaches the gradient through an
   autograd function on the layer output, so the loss function's signature stays ``(logits,
   labels)`` and pipeline stages need nothing extra.
@@ -25,7 +24,6 @@ Why it is built this way:
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, fields
 from typing import Any, Iterable, Optional
 
@@ -34,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from titan_hydra.kernels.grouped_mm import grouped_mm_works, probe_grouped_mm
 from titan_hydra.models.common.cast_cache import WeightCastCache
 from titan_hydra.models.common.layers import FeedForward, trunc_normal_
 
@@ -97,11 +96,6 @@ class MoEArgs:
     @property
     def shared_dim(self) -> int:
         return self.num_shared_experts * self.expert_dim
-
-    @property
-    def active_dim(self) -> int:
-        """FFN width one token passes through: its k experts plus the shared experts."""
-        return self.top_k * self.expert_dim + self.shared_dim
 
 
 # ------------------------------------------------------------------------------------ router
@@ -167,48 +161,12 @@ def expert_counts(selected: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------- experts
 
-_GROUPED_MM_WORKS: dict[tuple[str, torch.dtype], bool] = {}
-_PROBED_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm runs forward and backward here (odd group sizes, an empty group)."""
-    try:
-        # the caller may be inside no_grad (init_weights) or autocast: probe the op itself
-        with torch.enable_grad(), torch.autocast(device.type, enabled=False), torch.device(device):
-            return _run_grouped_mm_probe(device, dtype)
-    except (AttributeError, RuntimeError, NotImplementedError, TypeError):
-        return False
-
-
-def _run_grouped_mm_probe(device: torch.device, dtype: torch.dtype) -> bool:
-    x = torch.ones(5, 16, device=device, dtype=dtype, requires_grad=True)
-    w = torch.ones(3, 16, 16, device=device, dtype=dtype, requires_grad=True)
-    offs = torch.tensor([1, 1, 5], device=device, dtype=torch.int32)
-    y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-    y.backward(torch.ones_like(y))
-    return bool(torch.isfinite(w.grad).all())
-
-
-def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Probed once per (device type, dtype) in eager mode (``GroupedExperts.init_weights`` warms
-    it); while torch.compile traces, an unprobed pair assumes the op exists."""
-    key = (device.type, dtype)
-    if key not in _GROUPED_MM_WORKS:
-        if torch.compiler.is_compiling():
-            return hasattr(torch, "_grouped_mm")
-        _GROUPED_MM_WORKS[key] = _probe_grouped_mm(device, dtype)
-    return _GROUPED_MM_WORKS[key]
-
-
 def buckets_rows(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether expert rows are padded to bucketed counts: on CPU in bf16/fp16.
 
-    oneDNN builds (and keeps) a kernel and workspace per matmul shape in reduced precision, and
-    an expert's row count changes every step, so a CPU MoE run in bf16 grew resident memory by
-    ~1 GiB in 60 steps (0.64 -> 1.84 GiB, qwen3_moe_debug) while fp32 stayed flat. With each
-    expert's rows padded to one of a few sizes the shapes repeat and memory stays flat. GPUs and
-    fp32 CPU matmuls keep no per-shape state, so they run unpadded.
+    oneDNN keeps a kernel and workspace per matmul shape in reduced precision and an expert's row
+    count changes every step, so unpadded rows grow resident memory step after step; bucketed counts
+    repeat. GPUs and fp32 CPU matmuls keep no per-shape state, so they run unpadded.
     """
     return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
 
@@ -217,10 +175,8 @@ def bucket_counts(counts: torch.Tensor, min_step: int = 32) -> torch.Tensor:
     """Each count rounded up to a multiple of max(min_step, 2^floor(log2 count) / 8): at most
     12.5% padding above 8 x min_step rows, and about eight sizes per doubling. 0 stays 0.
 
-    min_step 32 pads torchtitan's Qwen3-MoE debug routing (128 rows per expert on average,
-    10% of experts under 41) by 12% (64 padded it by 25%, 16 by 6%). Finer steps mean more
-    distinct shapes: with 16, resident memory of a 300-step qwen3_moe_debug run rose 14% after
-    step 30 (oneDNN's per-shape state), with 32 9% (flat after step 100), with 64 5%."""
+    ``min_step`` trades padding (a smaller step pads less) against the number of distinct shapes
+    oneDNN keeps state for (a larger step makes fewer); 32 keeps both near 10% on qwen3_moe_debug."""
     octave = torch.exp2(torch.floor(torch.log2(counts.clamp_min(1).double()))).long()
     step = (octave // 8).clamp_min(min_step)
     return (counts + step - 1) // step * step
@@ -294,9 +250,7 @@ class GroupedExperts(nn.Module):
         trunc_normal_(self.w1, in_std)
         trunc_normal_(self.w3, in_std)
         trunc_normal_(self.w2, out_std)
-        if self.w1.device.type != "meta":  # decide grouped GEMM vs loop now, outside any compile
-            for dtype in _PROBED_DTYPES:
-                grouped_mm_works(self.w1.device, dtype)
+        probe_grouped_mm(self.w1.device)
 
 
 def grouped_swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
@@ -364,7 +318,7 @@ class MoE(nn.Module):
 
     Buffers: ``expert_bias`` [E] fp32 (persistent, so a resumed run chooses exactly as the
     uninterrupted one), ``tokens_per_expert`` [E] fp32 (this optimizer step's load, training
-    forwards only; ``balance_step`` reads and resets it).
+    forwards only; the step's balancing hook reads and resets it).
 
     Auxiliary loss scaling: with ``aux_loss_coeff`` > 0 each training forward adds
     ``aux_loss_coeff * aux_grad_scale * sequence_balance_loss`` of its own microbatch to the
@@ -423,7 +377,7 @@ class MoE(nn.Module):
             self.tokens_per_expert.zero_()
 
 
-# ------------------------------------------------------------------------ per-step balancing
+# ------------------------------------------------------------------------------- per step
 
 
 def moe_modules(model_parts: Iterable[nn.Module]) -> list[tuple[str, MoE]]:
@@ -434,57 +388,3 @@ def set_aux_grad_scale(model_parts: Iterable[nn.Module], scale: float) -> None:
     """Weight of each microbatch's aux-loss gradient (1/N with N accumulated microbatches)."""
     for _, m in moe_modules(model_parts):
         m.aux_grad_scale = float(scale)
-
-
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def _layer_label(name: str) -> str:
-    m = _LAYER_RE.search(name + ".")
-    return f"layer{m.group(1)}" if m else (name.replace(".", "_") or "root")
-
-
-def _process_group(group: Any):
-    if group is None:
-        return None
-    return group.get_group() if hasattr(group, "get_group") else group
-
-
-@torch.no_grad()
-def balance_step(model_parts: Iterable[nn.Module], group: Any = None) -> dict[str, float]:
-    """Once per optimizer step: all-reduce each MoE layer's token counts over ``group`` (the
-    data x context parallel ranks; a ProcessGroup, a 1-D DeviceMesh, or None in one process),
-    move the expert biases (if load_balance_coeff > 0: bias += coeff * sign(mean - count), then
-    recentred to mean 0), reset the counts and return load metrics:
-
-    * ``moe/max_over_mean``: the worst layer's max/mean tokens per expert (1.0 = perfectly even),
-    * ``moe/idle_frac``: fraction of (layer, expert) pairs that got no token this step,
-    * ``moe/layer<i>/max_over_mean`` for each layer.
-
-    Every rank gets the same sums, so biases stay identical on every rank.
-    """
-    layers = moe_modules(model_parts)
-    if not layers:
-        return {}
-    counts = torch.cat([m.tokens_per_expert for _, m in layers])
-    pg = _process_group(group)
-    if pg is not None and torch.distributed.is_initialized() and torch.distributed.get_world_size(pg) > 1:
-        torch.distributed.all_reduce(counts, group=pg)
-    ratios, idle, total = [], torch.zeros((), device=counts.device), 0
-    start = 0
-    for _, m in layers:
-        c = counts[start:start + m.args.num_experts]
-        start += m.args.num_experts
-        mean = c.mean()
-        ratios.append(torch.where(mean > 0, c.max() / mean.clamp_min(1e-20), torch.zeros_like(mean)))
-        idle = idle + (c == 0).sum()
-        total += c.numel()
-        if m.args.load_balance_coeff > 0:
-            m.expert_bias.add_(m.args.load_balance_coeff * torch.sign(mean - c))
-            m.expert_bias.sub_(m.expert_bias.mean())
-        m.tokens_per_expert.zero_()
-    if not bool(counts.sum() > 0):
-        return {}
-    values = torch.stack([*ratios, idle / total]).tolist()
-    metrics = {f"moe/{_layer_label(name)}/max_over_mean": v for (name, _), v in zip(layers, values[:-1])}
-    return {"moe/max_over_mean": max(values[:-1]), "moe/idle_frac": values[-1], **metrics}

@@ -1,8 +1,8 @@
 """ParallelStyles that torch does not ship, used by the families' tensor-parallel plans.
 
 A plan (which module is sharded how) is model knowledge, so these live beside
-``decoder_family.DecoderFamily.tp_plan``; ``titan_hydra.parallel.styles`` re-exports them for
-models defined outside this package. Importing this module imports ``torch.distributed.tensor``.
+``decoder_family.DecoderFamily.tp_plan``; a model defined outside this package imports them from
+here too. Importing this module imports ``torch.distributed.tensor``.
 
 * ``ReplicateParallel``: a module kept whole whose parameters must still be DTensors on the TP
   mesh (norms without sequence parallel). Gradient clipping's foreach norm and FSDP's 2-D

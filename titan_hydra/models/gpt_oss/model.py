@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_hydra.kernels.grouped_mm import grouped_mm_works
 from titan_hydra.models.common.attention import Attention
 from titan_hydra.models.common.decoder import Decoder, TransformerBlock, residual_out_std
-from titan_hydra.models.common.moe import GroupedExperts, MoE, MoEArgs, TokenChoiceRouter, grouped_mm_works
+from titan_hydra.models.common.moe import GroupedExperts, MoE, MoEArgs, TokenChoiceRouter
 from titan_hydra.models.common.rotary import inverse_frequencies, yarn_frequencies
 
 ROPE_TYPES = ("default", "yarn")
