@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = compose_config(args.overrides)
     try:
-        result = plan(cfg, spec_of(cfg).dims)
+        result = plan(spec_of(cfg))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

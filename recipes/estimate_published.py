@@ -64,9 +64,9 @@ def evaluate_row(row: dict) -> dict:
     from titan_hydra.planner.runtime import TORCHTITAN_2024_12
 
     cfg = compose_config(overrides(row))
-    dims = spec_of(cfg).dims
-    p = plan(cfg, dims, runtime=TORCHTITAN_2024_12)
-    tps = p.tokens_per_step / estimated_step_time(cfg, dims, p) / dims.world_size
+    spec = spec_of(cfg)
+    p = plan(spec, runtime=TORCHTITAN_2024_12)
+    tps = p.tokens_per_step / estimated_step_time(spec, p) / spec.world_size
     return {
         "id": row["id"], "table": row["table"], "model": row["model"], "gpus": row["gpus"],
         "layout": p.layout, "published_gib": row["memory_gib"], "estimated_gib": round(p.mem_total_gib, 2),

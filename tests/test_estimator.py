@@ -105,7 +105,7 @@ CASES = {
 def test_estimate_within_15_percent_of_measured_peak(name):
     torch.set_num_threads(1)
     cfg = compose_cfg(CASES[name])
-    est = plan(cfg, spec_of(cfg).dims).mem_total_gib
+    est = plan(spec_of(cfg)).mem_total_gib
     got = measured_peak_gib(cfg)
     assert abs(est - got) / got < 0.15, f"{name}: estimated {est:.4f} GiB, measured {got:.4f} GiB"
 
@@ -146,7 +146,7 @@ FLUX_CASES = {"fp32": ["training.mixed_precision=fp32"], "bf16": ["training.mixe
 def test_flux_estimate_within_20_percent_of_measured_peak(name):
     torch.set_num_threads(1)
     cfg = compose_cfg(FLUX + FLUX_CASES[name])
-    p = plan(cfg, spec_of(cfg).dims)
+    p = plan(spec_of(cfg))
     assert p.unit == "image" and p.tokens_per_sample == 256 + 32 and p.units_per_step == p.tokens_per_step // 288
     got = measured_flux_peak_gib(cfg)
     assert abs(p.mem_total_gib - got) / got < 0.20, f"flux {name}: estimated {p.mem_total_gib:.4f}, measured {got:.4f} GiB"
@@ -160,9 +160,10 @@ def test_flux_plan_counts_images_and_their_flops():
     plans = {}
     for px in (256, 512, 1024):
         cfg = compose_cfg(["model=flux_dev", "data=flux_shapes", f"data.image_size={px}", "data.examples.max_text_len=512",
+                           "data.examples.guidance=3.5",
                            "cluster=slurm_h100", "cluster.nnodes=2", "parallelism=fsdp", "training.local_batch_size=1",
                            "training.global_batch_size=16", "activation_checkpoint=full", "dry_run=true"])
-        p = plans[px] = plan(cfg, spec_of(cfg).dims)
+        p = plans[px] = plan(spec_of(cfg))
         image_tokens = (px // 16) ** 2
         assert p.params == 11_901_408_320 and p.unit == "image" and p.units_per_step == 16
         assert p.tokens_per_sample == image_tokens + 512 and p.tokens_per_step == 16 * (image_tokens + 512)
@@ -189,7 +190,7 @@ def test_published_flavors_and_layouts():
         cfg = compose_cfg([f"model={flavor}", "cluster=slurm_h100", "cluster.nnodes=4",
                            "parallelism=fsdp", "training.seq_len=8192", "training.local_batch_size=1",
                            "activation_checkpoint=full"])
-        p = plan(cfg, spec_of(cfg).dims)
+        p = plan(spec_of(cfg))
         assert p.params == n
         assert p.world_size == 32
         assert p.mem_params_gib == pytest.approx(n * 4 / 32 / GIB, rel=0.02)
@@ -203,7 +204,7 @@ def test_published_flavors_and_layouts():
     def plan_of(overrides):
         cfg = compose_cfg(["model=llama3_8b", "cluster=slurm_h100", "parallelism=fsdp",
                            "training.local_batch_size=1", "training.seq_len=8192", *overrides])
-        return plan(cfg, spec_of(cfg).dims)
+        return plan(spec_of(cfg))
 
     none, full, sel = plan_of([]), plan_of(["activation_checkpoint=full"]), plan_of(["activation_checkpoint=selective_op"])
     assert full.mem_activations_gib < sel.mem_activations_gib < none.mem_activations_gib
@@ -238,7 +239,7 @@ def test_estimate_within_15_percent_per_rank_under_layouts(tmp_path, name):
     proc = run_launch(overrides + [f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     cfg = compose_cfg(overrides)
-    est = plan(cfg, spec_of(cfg).dims).mem_total_gib
+    est = plan(spec_of(cfg)).mem_total_gib
     for rank in (0, 1):
         record = json.loads((run_dir / "memory_snapshot" / "iteration_2" / f"rank{rank}_memory.json").read_text())
         got = record["peak_bytes"]["total"] / GIB

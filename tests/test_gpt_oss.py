@@ -283,5 +283,5 @@ def test_dry_run_plans_gpt_oss_120b():
     cfg = compose_cfg(["dry_run=true", "model=gpt_oss_120b", "cluster=slurm_h100", "parallelism=fsdp_ep",
                        "training.seq_len=4096", "training.local_batch_size=1", "data.max_documents=1"])
     validate(cfg)
-    text = plan(cfg, spec_of(cfg).dims).format()
+    text = plan(spec_of(cfg)).format()
     assert "116,829,156,672" in text and "5,711,982,912" in text and "ep=2" in text

@@ -222,5 +222,5 @@ def test_dry_run_plans_llama4_scout():
                        "parallelism=fsdp_ep", "parallelism.ep=8", "training.seq_len=8192",
                        "training.local_batch_size=1", "data.max_documents=1"])
     validate(cfg)
-    text = plan(cfg, spec_of(cfg).dims).format()
+    text = plan(spec_of(cfg)).format()
     assert "107,769,861,120" in text and "17,172,894,720" in text and "ep=8" in text

@@ -22,14 +22,14 @@ H100 = ["cluster=slurm_h100", "parallelism=auto", "training.seq_len=8192"]
 def resolved(overrides):
     cfg = compose_cfg(overrides)
     auto.resolve_auto(cfg)
-    return cfg, plan(cfg, spec_of(cfg).dims)
+    return cfg, plan(spec_of(cfg))
 
 
 def fixed_layout_plan(overrides, **degrees):
     cfg = compose_cfg(overrides)
     for k, v in degrees.items():
         cfg.parallelism[k] = v
-    return plan(cfg, spec_of(cfg).dims)
+    return plan(spec_of(cfg))
 
 
 def test_llama3_8b_one_h100_node(capsys):
@@ -46,7 +46,7 @@ def test_llama3_8b_one_h100_node(capsys):
     assert par.name == "auto:dp_shard=4,tp=2"
     line = [l for l in out.splitlines() if l.startswith("parallelism=auto chose")]
     assert line == [f"parallelism=auto chose dp_shard=4 tp=2: fits ({p.mem_total_gib:.3g} GiB/rank), "
-                    f"est. {p.tokens_per_step / auto.estimated_step_time(cfg, spec_of(cfg).dims, p):.4g} "
+                    f"est. {p.tokens_per_step / auto.estimated_step_time(spec_of(cfg), p):.4g} "
                     "tokens/s, the highest of 3 fitting layouts; faster dp_shard=8 needs "
                     f"{fixed_layout_plan(ov, dp_shard=8).mem_total_gib:.1f} GiB/rank"]
 

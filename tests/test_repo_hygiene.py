@@ -33,9 +33,6 @@ def test_no_reference_to_files_outside_the_repository():
 
 
 MAX_FUNCTION_LINES = 60
-# Functions over the limit in files being split by their owners: (path, qualified name). An entry
-# that is no longer too long fails the test, so the list only shrinks.
-KNOWN_LONG = {("titan_hydra/train/pretrain.py", "_run"), ("titan_hydra/train/trainer.py", "Trainer.__init__")}
 
 
 def long_functions(path: Path) -> dict[str, int]:
@@ -60,16 +57,9 @@ def long_functions(path: Path) -> dict[str, int]:
 def test_no_function_is_longer_than_60_lines():
     files = sorted([*(ROOT / "titan_hydra").rglob("*.py"), *(ROOT / "recipes").rglob("*.py")])
     assert len(files) > 50  # the walk found the package
-    too_long, known = [], set()
-    for path in files:
-        rel = path.relative_to(ROOT).as_posix()
-        for name, length in long_functions(path).items():
-            if (rel, name) in KNOWN_LONG:
-                known.add((rel, name))
-            else:
-                too_long.append(f"{rel}: {name} is {length} lines")
+    too_long = [f"{path.relative_to(ROOT).as_posix()}: {name} is {length} lines"
+                for path in files for name, length in long_functions(path).items()]
     assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps):\n" + "\n".join(too_long)
-    assert known == KNOWN_LONG, f"no longer over the limit, remove from KNOWN_LONG: {sorted(KNOWN_LONG - known)}"
 
 
 def test_the_length_check_sees_methods_and_nested_functions(tmp_path):

@@ -54,7 +54,7 @@ def launch(cfg: DictConfig) -> float | None:
     except UserError as e:
         fail(str(e))
     if spec.dry_run:
-        print(plan(spec.config, spec.dims).format(), flush=True)
+        print(plan(spec).format(), flush=True)
         return None
     run_dir = run_dir_of(cfg)
     inside_rank = "LOCAL_RANK" in os.environ or spec.world_size == 1

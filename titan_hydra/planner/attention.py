@@ -11,37 +11,36 @@ from __future__ import annotations
 import math
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from titan_hydra.kernels.small_head_attention import HEAD_DIM
-from titan_hydra.models.protocol import ModelShape
 from titan_hydra.planner.activations import ATTN_FP32_EXTRA
 from titan_hydra.kernels.attention_policy import auto_picks_kernel
 from titan_hydra.kernels.attention_precision import attention_dtype
+from titan_hydra.spec import RunSpec
 
 
-def small_head_kernel_applies(cfg: DictConfig, args: ModelShape, dtype: torch.dtype = torch.bfloat16) -> bool:
+def small_head_kernel_applies(spec: RunSpec, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether ``training.attention_kernel`` would install the small-head kernel (its policy's
     static conditions: CPU, 16-wide heads, no context parallel, not forced to SDPA; under auto,
     also this CPU's measurement of the kernel against SDPA)."""
-    choice = str(OmegaConf.select(cfg, "training.attention_kernel", default="auto"))
-    cp = int(OmegaConf.select(cfg, "parallelism.cp", default=1) or 1)
-    if choice == "sdpa" or str(cfg.cluster.device) != "cpu" or args.head_dim != HEAD_DIM or cp != 1:
+    cfg, args = spec.config, spec.shape
+    choice = str(cfg.training.attention_kernel)
+    if choice == "sdpa" or str(cfg.cluster.device) != "cpu" or args.head_dim != HEAD_DIM or spec.dims.cp != 1:
         return False
-    return choice == "small_head" or auto_picks_kernel(args.n_heads, int(cfg.training.seq_len), dtype)
+    return choice == "small_head" or auto_picks_kernel(args.n_heads, spec.batch.seq_len, dtype)
 
 
-def fp32_attention_bytes(cfg: DictConfig, args: ModelShape, mp: str, ac: DictConfig, tokens: float,
-                         layers: int, tp: int) -> float:
+def fp32_attention_bytes(spec: RunSpec, tokens: float, layers: int) -> float:
     """What upcast attention adds to the saved activations (0 unless it is in effect).
 
     The small-head CPU kernel (kernels/attention_policy.py) replaces the upcast where it applies:
     it widens bf16 q/k/v inside and saves only them, the output and an fp32 logsumexp, as SDPA."""
+    cfg, args, mp, tp = spec.config, spec.shape, spec.mixed_precision, spec.dims.tp
+    ac = cfg.activation_checkpoint
     mode = str(cfg.training.attention_precision)
-    seq_len = int(cfg.training.seq_len)
-    if mp != "bf16" or attention_dtype(mode, mp, cfg.cluster.device, args.head_dim, seq_len) is None:
+    if mp != "bf16" or attention_dtype(mode, mp, cfg.cluster.device, args.head_dim, spec.batch.seq_len) is None:
         return 0.0
-    if small_head_kernel_applies(cfg, args, torch.float32):  # the upcast SDPA it would replace
+    if small_head_kernel_applies(spec, torch.float32):  # the upcast SDPA it would replace
         return 0.0
     per_block = tokens * args.dim / tp
     if ac.mode in ATTN_FP32_EXTRA:  # none / selective_op: every block keeps its copies

@@ -41,7 +41,7 @@ from titan_hydra.errors import ConfigError, UserError
 from titan_hydra.models.registry import args_of
 from titan_hydra.planner.devices import device_memory_of, peak_tflops_of
 from titan_hydra.planner.plan import ASSUMED_MFU, plan
-from titan_hydra.planner.shape import model_shape, stage_params
+from titan_hydra.planner.shape import stage_params
 from titan_hydra.spec import RunSpec, flavor_of, spec_of, world_size_of
 from titan_hydra.validate import check_layout
 
@@ -160,9 +160,9 @@ def layout_problem(spec: RunSpec) -> str:
     return ""
 
 
-def estimated_step_time(cfg: DictConfig, dims, p) -> float:
+def estimated_step_time(spec: RunSpec, p) -> float:
     """Seconds per step: compute at ``ASSUMED_MFU`` (``plan``) + what the layout adds."""
-    args = model_shape(cfg)
+    cfg, dims, args = spec.config, spec.dims, spec.shape
     t = cfg.training
     compute = p.flops_per_step / dims.world_size / (ASSUMED_MFU * NOMINAL_PEAK_TFLOPS * 1e12)
     if p.step_time_s_at_mfu40 is not None:
@@ -210,12 +210,11 @@ def evaluate(cfg: DictConfig, c: Candidate) -> Candidate:
     except UserError as e:
         c.invalid = str(e).splitlines()[0]
         return c
-    dims = spec.dims
     c.invalid = layout_problem(spec)
-    p = plan(ccfg, dims)
+    p = plan(spec)
     c.mem_gib = p.mem_total_gib
     c.fits = p.device_memory_gib is None or p.mem_total_gib <= p.device_memory_gib
-    c.tokens_per_s = p.tokens_per_step / estimated_step_time(ccfg, dims, p)
+    c.tokens_per_s = p.tokens_per_step / estimated_step_time(spec, p)
     return c
 
 
@@ -265,13 +264,13 @@ def resolve_auto(cfg: DictConfig) -> DictConfig:
     if OmegaConf.select(cfg, "parallelism.name") != "auto":
         return cfg
     cands = [evaluate(cfg, c) for c in enumerate_candidates(cfg)]
-    device_gib = device_memory_of(cfg)
+    device_gib = device_memory_of(cfg.cluster)
     chosen = choose(cands)
     if chosen is None:
         raise ConfigError(no_fit_message(cfg, cands, device_gib))
     if is_launcher_rank():
         print(f"parallelism=auto candidates ({len(cands)}):\n{table(cands, device_gib)}", flush=True)
-        peak = peak_tflops_of(cfg) is not None
+        peak = peak_tflops_of(cfg.cluster) is not None
         print(f"parallelism=auto chose {chosen.describe()}: {reason(chosen, cands, peak)}", flush=True)
     set_degrees(cfg, chosen)
     return cfg

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omegaconf import DictConfig, OmegaConf
-
 from titan_hydra.models.protocol import ModelShape
 from titan_hydra.planner.activations import block_activation_bytes, loss_bytes_per_token
 from titan_hydra.planner.pipeline import pipeline_order, stage_layer_counts
 from titan_hydra.planner.runtime import Runtime
 from titan_hydra.planner.shape import largest_block_params
+from titan_hydra.spec import RunSpec
 
 
 # Reserved / allocated memory of the CUDA caching allocator at the peak. Blocks freed in one size
@@ -99,11 +98,12 @@ class StepTerms:
     layer_params: float  # parameters of one layer on average (what a pipeline stage holds)
 
 
-def step_terms(cfg: DictConfig, dims, args: ModelShape) -> StepTerms:
-    """What FSDP unshards and what AC recomputes, from the config and the layout."""
+def step_terms(spec: RunSpec) -> StepTerms:
+    """What FSDP unshards and what AC recomputes, from the run's groups and its layout."""
+    cfg, dims, args = spec.config, spec.dims, spec.shape
     tp = dims.tp
-    f8 = OmegaConf.select(cfg, "float8", default=None)
-    fp8_gather = bool(f8 is not None and str(f8.recipe) != "none" and f8.enable_fsdp_float8_all_gather)
+    f8 = cfg.float8
+    fp8_gather = bool(str(f8.recipe) != "none" and f8.enable_fsdp_float8_all_gather)
     # One block as FSDP unshards it: for MoE the largest (a MoE block with its 1/ep of the routed
     # experts); per layer on average for what a pipeline stage holds unsharded.
     ep = int(getattr(dims, "ep", 1))
@@ -120,15 +120,14 @@ def step_terms(cfg: DictConfig, dims, args: ModelShape) -> StepTerms:
     mode = str(ac.mode)
     return StepTerms(
         tp=tp, ac_mode="none" if mode == "selective_layer" else mode,
-        sac_policy=str(ac.get("selective_op_policy", "all_mm")),
-        compiled=str(OmegaConf.select(cfg, "compile.mode", default="none")) != "none",
+        sac_policy=str(ac.selective_op_policy), compiled=str(cfg.compile.mode) != "none",
         fsdp=bool(dims.fsdp_enabled), weight_bytes=w_bytes, block_weights=block_w, root_weights=root_w,
         block_grads=blk / tp * (2 + 4), layer_params=avg_blk,
     )
 
 
-def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime,
-                      pp_rank: int | None = None, seq_len: int | None = None) -> tuple[float, float]:
+def cuda_dynamic_peak(spec: RunSpec, runtime: Runtime, pp_rank: int | None = None,
+                      seq_len: int | None = None) -> tuple[float, float]:
     """(peak bytes above the sharded fp32 state, unsharded parameter bytes within it) on the
     worst rank (or on pipeline rank ``pp_rank``), on CUDA with bf16 FSDP params.
 
@@ -142,9 +141,10 @@ def cuda_dynamic_peak(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime,
     are alive at each moment; the worst moment of the worst rank counts. ``seq_len``: positions
     per sample where they are not ``training.seq_len`` (the family's ``sample_tokens``).
     """
-    seq = int(seq_len or cfg.training.seq_len)
-    tokens = cfg.training.local_batch_size * seq / dims.cp
-    terms = step_terms(cfg, dims, args)
+    dims, args = spec.dims, spec.shape
+    seq = int(seq_len or spec.batch.seq_len)
+    tokens = spec.batch.local * seq / dims.cp
+    terms = step_terms(spec)
     if dims.pp == 1:
         return unpipelined_peak(args, dims, terms, tokens)
     return pipelined_peak(args, dims, terms, runtime, tokens, pp_rank)

@@ -7,7 +7,7 @@ peak is written down once.
 
 from __future__ import annotations
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from titan_hydra.metrics.throughput import PEAK_TFLOPS
 
@@ -15,29 +15,28 @@ from titan_hydra.metrics.throughput import PEAK_TFLOPS
 DEVICE_MEMORY_GIB = {"h200": 141.0, "h100": 80.0, "a100": 80.0, "b200": 180.0, "l40s": 48.0}
 
 
-def device_memory_of(cfg: DictConfig) -> float | None:
-    c = cfg.cluster
+def device_memory_of(c: DictConfig) -> float | None:
+    """GiB of one device of the ``cluster`` node: ``gpu_mem_gib``, else by the GPU's name; None on CPU."""
     if c.device != "cuda":
         return None
-    if OmegaConf.select(cfg, "cluster.gpu_mem_gib") is not None:  # the cluster says (96 GB H100s)
+    if c.gpu_mem_gib is not None:  # the cluster says (96 GB H100s)
         return float(c.gpu_mem_gib)
-    text = f"{c.name} {OmegaConf.select(cfg, 'cluster.constraint') or ''}".lower()
+    text = f"{c.name} {c.constraint or ''}".lower()
     for key, gib in DEVICE_MEMORY_GIB.items():
         if key in text:
             return gib
     return None
 
 
-def peak_tflops_of(cfg: DictConfig) -> float | None:
+def peak_tflops_of(c: DictConfig) -> float | None:
     """Dense bf16 peak per device in TFLOP/s: ``cluster.peak_tflops`` if set, else on CUDA the
     ``PEAK_TFLOPS`` entry whose GPU name appears in cluster.name / cluster.constraint (longest name
     first, as metrics/throughput.py matches device names); None when unknown (CPU)."""
-    c = cfg.cluster
-    if OmegaConf.select(cfg, "cluster.peak_tflops") is not None:
+    if c.peak_tflops is not None:
         return float(c.peak_tflops)
     if c.device != "cuda":
         return None
-    text = f"{c.name} {OmegaConf.select(cfg, 'cluster.constraint') or ''}".lower()
+    text = f"{c.name} {c.constraint or ''}".lower()
     for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
         if key.lower() in text:
             return PEAK_TFLOPS[key]

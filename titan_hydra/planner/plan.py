@@ -13,11 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from omegaconf import DictConfig, OmegaConf
-
-from titan_hydra.config import mixed_precision_of
 from titan_hydra.models.protocol import ModelShape
-from titan_hydra.models.registry import args_of
 from titan_hydra.planner.activations import (
     activation_bytes,
     head_activation_bytes,
@@ -33,6 +29,7 @@ from titan_hydra.planner.cuda_memory import (
 from titan_hydra.planner.devices import device_memory_of, peak_tflops_of
 from titan_hydra.planner.runtime import TITAN_HYDRA, Runtime
 from titan_hydra.planner.shape import largest_block_params, stage_params
+from titan_hydra.spec import RunSpec
 
 GIB = 1024**3
 ASSUMED_MFU = 0.4  # the model FLOP utilization a plan's step time assumes (Plan.step_time_s_at_mfu40)
@@ -118,8 +115,8 @@ class Plan:
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def plan(cfg: DictConfig, dims, runtime: Runtime = TITAN_HYDRA) -> Plan:
-    """Parameters, FLOPs and per-rank peak memory of ``cfg`` on ``dims``, without allocating.
+def plan(spec: RunSpec, runtime: Runtime = TITAN_HYDRA) -> Plan:
+    """Parameters, FLOPs and per-rank peak memory of the run ``spec`` describes, without allocating.
 
     Peak = fp32 params + AdamW state (8 B/param) + max(saved activations at the start of
     backward, full gradients + optimizer-step temporaries), each divided by how the layout splits
@@ -129,33 +126,30 @@ def plan(cfg: DictConfig, dims, runtime: Runtime = TITAN_HYDRA) -> Plan:
     at the start of backward), and a third candidate peak at the end of backward (sharded grads
     + one unsharded group being reduce-scattered).
     """
-    family, margs = args_of(cfg.model)
-    args = family.shape(margs)
-    t = cfg.training
-    mp = mixed_precision_of(cfg)
-    data_cfg = OmegaConf.select(cfg, "data")
-    seq = family.sample_tokens(margs, data_cfg, int(t.seq_len))  # positions per sample
-    per_sample = family.flops_per_sample(margs, data_cfg, int(t.seq_len))
+    cfg, dims, family, margs, args = spec.config, spec.dims, spec.family, spec.model_args, spec.shape
+    mp, seq_len = spec.mixed_precision, spec.batch.seq_len
+    seq = family.sample_tokens(margs, cfg.data, seq_len)  # positions per sample
+    per_sample = family.flops_per_sample(margs, cfg.data, seq_len)
     fpt = per_sample / seq
-    global_bs, accum = dims.batch_plan(t.local_batch_size, t.global_batch_size)
+    global_bs, accum = spec.batch.global_, spec.batch.grad_accum
     tokens = global_bs * seq
-    mem = rank_memory(cfg, dims, args, runtime, mp, seq)
+    mem = rank_memory(spec, runtime, seq)
     ep = int(getattr(dims, "ep", 1))
-    a2a = alltoall_bytes(args, precision_kind(mp, dims.fsdp_enabled), t.local_batch_size * seq / dims.cp * accum,
+    a2a = alltoall_bytes(args, precision_kind(mp, dims.fsdp_enabled), spec.batch.local * seq / dims.cp * accum,
                          math.ceil(args.moe_layers / dims.pp), ep)
-    peak_tflops = peak_tflops_of(cfg)
+    peak_tflops = peak_tflops_of(cfg.cluster)
     flops_rank = fpt * tokens / dims.world_size
     step_time = flops_rank / (ASSUMED_MFU * peak_tflops * 1e12) if peak_tflops else None
     per_unit = family.objective.unit == "token"
     return Plan(
-        flavor=str(OmegaConf.select(cfg, "model.flavor", default=None) or "custom"), params=args.params,
+        flavor=spec.flavor, params=args.params,
         active_params=args.active_params, non_embedding_params=args.params - args.embedding_params,
         flops_per_token=fpt, tokens_per_step=tokens, flops_per_step=fpt * tokens, world_size=dims.world_size,
         layout=layout_label(dims, ep), grad_accum_steps=accum, mem_params_gib=mem.params / GIB,
         mem_grads_gib=mem.grads / GIB, mem_optimizer_gib=mem.optimizer / GIB,
         mem_activations_gib=mem.activations / GIB, mem_total_gib=mem.peak / GIB,
         mixed_precision=mp, ac_mode=str(cfg.activation_checkpoint.mode), mem_transient_gib=mem.transient / GIB,
-        device_memory_gib=device_memory_of(cfg),
+        device_memory_gib=device_memory_of(cfg.cluster),
         tflops_per_rank_at_mfu40=ASSUMED_MFU * peak_tflops if peak_tflops else 0.0, step_time_s_at_mfu40=step_time,
         expert_parallel=ep, alltoall_gib_per_step=a2a / GIB, unit=family.objective.unit,
         flops_per_unit=fpt if per_unit else per_sample, units_per_step=tokens if per_unit else global_bs,
@@ -180,8 +174,9 @@ class RankMemory:
     peak: float
 
 
-def rank_memory(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime, mp: str, seq: int) -> RankMemory:
+def rank_memory(spec: RunSpec, runtime: Runtime, seq: int) -> RankMemory:
     """Per-rank memory of a step (``plan``'s docstring) for ``seq`` positions per sample."""
+    cfg, dims, args, mp = spec.config, spec.dims, spec.shape, spec.mixed_precision
     ac = cfg.activation_checkpoint
     fsdp_shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
     params_local = stage_params(args, dims.pp) / dims.tp / fsdp_shard
@@ -189,16 +184,16 @@ def rank_memory(cfg: DictConfig, dims, args: ModelShape, runtime: Runtime, mp: s
     mem_grads = params_local * 4
     mem_optim = params_local * 8  # AdamW exp_avg + exp_avg_sq
     kind = precision_kind(mp, dims.fsdp_enabled)
-    local_tokens = in_flight_tokens(cfg.training.local_batch_size, seq, dims)
-    act = saved_activation_bytes(cfg, dims, args, mp, kind, local_tokens, params_local)
+    local_tokens = in_flight_tokens(spec.batch.local, seq, dims)
+    act = saved_activation_bytes(spec, kind, local_tokens, params_local)
     transient, end_of_backward = fsdp_unsharded_bytes(args, dims, kind, mem_grads)
-    optimizer_step = optimizer_step_bytes(cfg, args, dims, params_local, mem_grads, fsdp_shard)
+    optimizer_step = optimizer_step_bytes(spec, params_local, mem_grads, fsdp_shard)
     if cfg.cluster.device == "cuda" and kind == "bf16_params":
         # CUDA: what the run holds (cuda_dynamic_peak) times the caching allocator's reserve.
-        dyn, unsharded = cuda_dynamic_peak(cfg, dims, args, runtime, seq_len=seq)
+        dyn, unsharded = cuda_dynamic_peak(spec, runtime, seq_len=seq)
         dyn += math.ceil(args.moe_layers / dims.pp) * moe_activation_bytes(args, kind, ac.mode, local_tokens)
         act, transient = dyn - unsharded, unsharded
-        compiled = str(OmegaConf.select(cfg, "compile.mode", default="none")) != "none"
+        compiled = str(cfg.compile.mode) != "none"
         reserve = ALLOCATOR_RESERVE_COMPILED if compiled else ALLOCATOR_RESERVE_EAGER
         peak = mem_params + mem_optim + reserve * max(dyn, optimizer_step, end_of_backward)
     else:
@@ -216,16 +211,16 @@ def in_flight_tokens(local_batch_size: int, seq: int, dims) -> float:
     return local_tokens
 
 
-def saved_activation_bytes(cfg: DictConfig, dims, args: ModelShape, mp: str, kind: str, local_tokens: float,
-                           params_local: float) -> float:
+def saved_activation_bytes(spec: RunSpec, kind: str, local_tokens: float, params_local: float) -> float:
     """Activations saved for backward on one rank (the measured CPU coefficients)."""
-    ac = cfg.activation_checkpoint
+    dims, args = spec.dims, spec.shape
+    ac = spec.config.activation_checkpoint
     layers = math.ceil(args.n_layers / dims.pp)
     act = activation_bytes(args, kind, ac.mode, local_tokens, layers, int(ac.selective_layer_freq), dims.tp,
-                           str(ac.get("selective_op_policy", "all_mm")))
+                           str(ac.selective_op_policy))
     act += math.ceil(args.moe_layers / dims.pp) * moe_activation_bytes(args, kind, ac.mode, local_tokens)
     act += head_activation_bytes(args, local_tokens, dims)
-    act += fp32_attention_bytes(cfg, args, mp, ac, local_tokens, layers, dims.tp)
+    act += fp32_attention_bytes(spec, local_tokens, layers)
     if kind == "bf16":  # autocast's bf16 copies of the weights live until backward ends
         act += params_local * 2
     return act
@@ -246,11 +241,11 @@ def fsdp_unsharded_bytes(args: ModelShape, dims, kind: str, mem_grads: float) ->
     return transient, mem_grads + max(head, block) * (2 * pbytes + 4)
 
 
-def optimizer_step_bytes(cfg: DictConfig, args: ModelShape, dims, params_local: float, mem_grads: float,
-                         fsdp_shard: int) -> float:
+def optimizer_step_bytes(spec: RunSpec, params_local: float, mem_grads: float, fsdp_shard: int) -> float:
     """Gradients + AdamW's temporaries. On CUDA AdamW is foreach (a temporary as large as all
     local params); on CPU it loops per tensor (as large as the largest one: embedding/output or an
     FFN weight)."""
+    args, dims = spec.shape, spec.dims
     expert_tensor = args.expert_params / max(3 * args.moe_layers, 1)  # one of w1/w2/w3 of a layer
     largest = max(args.embedding_params, args.dim * args.ffn_dim, expert_tensor) / dims.tp / fsdp_shard
-    return mem_grads + 4 * (params_local if cfg.cluster.device == "cuda" else largest)
+    return mem_grads + 4 * (params_local if spec.config.cluster.device == "cuda" else largest)

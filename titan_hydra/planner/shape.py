@@ -8,16 +8,7 @@ from __future__ import annotations
 
 import math
 
-from omegaconf import DictConfig
-
 from titan_hydra.models.protocol import ModelShape
-from titan_hydra.models.registry import args_of
-
-
-def model_shape(cfg: DictConfig) -> ModelShape:
-    """The family-independent shape numbers of ``cfg.model`` (no model is allocated)."""
-    family, args = args_of(cfg.model)
-    return family.shape(args)
 
 
 def stage_params(args: ModelShape, pp: int) -> float:
