@@ -226,6 +226,7 @@ LAYOUT_CASES = {
 
 
 @pytest.mark.parametrize("name", list(LAYOUT_CASES))
+@pytest.mark.slow
 def test_estimate_within_15_percent_per_rank_under_layouts(tmp_path, name):
     import json
 
@@ -276,6 +277,7 @@ def _loss_bytes_worker(rank: int, out: str) -> None:
             json.dump(got, f)
 
 
+@pytest.mark.slow
 def test_loss_backward_bytes_per_logit_match_measured(tmp_path):
     """The two loss constants the CUDA estimate uses, measured on the ops that run: 12 B per logit
     for the plain loss, 16 B per local logit under loss parallel (DTensor's fused nll+log-softmax

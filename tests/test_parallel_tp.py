@@ -68,12 +68,14 @@ FP32_LAYOUTS = [
 
 @pytest.mark.parametrize("family, name, overrides, nproc, dp", FP32_LAYOUTS,
                          ids=[f"{f}-{n}" for f, n, *_ in FP32_LAYOUTS])
+@pytest.mark.slow
 def test_fp32_loss_parity(tmp_path, run_cache, record_property, family, name, overrides, nproc, dp):
     losses = run_layout(tmp_path, overrides, nproc=nproc, dp=dp, family=family)
     ref = reference_losses(run_cache, family=family)
     assert_parity(losses, ref, atol=ATOL, label=f"{family} {name}", record=record_property)
 
 
+@pytest.mark.slow
 def test_bf16_loss_parity(tmp_path, run_cache, record_property):
     bf16 = ("training.mixed_precision=bf16",)
     losses = run_layout(tmp_path, ["parallelism=tp", *bf16], nproc=2, dp=1)
@@ -145,6 +147,7 @@ def _shape_worker(rank: int, out: dict) -> None:
     out[(rank, "stage")] = {k: tuple(p.to_local().shape) for k, p in stage.named_parameters()}
 
 
+@pytest.mark.slow
 def test_tp_local_shard_shapes_and_forward():
     """Each rank holds half of every sharded weight; norms are replicated DTensors on the TP
     mesh (with and without sequence parallel); one forward matches the unsharded model."""
