@@ -183,6 +183,7 @@ def _wandb_logger(run_dir):
                         config=CONFIG)
 
 
+@pytest.mark.slow
 def test_wandb_offline_roundtrip(tmp_path):
     with _wandb_logger(tmp_path) as ml:
         for step, m in ROWS:
