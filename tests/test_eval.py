@@ -37,6 +37,7 @@ def checkpoint(tmp_path_factory):
     return path / "run" / "checkpoint" / "step-30"
 
 
+@pytest.mark.slow
 def test_harness_bits_per_byte_agree_with_validation_loss(checkpoint):
     """Our validation loss over the whole held-out split (mean NLL per token, seq 64 windows)
     converted with the split's tokens per byte, against the harness's bits_per_byte from rolling
@@ -102,6 +103,7 @@ def test_eval_with_no_tasks_reports_the_builtin_perplexity(checkpoint, capsys):
     assert 0 < bpb < 8  # a trained model: below one bit per bit of a byte
 
 
+@pytest.mark.slow
 def test_local_multiple_choice_and_bad_tasks(checkpoint, capsys):
     scores = eval_recipe.evaluate(checkpoint, [f"jsonl_mc:{REPO / 'recipes/eval_tasks/tiny_mc.jsonl'}"])
     acc = scores["jsonl_mc_tiny_mc"]["acc"]

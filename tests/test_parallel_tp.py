@@ -39,11 +39,13 @@ def tp_trained(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_tp_sp_loss_parallel_fp32_parity(tp_trained, run_cache, record_property):
     losses = tp_trained["tp"]["losses"]
     assert_parity(losses, reference_losses(run_cache), atol=ATOL, label="llama3 tp_sp_lp", record=record_property)
 
 
+@pytest.mark.slow
 def test_tp_trained_params_match_single(tp_trained, record_property):
     tp, single = tp_trained["tp"]["full_state"], tp_trained["single"]["full_state"]
     assert tp.keys() == single.keys()
