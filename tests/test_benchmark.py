@@ -1,5 +1,7 @@
 """recipes/benchmark.py end to end on a tiny model: every variant runs, and the derived columns
-(speedup vs baseline, MFU) are what the raw per-variant numbers say."""
+(speedup vs baseline, MFU) are what the raw per-variant numbers say. The report's pieces (a run
+header's row, a suite's table with a failed variant) are checked in this process too, for the
+fast tier."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 from helpers import REPO, TINY
 
 
+@pytest.mark.slow
 def test_benchmark_precision_suite_tiny(tmp_path):
     out = tmp_path / "bench.json"
     overrides = [o for o in TINY if not o.startswith("lr_scheduler.")] + ["lr_scheduler.warmup_steps=1"]
@@ -43,3 +46,16 @@ def test_benchmark_precision_suite_tiny(tmp_path):
     assert len(progress) == 3 and progress[-1] == f"wrote {out}", progress
     assert all(re.fullmatch(r"  (fp32 eager|bf16 autocast): ok \(\d+s\)", line) for line in progress[:2]), progress
     assert proc.stdout.startswith("suite `precision`") and not re.search(r"Warning|warn\(", proc.stdout)
+
+
+def test_report_reads_the_run_header_and_tabulates_a_failed_variant(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "recipes"))
+    import benchmark
+
+    stdout = "titan_hydra run\n  precision  fp32 (auto: no native bf16)\n  layout     1x1\nstep 1 | loss 7.1\n"
+    assert benchmark.header_value(stdout, "precision") == "fp32 (auto: no native bf16)"
+    assert benchmark.header_value(stdout, "attention") == "?"
+    rows = [{"variant": "fp32 eager", "tps": 1200.0}, {"variant": "bf16 autocast", "failed": "error: out of memory"}]
+    table = benchmark.variant_table("### precision", ["tokens/s"], rows, lambda r: f"{r['tps']:.0f}")
+    assert table == ["### precision", "", "| variant | tokens/s |", "|---|---|",
+                     "| fp32 eager | 1200 |", "| bf16 autocast | failed: error: out of memory |"]

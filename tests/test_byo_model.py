@@ -61,6 +61,7 @@ def test_byo_model_trains_under_layouts_like_one_process(tmp_path, single, layou
     assert max(abs(a - b) for a, b in zip(losses, single)) <= 1e-5, (losses, single)
 
 
+@pytest.mark.slow
 def test_byo_family_refuses_what_it_cannot_run(tmp_path):
     proc = run_launch(BASE + ["parallelism=cp", "cluster.nproc_per_node=2", f"hydra.run.dir={tmp_path}/cp"],
                       cwd=tmp_path, env=ENV)
@@ -68,6 +69,7 @@ def test_byo_family_refuses_what_it_cannot_run(tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith("error: tiny_gpt has learned positions")
 
 
+@pytest.mark.slow
 def test_unknown_family_is_one_line(tmp_path):
     proc = run_launch(["model.family=no_such_pkg.FAMILY"], cwd=tmp_path)
     assert proc.returncode == 2

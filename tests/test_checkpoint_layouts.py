@@ -29,7 +29,6 @@ from titan_hydra.spec import spec_of
 from helpers import BASE, GLOBAL_BATCH, REPO, by_step, compose_cfg, read_metrics
 from titan_hydra.checkpoint.storage import load_plain, read_metadata, tensor_entries
 
-pytestmark = pytest.mark.slow
 STEPS = 6
 SRC = 2  # the FSDP checkpoint that the reshard tests start from
 CKPT = ["checkpoint=default", "checkpoint.interval=2", "checkpoint.keep_latest_k=0", "training.deterministic=true",
@@ -96,22 +95,30 @@ def _from(src: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every run of this module, started once and concurrently; tests read the futures.
+def seeded(tmp_path_factory) -> dict[str, Path]:
+    """The single-process seed runs, in this process: a seed checkpoint made from training.seed=7
+    (nothing trained), a run that loads it, and the same run without it (initialized from 42)."""
+    base = tmp_path_factory.mktemp("seeded")
+    d = {name: base / name for name in ("seed", "seed_single", "unseeded")}
+    run_here(d["seed"], ["checkpoint=default", "checkpoint.create_seed_checkpoint=true", "training.seed=7"])
+    run_here(d["seed_single"], [f"checkpoint.initial_load_path={d['seed'] / 'checkpoint'}"])
+    run_here(d["unseeded"], [])
+    return d
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, seeded):
+    """Every launched run of this module, started once and concurrently; tests read the futures.
 
     Subprocess launches go to a pool of PARALLEL threads, submitted in dependency order (a job
     only waits for jobs submitted before it, which have all started: no deadlock). Runs in this
     process change torch's global state (seed, threads), so they get their own one-thread pool.
     """
     base = tmp_path_factory.mktemp("layouts")
-    d = {name: base / name for name in ("fsdp", "kill9", "tp", "tp2", "pp_v", "single", "seed", "seed_single")}
+    d = {name: base / name for name in ("fsdp", "kill9", "tp", "tp2", "pp_v", "single")}
     src = d["fsdp"] / "checkpoint" / f"step-{SRC}"
     pool, here = ThreadPoolExecutor(PARALLEL), ThreadPoolExecutor(1)
     f: dict[str, Future] = {}
-    f["seed"] = here.submit(run_here, d["seed"], ["checkpoint=default", "checkpoint.create_seed_checkpoint=true",
-                                                  "training.seed=7"])
-    f["seed_single"] = here.submit(_after, [f["seed"]], run_here, d["seed_single"],
-                                   [f"checkpoint.initial_load_path={d['seed'] / 'checkpoint'}"])
     f["fsdp"] = pool.submit(launch, d["fsdp"], 2, 2, FSDP)
     f["kill9"] = pool.submit(_kill9_run, d["kill9"])
     f["tp"] = pool.submit(_after, [f["fsdp"]], launch, d["tp"], 2, 1, TP + _from(src))
@@ -119,9 +126,9 @@ def runs(tmp_path_factory):
     f["single"] = here.submit(_after, [f["fsdp"]], run_here, d["single"], _from(src), CKPT)
     for s in SEED_SCHEDULES:
         d[s] = base / f"seed_{s}"
-        f[s] = pool.submit(_after, [f["seed"]], launch, d[s], 2, 1,
-                           ["parallelism=pp", f"parallelism.pp_schedule={s}",
-                            f"checkpoint.initial_load_path={d['seed'] / 'checkpoint'}"], SEED_RUN)
+        f[s] = pool.submit(launch, d[s], 2, 1, ["parallelism=pp", f"parallelism.pp_schedule={s}",
+                                                f"checkpoint.initial_load_path={seeded['seed'] / 'checkpoint'}"],
+                           SEED_RUN)
     f["tp2"] = pool.submit(_after, [f["tp"]], _tp_resume, d["tp"], d["tp2"])
     yield d, f
     pool.shutdown(wait=True, cancel_futures=False)
@@ -170,6 +177,7 @@ def _kill9_run(run_dir: Path) -> str:
 # --------------------------------------------------------------------------- async + kill -9
 
 
+@pytest.mark.slow
 def test_async_fsdp_kill9_recovery(runs):
     """Async checkpoints under FSDP(2) equal sync ones; kill -9 + elastic restart resumes exactly.
 
@@ -224,6 +232,7 @@ def _worker_pids(parent: int) -> list[int]:
 # --------------------------------------------------------------------------- resharding
 
 
+@pytest.mark.slow
 def test_reshard_fsdp_to_tp_and_tp_exact_resume(runs):
     """FSDP step-2 checkpoint -> TP (full state): losses continue; then TP resumes itself bitwise."""
     ref = by_step(result(runs, "fsdp"), "loss")
@@ -239,6 +248,7 @@ def test_reshard_fsdp_to_tp_and_tp_exact_resume(runs):
 
 
 @pytest.mark.parametrize("name", ["pp_v", "single"])
+@pytest.mark.slow
 def test_reshard_fsdp(name, runs):
     """FSDP step-2 full state -> PP with two stages per rank (V placement) / one process."""
     ref = by_step(result(runs, "fsdp"), "loss")
@@ -250,15 +260,25 @@ def test_reshard_fsdp(name, runs):
 # --------------------------------------------------------------------------- seed checkpoints
 
 
+def test_seed_checkpoint_trains_nothing_and_loads_in_one_process(seeded):
+    """The seed is made from training.seed=7; the runs themselves initialize from 42, so a load
+    that silently did nothing shows up as a loss mismatch."""
+    assert by_step(read_metrics(seeded["seed"], missing_ok=True), "loss") == {}  # the seed run trains nothing
+    single = by_step(seeded["seed_single"], "loss")
+    assert sorted(single) == list(range(1, SEED_STEPS + 1))
+    assert abs(single[1] - by_step(seeded["unseeded"], "loss")[1]) > 1e-3
+
+
 @pytest.mark.parametrize("schedule", SEED_SCHEDULES)
-def test_seed_checkpoint_under_pp(schedule, runs):
+@pytest.mark.slow
+def test_seed_checkpoint_under_pp(schedule, seeded, runs):
     """A seed checkpoint made by one process loads into each rank's stage(s) under PP.
 
     The seed is made from training.seed=7; the runs themselves initialize from 42 (what the FSDP
     run started from), so a load that silently did nothing shows up as a loss mismatch.
     """
-    assert by_step(read_metrics(result(runs, "seed"), missing_ok=True), "loss") == {}  # the seed run trains nothing
-    single = by_step(result(runs, "seed_single"), "loss")
+    assert by_step(read_metrics(seeded["seed"], missing_ok=True), "loss") == {}  # the seed run trains nothing
+    single = by_step(seeded["seed_single"], "loss")
     assert abs(single[1] - by_step(result(runs, "fsdp"), "loss")[1]) > 1e-3
     pp = by_step(result(runs, schedule), "loss")
     assert sorted(pp) == list(range(1, SEED_STEPS + 1))

@@ -107,6 +107,7 @@ def test_cross_field_rules(overrides, expected):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_launch_prints_one_line_error_and_exits_nonzero(tmp_path: Path):
     proc = run_launch(["training.steps=0"], cwd=tmp_path, timeout=120)
     assert proc.returncode == 2
@@ -115,6 +116,7 @@ def test_launch_prints_one_line_error_and_exits_nonzero(tmp_path: Path):
     assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("metrics.jsonl"))
 
 
+@pytest.mark.slow
 def test_cfg_job_prints_composed_config(tmp_path: Path):
     proc = run_launch(["--cfg", "job", "model=llama3_8b"], cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -122,6 +124,7 @@ def test_cfg_job_prints_composed_config(tmp_path: Path):
     assert "dim: 4096" in proc.stdout
 
 
+@pytest.mark.slow
 def test_dry_run_prints_plan(tmp_path: Path):
     proc = run_launch(["dry_run=true", "model=llama3_8b", "training.seq_len=2048",
                        "training.local_batch_size=1", "data.max_documents=1"], cwd=tmp_path, timeout=120)

@@ -83,7 +83,9 @@ CASES = {
         "training.mixed_precision=fp32", "activation_checkpoint=selective_op",
         "activation_checkpoint.selective_op_policy=every_second_mm"],
     "debug bf16 bf16-attention": DEBUG + ["training.mixed_precision=bf16", "training.attention_precision=compute"],
-    "100M fp32": LLAMA_100M + ["training.mixed_precision=fp32"],
+    # 6 of the 100M shape's 12 layers (same widths, the same check; estimate/measured 0.983 vs
+    # 0.991 with 12, 2026-11-27), half the cost.
+    "100M-wide fp32, 6 layers": LLAMA_100M + ["training.mixed_precision=fp32", "model.n_layers=6"],
     # Qwen3 (QK-norm; q 512 wide on a 256-wide model; tied). estimate/measured, 2026-11-23:
     # fp32 0.997, bf16 1.074, bf16 selective_op 1.092, fp32 head_dim 32 0.998 (before the
     # estimator counted q-wide attention and QK-norm activations: fp32 0.837).
@@ -227,6 +229,7 @@ LAYOUT_CASES = {
 
 
 @pytest.mark.parametrize("name", list(LAYOUT_CASES))
+@pytest.mark.slow
 def test_estimate_within_15_percent_per_rank_under_layouts(tmp_path, name):
     import json
 
@@ -277,6 +280,7 @@ def _loss_bytes_worker(rank: int, out: str) -> None:
             json.dump(got, f)
 
 
+@pytest.mark.slow
 def test_loss_backward_bytes_per_logit_match_measured(tmp_path):
     """The two loss constants the CUDA estimate uses, measured on the ops that run: 12 B per logit
     for the plain loss, 16 B per local logit under loss parallel (DTensor's fused nll+log-softmax

@@ -38,6 +38,7 @@ def checkpoint(tmp_path_factory):
     return path / "run" / "checkpoint" / "step-30"
 
 
+@pytest.mark.slow
 def test_harness_bits_per_byte_agree_with_validation_loss(checkpoint):
     """Our validation loss over the whole held-out split (mean NLL per token, seq 64 windows)
     converted with the split's tokens per byte, against the harness's bits_per_byte from rolling
@@ -103,6 +104,7 @@ def test_eval_with_no_tasks_reports_the_builtin_perplexity(checkpoint, capsys):
     assert 0 < bpb < 8  # a trained model: below one bit per bit of a byte
 
 
+@pytest.mark.slow
 def test_local_multiple_choice_and_bad_tasks(checkpoint, capsys):
     scores = eval_recipe.evaluate(checkpoint, [f"jsonl_mc:{REPO / 'recipes/eval_tasks/tiny_mc.jsonl'}"])
     acc = scores["jsonl_mc_tiny_mc"]["acc"]
@@ -120,6 +122,7 @@ def test_local_multiple_choice_and_bad_tasks(checkpoint, capsys):
 EVAL = ["eval=builtin_ppl", "eval.freq=5", "eval.limit=3", "eval.batch_size=16"]
 
 
+@pytest.mark.slow
 def test_eval_during_training_is_the_same_under_fsdp_and_pp(tmp_path, record_property):
     """Every layout gathers its shards into one model on rank 0; the harness's score at step 10
     equals the single-process run's (weights equal within fp32 parity), which scores every 5 steps."""

@@ -71,6 +71,7 @@ def test_debug_flavor_trains_with_falling_loss(tmp_path, family):
 
 
 @pytest.mark.parametrize("family,layout", PARITY, ids=[f"{f}-{layout}" for f, layout in PARITY])
+@pytest.mark.slow
 def test_layout_loss_parity(tmp_path, singles, family, layout, record_property):
     _, reference = singles(family)
     dp = 1 if layout == "pp" else 2

@@ -31,7 +31,6 @@ from titan_hydra.checkpoint.storage import load_plain, read_metadata, tensor_ent
 from titan_hydra.launch.ft_local import lighthouse_binary
 from titan_hydra.runtime.rendezvous import free_port
 
-pytestmark = pytest.mark.slow
 STEPS = 24
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "training.seq_len=64",
         f"training.steps={STEPS}", "training.global_batch_size=8", "training.local_batch_size=4",
@@ -75,6 +74,7 @@ def ddp_dir(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow
 def test_two_replica_groups_match_ddp(tmp_path, ddp_dir):
     ddp = series(ddp_dir, "loss")
     run_dir = tmp_path / "run"
@@ -96,6 +96,7 @@ def test_two_replica_groups_match_ddp(tmp_path, ddp_dir):
 # here for CI time (~30 s each): tp and ep (the same path, 1e-6 / 3e-6) and pp (each rank holds
 # other parameters and meets the same stage of the other group, 9.5e-7); docs/reference.md.
 @pytest.mark.parametrize("layout", ["fsdp"])
+@pytest.mark.slow
 def test_groups_with_a_layout_inside_match_ddp(tmp_path, ddp_dir, layout):
     """2 groups x <layout>(2): each group splits its model over its own 2 ranks, and each rank
     averages its own gradient shards with the same rank of the other group (a pp stage with the
@@ -116,6 +117,7 @@ def _steps_together(run_dir: Path) -> int:
     return max((r["step"] for r in steps_of(run_dir) if r.get("ft/participants") == 2), default=0)
 
 
+@pytest.mark.slow
 def test_a_killed_group_restarts_recovers_from_its_peer_and_rejoins(tmp_path, ddp_dir):
     ddp = series(ddp_dir, "loss")
     run_dir = tmp_path / "run"
@@ -168,6 +170,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+@pytest.mark.slow
 def test_diloco_with_one_inner_step_and_outer_lr_1_is_data_parallel(tmp_path, ddp_dir):
     """pseudo-gradient = lr x own gradient; averaged and applied with outer SGD(lr 1) = one DDP
     SGD step. Each group logs its own loss: their mean is DDP's global loss."""
@@ -188,6 +191,7 @@ def test_diloco_with_one_inner_step_and_outer_lr_1_is_data_parallel(tmp_path, dd
     assert len(mean) == len(ddp) == STEPS and max(abs(a - b) for a, b in zip(mean, ddp)) <= 1e-5
 
 
+@pytest.mark.slow
 def test_semi_synchronous_groups_meet_every_sync_every_steps(tmp_path):
     """LocalSGD every 4 steps (DiLoCo's meetings are the same hooks: its parity test above checks
     its bytes and meetings too)."""
@@ -207,6 +211,7 @@ def test_semi_synchronous_groups_meet_every_sync_every_steps(tmp_path):
     assert _max_diff(weights_at(run_dir), weights_at(run_dir / "replica_groups" / "1")) == 0
 
 
+@pytest.mark.slow
 def test_a_group_started_on_its_own_joins_late_and_heals(tmp_path):
     """Two launches of one group each (as on two machines or two SLURM jobs) and a Lighthouse the
     user runs: group 1 starts after group 0 has stepped alone, receives its live state, and both
@@ -271,6 +276,7 @@ def test_reading_the_live_state_changes_nothing_mid_step(optimizer):
     assert sd["optim"] == {} and set(sd["model"]) == {"weight", "bias"}
 
 
+@pytest.mark.slow
 def test_an_unreachable_lighthouse_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "launch.py"), *TINY, *FT,
                            "fault_tolerance.lighthouse=http://127.0.0.1:9", f"hydra.run.dir={tmp_path / 'run'}"],

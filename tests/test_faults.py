@@ -177,6 +177,7 @@ ENOSPC_RUN = TINY + ["logger=minimal", "checkpoint=default", "checkpoint.interva
                      "cluster.threads_per_proc=1", "training.steps=6"]
 
 
+@pytest.mark.slow
 def test_enospc_while_saving_keeps_the_previous_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-c", ENOSPC_LAUNCH, str(REPO / "launch.py"), *ENOSPC_RUN,

@@ -129,16 +129,19 @@ def fsdp_run(tmp_path_factory) -> tuple[Path, list[dict]]:
                          ["checkpoint.enable=true", "checkpoint.interval=4"])
 
 
+@pytest.mark.slow
 def test_fsdp_matches_one_process(single, fsdp_run):
     assert_matches(fsdp_run[1], single, "fsdp")
 
 
 @pytest.mark.parametrize("layout,nproc", [("ddp", 2), ("hsdp", 4)])
+@pytest.mark.slow
 def test_data_parallel_matches_one_process(tmp_path, single, layout, nproc):
     """ddp, and hsdp 2 x 2 (reduce-scatter within a replica, all-reduce across)."""
     assert_matches(launch_layout(tmp_path, layout, nproc)[1], single, layout)
 
 
+@pytest.mark.slow
 def test_resharded_resume_continues_one_process_run(tmp_path, single, fsdp_run):
     """The FSDP run's step-4 checkpoint (2 shards) loaded by one process: steps 5..8 as the
     uninterrupted one-process run (DCP reshards; the data position is the global sample count)."""
@@ -252,6 +255,7 @@ def test_flavor_parameter_counts_equal_diffusers(flavor):
 # the local heads). Context parallel: image and text tokens, their position ids and the target
 # split along the joint sequence, attention as a ring (not causal: any equal split is exact).
 @pytest.mark.parametrize("layout,extra", [("tp", ["parallelism.tp_sequence_parallel=false"]), ("cp", [])])
+@pytest.mark.slow
 def test_tensor_and_context_parallel_match_one_process(tmp_path, single, layout, extra):
     _, rows = launch_layout(tmp_path, layout, 2, extra, dp=1)
     assert_matches(rows, single, layout)
@@ -276,6 +280,7 @@ def test_what_it_cannot_run_is_refused_in_one_line(overrides, match):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_generate_image_writes_a_grid_from_the_newest_checkpoint(tmp_path):
     from PIL import Image
 

@@ -86,6 +86,7 @@ def test_generation_stops_at_eos_and_at_the_context():
         SamplingConfig(top_p=1.5)
 
 
+@pytest.mark.slow
 def test_cli_samples_from_a_training_checkpoint_and_refuses_bad_input(tmp_path, capsys):
     from helpers import compose_cfg
 

@@ -39,6 +39,7 @@ def _torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
                           env={**os.environ, "WANDB_SILENT": "true"})
 
 
+@pytest.mark.slow
 def test_torchrun_matches_spawn_and_fork(tmp_path):
     """Every way ranks start (torchrun; our launcher spawning or forking its workers) trains
     bit-identically. Fork-serving is not launched here: the rest of the suite fork-serves

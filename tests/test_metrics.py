@@ -183,6 +183,7 @@ def _wandb_logger(run_dir):
                         config=CONFIG)
 
 
+@pytest.mark.slow
 def test_wandb_offline_roundtrip(tmp_path):
     with _wandb_logger(tmp_path) as ml:
         for step, m in ROWS:
@@ -198,6 +199,7 @@ def test_wandb_offline_roundtrip(tmp_path):
     assert hist[2]["val/loss"] == 4.5 and run["summary"]["loss"] == 4.125
 
 
+@pytest.mark.slow
 def test_wandb_sequential_runs_are_distinct(tmp_path):
     for i in range(2):
         ml = _wandb_logger(tmp_path)

@@ -108,6 +108,7 @@ def test_wandb_offline_run_holds_config_and_history(run_dir):
         assert h["loss"] == pytest.approx(losses[h["_step"]], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_fsdp_float8_run_prints_no_warning_a_user_cannot_act_on(tmp_path):
     """2-rank FSDP with torchao float8: stderr stays empty (no DTensor CPU-random warning per
     rank, no torchao library-load failures, no pytree deprecation notes); stdout is the header,

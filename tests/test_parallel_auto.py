@@ -148,6 +148,7 @@ def test_long_sequences_consider_context_parallel():
     assert {c.cp for c in short} == {1}
 
 
+@pytest.mark.slow
 def test_debug_model_trains_with_auto_on_two_cpu_processes(tmp_path, run_cache, record_property):
     run_dir = tmp_path / "run"
     args = BASE + ["parallelism=auto", "cluster.nproc_per_node=2",
@@ -160,6 +161,7 @@ def test_debug_model_trains_with_auto_on_two_cpu_processes(tmp_path, run_cache, 
     assert_parity(losses, reference_losses(run_cache), atol=1e-5, label="auto fsdp", record=record_property)
 
 
+@pytest.mark.slow
 def test_launch_nothing_fits_one_line_error(tmp_path):
     proc = run_launch(["parallelism=auto", "model=llama3_70b", "cluster=slurm_h100", "training.seq_len=8192",
                        "training.local_batch_size=1", "data.max_documents=1"], cwd=tmp_path, timeout=120)
@@ -169,6 +171,7 @@ def test_launch_nothing_fits_one_line_error(tmp_path):
     assert "the device has 80 GiB" in lines[-1]
 
 
+@pytest.mark.slow
 def test_launch_dry_run_prints_the_choice(tmp_path):
     ov = ["parallelism=auto", "model=llama3_70b", "cluster=slurm_h100", "cluster.nnodes=4", "training.seq_len=8192",
           "training.local_batch_size=1", "data.max_documents=1"]

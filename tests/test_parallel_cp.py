@@ -136,6 +136,7 @@ def spawned_diffs(tmp_path_factory) -> list[dict[str, float]]:
 
 
 @pytest.mark.parametrize("method", ["allgather", "alltoall"])
+@pytest.mark.slow
 def test_ring_attention_on_cpu_matches_full_sdpa(spawned_diffs, method):
     for diffs in spawned_diffs:
         for name in ("out", "dq", "dk", "dv"):
@@ -146,6 +147,7 @@ def test_ring_attention_on_cpu_matches_full_sdpa(spawned_diffs, method):
 
 
 @pytest.mark.parametrize("method", ["allgather", "alltoall"])
+@pytest.mark.slow
 def test_cp_context_shards_model_and_matches_full_sequence(spawned_diffs, method):
     for diffs in spawned_diffs:
         d = {k.removeprefix(f"model_{method}_"): v for k, v in diffs.items() if k.startswith(f"model_{method}_")}
@@ -217,12 +219,14 @@ CP_RUNS = [("llama3", "allgather"), ("llama3", "alltoall"), ("qwen3", "allgather
 
 
 @pytest.mark.parametrize("family,method", CP_RUNS, ids=[f"{f}-{m}" for f, m in CP_RUNS])
+@pytest.mark.slow
 def test_cp_matches_single(tmp_path, run_cache, record_property, family, method):
     layout = _layout(tmp_path, ["parallelism=cp", f"parallelism.cp_rotate_method={method}"], nproc=CP, dp=1,
                      family=family)
     _assert_layout_matches(layout, single_of(run_cache, family), f"{family} cp {method}", record_property)
 
 
+@pytest.mark.slow
 def test_fsdp_cp_matches_single(tmp_path, single, record_property):
     layout = _layout(tmp_path, ["parallelism=fsdp_cp"], nproc=4, dp=2)
     _assert_layout_matches(layout, single, "llama3 fsdp_cp", record_property)

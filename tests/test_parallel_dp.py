@@ -44,6 +44,7 @@ def _grad_worker(rank: int, divide_factor: float | None, out: dict) -> None:
 
 
 @pytest.mark.parametrize("divide_factor, expected", [(None, 1.5), (4.0, 0.75)])
+@pytest.mark.slow
 def test_gloo_sum_reduction_keeps_mean(divide_factor, expected):
     """Forced SUM collectives (gloo has no PREMUL_SUM) still give sum(grads)/factor:
     per-rank grads are 1 and 2, so the dp mean is 1.5 and a custom factor 4 gives 0.75."""
@@ -72,12 +73,14 @@ FP32_LAYOUTS = [
 
 @pytest.mark.parametrize("family, name, overrides, nproc, dp", FP32_LAYOUTS,
                          ids=[f"{f}-{n}" for f, n, *_ in FP32_LAYOUTS])
+@pytest.mark.slow
 def test_fp32_loss_parity(tmp_path, run_cache, record_property, family, name, overrides, nproc, dp):
     losses = run_layout(tmp_path, overrides, nproc=nproc, dp=dp, family=family)
     assert_parity(losses, reference_losses(run_cache, family=family), atol=1e-5, label=f"{family} {name}",
                   record=record_property)
 
 
+@pytest.mark.slow
 def test_bf16_loss_parity(tmp_path, run_cache, record_property):
     bf16 = ("training.mixed_precision=bf16",)
     losses = run_layout(tmp_path, ["parallelism=fsdp", *bf16], nproc=2, dp=2)

@@ -141,6 +141,7 @@ def unit_results() -> dict:
         return dict(out)
 
 
+@pytest.mark.slow
 def test_all_to_all_uneven_splits_and_backward(unit_results):
     """Rank 0 sends 1 row to itself and 3 to rank 1, rank 1 sends none and 2: each receives its
     rows in source-rank order, and each sent row's gradient is the receiving rank's weight
@@ -150,6 +151,7 @@ def test_all_to_all_uneven_splits_and_backward(unit_results):
 
 
 @pytest.mark.parametrize("case", ["ep2", "ep2_idle_rank", "ep2_fsdp_experts"])
+@pytest.mark.slow
 def test_expert_parallel_matches_full_experts(unit_results, case):
     """ep=2 on 2 ranks (efsdp 1): each rank keeps E/2 experts; outputs equal the unsharded
     module's and gradients the single-process gradient. With a 1-rank efsdp mesh FSDP leaves the
@@ -277,6 +279,7 @@ def _checkpoint(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.slow
 def test_ep_loss_and_grad_norm_parity(name, runs, record_property):
     """Losses and (clipped-against) gradient norms of each EP layout equal the single process's."""
     ref, got = runs[LAYOUTS[name][3]].result(), runs[name].result()
@@ -288,6 +291,7 @@ def test_ep_loss_and_grad_norm_parity(name, runs, record_property):
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.slow
 def test_compiled_ep_layouts_do_not_recompile(name, runs):
     """Dynamo compiled its graphs in the first step (forward and backward) and none after: the
     experts, whose token counts change every step, stay out of the graphs (compile/graphs, logged
@@ -298,6 +302,7 @@ def test_compiled_ep_layouts_do_not_recompile(name, runs):
 
 @pytest.mark.parametrize("name, steps", [("ep2_accum2", (RESUME_STEP, STEPS)), ("efsdp2_ep2", (STEPS,)),
                                          ("pp2_ep2", (STEPS,))])
+@pytest.mark.slow
 def test_ep_expert_bias_and_params_match_single(name, steps, runs, record_property):
     """The expert biases equal the single process's bit for bit at every saved step (each rank
     counts its own tokens per global expert before dispatch, and the step hook sums the counts
@@ -323,6 +328,7 @@ def test_ep_expert_bias_and_params_match_single(name, steps, runs, record_proper
 
 
 @pytest.mark.parametrize("name", list(RESUMES))
+@pytest.mark.slow
 def test_resume_ep_checkpoint_resharded(name, runs):
     """The ep(2) step-5 full state (experts saved as ep-sharded DTensors) loads into one process
     and into plain fsdp(2); steps 6-10 continue the single-process run's losses."""

@@ -93,12 +93,14 @@ PP_RUNS = [("llama3", *s) for s in SCHEDULES] + [
 
 
 @pytest.mark.parametrize("family,schedule,extra,dp", PP_RUNS, ids=[f"{f}-{s}" for f, s, _, _ in PP_RUNS])
+@pytest.mark.slow
 def test_pp_schedule_matches_single(tmp_path, run_cache, record_property, family, schedule, extra, dp):
     got = train(tmp_path, ["parallelism=pp", f"parallelism.pp_schedule={schedule}", *extra], nproc=2, dp=dp,
                 family=family)
     assert_matches(got, single_of(run_cache, family), record_property)
 
 
+@pytest.mark.slow
 def test_tied_embeddings_refused_under_pp(tmp_path):
     """qwen3_debug ties its embeddings: launch stops before spawning with exit 2 and one line."""
     run_dir = tmp_path / "run"
@@ -112,12 +114,14 @@ def test_tied_embeddings_refused_under_pp(tmp_path):
     assert not (run_dir / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_fsdp_pp_matches_single(tmp_path, single, record_property):
     pytest.importorskip("titan_hydra.parallel.fsdp")
     got = train(tmp_path, ["parallelism=fsdp_pp", "parallelism.dp_shard=2"], nproc=4, dp=2, dp_degree=2)
     assert_matches(got, single, record_property)
 
 
+@pytest.mark.slow
 def test_tp_pp_matches_single(tmp_path, single, record_property):
     pytest.importorskip("titan_hydra.parallel.tp")
     got = train(tmp_path, ["parallelism=pp", "parallelism.tp=2"], nproc=4, dp=1)

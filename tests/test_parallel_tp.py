@@ -40,11 +40,13 @@ def tp_trained(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_tp_sp_loss_parallel_fp32_parity(tp_trained, run_cache, record_property):
     losses = tp_trained["tp"]["losses"]
     assert_parity(losses, reference_losses(run_cache), atol=ATOL, label="llama3 tp_sp_lp", record=record_property)
 
 
+@pytest.mark.slow
 def test_tp_trained_params_match_single(tp_trained, record_property):
     tp, single = tp_trained["tp"]["full_state"], tp_trained["single"]["full_state"]
     assert tp.keys() == single.keys()
@@ -69,12 +71,14 @@ FP32_LAYOUTS = [
 
 @pytest.mark.parametrize("family, name, overrides, nproc, dp", FP32_LAYOUTS,
                          ids=[f"{f}-{n}" for f, n, *_ in FP32_LAYOUTS])
+@pytest.mark.slow
 def test_fp32_loss_parity(tmp_path, run_cache, record_property, family, name, overrides, nproc, dp):
     losses = run_layout(tmp_path, overrides, nproc=nproc, dp=dp, family=family)
     ref = reference_losses(run_cache, family=family)
     assert_parity(losses, ref, atol=ATOL, label=f"{family} {name}", record=record_property)
 
 
+@pytest.mark.slow
 def test_bf16_loss_parity(tmp_path, run_cache, record_property):
     bf16 = ("training.mixed_precision=bf16",)
     losses = run_layout(tmp_path, ["parallelism=tp", *bf16], nproc=2, dp=1)
@@ -146,6 +150,7 @@ def _shape_worker(rank: int, out: dict) -> None:
     out[(rank, "stage")] = {k: tuple(p.to_local().shape) for k, p in stage.named_parameters()}
 
 
+@pytest.mark.slow
 def test_tp_local_shard_shapes_and_forward():
     """Each rank holds half of every sharded weight; norms are replicated DTensors on the TP
     mesh (with and without sequence parallel); one forward matches the unsharded model."""

@@ -175,6 +175,7 @@ def train_losses(float8: str | None, steps: int) -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 def test_float8_50_steps_track_bf16():
     ref = train_losses(None, 50)
     for recipe in ("tensorwise", "rowwise"):
@@ -201,6 +202,7 @@ def test_float8_refused_on_old_gpu(monkeypatch):
 # ------------------------------------------------------------------------------- compile
 
 
+@pytest.mark.slow
 def test_selective_ac_saves_inside_compiled_moe_pieces():
     """A block holding experts is compiled in pieces (compile.py), so its selective checkpoint
     moves into the pieces (ac.push_checkpoint_down): with the all_mm policy the backward then runs
@@ -235,6 +237,7 @@ def test_selective_ac_saves_inside_compiled_moe_pieces():
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.slow
 def test_regional_compile_with_ac_and_compiled_loss_matches_eager(kind):
     cfg = OmegaConf.create({"mode": "model_loss", "backend": "inductor"})
     x = batch(2, 32)

@@ -83,6 +83,7 @@ def eager_single(tmp_path_factory):
                                               "activation_checkpoint=selective_op"], 2, 1),
     ],
 )
+@pytest.mark.slow
 def test_compile_composes_with_layouts(tmp_path, eager_single, name, overrides, nproc, dp):
     losses, _ = run_steps(tmp_path, overrides, nproc, dp)
     diff = max_diff(losses, eager_single[0])
@@ -102,6 +103,7 @@ def test_compile_with_full_ac_under_tp_is_refused_before_launch():
                           "activation_checkpoint=selective_op"]))
 
 
+@pytest.mark.slow
 def test_float8_fsdp_all_gather_matches_single_float8(tmp_path):
     single, _ = run_steps(tmp_path / "single", ["parallelism=single", *FLOAT8,
                                                 "float8.enable_fsdp_float8_all_gather=false",
@@ -113,6 +115,7 @@ def test_float8_fsdp_all_gather_matches_single_float8(tmp_path):
     assert diff <= FLOAT8_ATOL, f"max |loss fsdp float8 - single float8| = {diff:.3g}\n{fsdp}\n{single}"
 
 
+@pytest.mark.slow
 def test_profiler_writes_trace_and_memory_snapshot(eager_single):
     _, run_dir = eager_single
     trace = run_dir / "profile_traces" / f"iteration_{PROFILED_STEP}" / "rank0_trace.json"

@@ -190,6 +190,7 @@ def test_a_two_rank_position_resumes_in_one_process_at_the_same_global_batch(cor
     assert torch.equal(x, torch.cat([next(r)[0] for r in back]))
 
 
+@pytest.mark.slow
 def test_training_and_the_command_line(corpus, tmp_path):
     from titan_hydra.train.pretrain import run
 

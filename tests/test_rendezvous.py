@@ -14,6 +14,7 @@ import sys
 import time
 from datetime import timedelta
 
+import pytest
 from helpers import REPO, free_port
 
 from titan_hydra.runtime.rendezvous import master_address, node_addr_of
@@ -32,6 +33,7 @@ def start_rank(rank: int, master: str, port: int, run_dir) -> tuple[subprocess.P
     return proc, time.monotonic()
 
 
+@pytest.mark.slow
 def test_unreachable_rendezvous_is_one_line_within_the_timeout(tmp_path):
     dead_port, lonely_port, port = free_port(), free_port(), free_port()
     cases = {

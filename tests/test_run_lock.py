@@ -23,6 +23,7 @@ def test_second_lock_on_a_busy_run_dir_names_the_holder(tmp_path):
     RunDirLock(tmp_path).acquire().release()  # free again once released
 
 
+@pytest.mark.slow
 def test_launch_into_a_busy_run_dir_is_refused_before_training(tmp_path):
     run_dir = tmp_path / "run"
     with RunDirLock(run_dir):
@@ -32,6 +33,7 @@ def test_launch_into_a_busy_run_dir_is_refused_before_training(tmp_path):
     assert not (run_dir / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
     code = ("import sys, time; from titan_hydra.launch.run_lock import RunDirLock; "
             f"RunDirLock({str(tmp_path)!r}).acquire(); print('held', flush=True); time.sleep(60)")

@@ -28,13 +28,12 @@ from titan_hydra.data.shards import ShardedTokens
 from titan_hydra.launch.ft_local import lighthouse_binary
 from titan_hydra.runtime.rendezvous import free_port
 
-pytestmark = pytest.mark.slow
-
 
 def slurm_run(tmp_path: Path, args: list[str], multirun: bool = False):
     return run_launch((["-m"] if multirun else []) + args, cwd=tmp_path, timeout=600)
 
 
+@pytest.mark.slow
 def test_two_task_job_matches_local_run(slurm, tmp_path):
     run_dir = tmp_path / "slurm_run"
     proc = slurm_run(tmp_path, BASE + [
@@ -58,6 +57,7 @@ SWEEP_TINY = [
 ]
 
 
+@pytest.mark.slow
 def test_multirun_becomes_array_and_report_lists_both(slurm, tmp_path):
     sweep = tmp_path / "sweep"
     proc = slurm_run(tmp_path, ["cluster=slurm_local", *SWEEP_TINY, "optimizer.lr=1e-3,3e-3",
@@ -85,12 +85,14 @@ def test_multirun_becomes_array_and_report_lists_both(slurm, tmp_path):
     assert (sweep / "loss_curves.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_unknown_partition_is_one_error(slurm, tmp_path):
     proc = slurm_run(tmp_path, ["cluster=slurm_local", "cluster.partition=nosuch"])
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: cluster.partition=nosuch is not a partition")
 
 
+@pytest.mark.slow
 def test_sweep_key_that_does_not_exist_is_one_error(slurm, tmp_path):
     proc = slurm_run(tmp_path, ["cluster=slurm_local", "training.stepz=1,2"], multirun=True)
     # SweepCheckCallback composes every point before the sweeper starts: one line, nothing submitted.
@@ -100,6 +102,7 @@ def test_sweep_key_that_does_not_exist_is_one_error(slurm, tmp_path):
     assert "submitted SLURM" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_no_sbatch_on_path_is_one_error(tmp_path):
     proc = run_launch(["cluster=slurm_local"], cwd=tmp_path,
                       env={"PATH": str(tmp_path)})
@@ -108,6 +111,7 @@ def test_no_sbatch_on_path_is_one_error(tmp_path):
     assert last.startswith("error: cluster=slurm_local submits to SLURM but 'sbatch' is not on PATH"), last
 
 
+@pytest.mark.slow
 def test_master_address_is_the_nodes_slurm_address(slurm):
     """scontrol's NodeAddr for the job's first node, read as SLURM itself reports it (sinfo %o)."""
     from titan_hydra.runtime.rendezvous import master_address, slurm_node_addr
@@ -118,7 +122,6 @@ def test_master_address_is_the_nodes_slurm_address(slurm):
     assert sinfo_addr and slurm_node_addr(node) == sinfo_addr[0]
     assert slurm_node_addr("no-such-node") is None  # scontrol answers "not found"
     assert master_address(node) == node  # the name resolves here: kept, no address swap
-
 
 
 def test_job_port_is_below_the_ephemeral_range(tmp_path):
@@ -134,6 +137,7 @@ def test_job_port_is_below_the_ephemeral_range(tmp_path):
     assert ephemeral_low(str(narrow)) == 50000 and ephemeral_low(str(tmp_path / "missing")) == 32768
 
 
+@pytest.mark.slow
 def test_torchft_groups_are_the_jobs_of_a_sweep(slurm, tmp_path):
     """One SLURM job per replica group (a 2-point array) around a Lighthouse the user runs: with
     min_replicas=2 every step is both groups' (averaged loss, identical in both logs), and both
@@ -164,6 +168,7 @@ def test_torchft_groups_are_the_jobs_of_a_sweep(slurm, tmp_path):
     assert keys and all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in keys)
 
 
+@pytest.mark.slow
 def test_corpus_preparation_spreads_over_the_tasks_of_one_job(slurm, tmp_path):
     """recipes/prepare_data.py cluster=slurm_local: 2 tasks split 4 input files and the corpus is
     byte-identical to one made on this machine (shard names carry the file's index)."""

@@ -9,12 +9,13 @@ gets SLURM's USR2 ``cluster.signal_delay_s`` (60 s) before it, saves, is requeue
 REQUEUED attempt), resumes from that step in the same run dir and ends with per-step losses
 equal to an uninterrupted local run of the same config.
 
-Why the first attempt is slowed in the test: the job must still be training when SLURM signals
-it (up to ~60 s before the limit minus the delay), but an uninterrupted reference run of that
-many real steps would double the test's time. So the test submits a subclass of the product's
-``RankTask`` whose *first* attempt sleeps before each step; its ``checkpoint()`` is the
-product's, which resubmits a plain ``RankTask`` - the requeued attempt is the product code as
-is, at full speed. Sleeping changes no number (losses don't depend on time).
+Why the first attempt waits in the test: the job must still be training when SLURM signals it
+(up to ~60 s before the limit minus the delay), but an uninterrupted reference run of that many
+real steps would double the test's time. So the test submits a subclass of the product's
+``RankTask`` whose *first* attempt, after ``WAIT_AT_STEP`` steps, waits until a rank has the
+signal (a condition, not a timer: the signal's time varies with SLURM's timer passes); its
+``checkpoint()`` is the product's, which resubmits a plain ``RankTask`` - the requeued attempt is
+the product code as is, at full speed. Waiting changes no number (losses don't depend on time).
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def _run_agreement(tmp_path: Path, fail_requeue: bool) -> list[dict]:
     return results, calls
 
 
+@pytest.mark.slow
 def test_signal_on_one_rank_stops_both_at_the_same_step(tmp_path):
     results, calls = _run_agreement(tmp_path, fail_requeue=False)
     assert [r["signalled"] for r in results] == [False, True]  # the signal reached rank 1 only
@@ -104,6 +106,7 @@ def test_signal_on_one_rank_stops_both_at_the_same_step(tmp_path):
     assert [r["exit"] for r in results] == [0, 0]  # both leave with exit code 0
 
 
+@pytest.mark.slow
 def test_failed_requeue_fails_every_rank(tmp_path):
     results, calls = _run_agreement(tmp_path, fail_requeue=True)
     assert [r["stopped_at"] for r in results] == [SIGNAL_STEP, SIGNAL_STEP]
@@ -129,8 +132,9 @@ def test_nothing_is_installed_outside_slurm():
 
 # ---------------------------------------------------------------- (c) a real SLURM time limit
 
-STEPS = 160
-FIRST_ATTEMPT_SLEEP_S = 0.5  # 160 steps >= 80 s: still training when the signal comes (~60 s in)
+STEPS = 10
+WAIT_AT_STEP = 4  # the first attempt trains this many steps, then waits for the signal
+SIGNAL_WAIT_S = 300  # past the job's 2-minute limit: a signal that never comes fails the test there
 CONFIG = [
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "training.seq_len=64",
     f"training.steps={STEPS}", "training.global_batch_size=8", "training.local_batch_size=4",
@@ -140,24 +144,34 @@ CONFIG = [
 ]
 
 
-def slow_first_attempt_task():
-    """A RankTask subclass (built here so that cloudpickle ships it by value to the job)."""
+def signal_waiting_first_attempt_task():
+    """A RankTask subclass (built here so that cloudpickle ships it by value to the job).
+
+    Each rank polls its own preemption flag and a marker file in the run dir (a rank that has the
+    signal writes it), so every rank moves on as soon as one has it; the next step boundary's
+    agreement then stops them all at the same step."""
     from titan_hydra.launch.slurm import RankTask
 
-    class SlowFirstAttempt(RankTask):
+    class SignalWaitingFirstAttempt(RankTask):
         def __call__(self):
             from titan_hydra.train.trainer import Trainer
 
             step = Trainer.train_step
+            marker = Path(self.run_dir) / "signal_seen"
 
-            def slow_step(trainer):
-                time.sleep(FIRST_ATTEMPT_SLEEP_S)
+            def step_after_the_signal(trainer):
+                if trainer.state.step >= WAIT_AT_STEP and trainer.preemption is not None:
+                    deadline = time.monotonic() + SIGNAL_WAIT_S
+                    while not marker.exists() and time.monotonic() < deadline:
+                        if trainer.preemption.signalled:
+                            marker.touch()
+                        time.sleep(0.05)
                 return step(trainer)
 
-            Trainer.train_step = slow_step
+            Trainer.train_step = step_after_the_signal
             return super().__call__()
 
-    return SlowFirstAttempt
+    return SignalWaitingFirstAttempt
 
 
 def sacct_states(job_id: str, timeout_s: float = 60) -> list[str]:
@@ -182,7 +196,7 @@ def test_time_limit_signal_saves_requeues_and_resumes_exactly(slurm, tmp_path, m
     cfg = compose_cfg(CONFIG + ["cluster=slurm_local", "cluster.tasks_per_node=2", "cluster.timeout_min=2",
                                 "cluster.signal_delay_s=60", "cluster.max_requeue=2"])
     validate(cfg)
-    monkeypatch.setattr(slurm_launch, "RankTask", slow_first_attempt_task())
+    monkeypatch.setattr(slurm_launch, "RankTask", signal_waiting_first_attempt_task())
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("WANDB_SILENT", "true")
     t0 = time.time()

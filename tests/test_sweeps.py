@@ -14,7 +14,6 @@ import pytest
 from helpers import REPO, run_launch, series
 from titan_hydra.metrics.wandb_reader import read_offline_run
 
-pytestmark = pytest.mark.slow
 
 TINY = [
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "training.seq_len=64", "training.steps=3",
@@ -24,6 +23,7 @@ TINY = [
 ]
 
 
+@pytest.mark.slow
 def test_submitit_local_sweep_grouped_and_reported(tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_launch(["-m", "hydra/launcher=submitit_local", *TINY, "optimizer.lr=1e-3,3e-3",
@@ -113,6 +113,7 @@ def test_report_labels_jobs_by_what_varies(tmp_path):
     assert "cluster=slurm_local" in (tmp_path / "report.csv").read_text()
 
 
+@pytest.mark.slow
 def test_bad_sweep_point_is_refused_before_anything_runs(tmp_path):
     """Every point is composed and validated up front: one line naming the bad point, exit 2,
     and not even the sweep dir exists (SweepCheckCallback)."""
@@ -132,6 +133,7 @@ def test_bad_sweep_point_is_refused_before_anything_runs(tmp_path):
     assert not sweep.exists()
 
 
+@pytest.mark.slow
 def test_failed_jobs_are_one_line_each(tmp_path):
     """Jobs that fail at run time (their data is bad in a way only reading it shows) are one line
     each, with their own error and log; no submitit traceback; status.json and the report say why."""
