@@ -25,8 +25,6 @@ from doc_commands import PLACEHOLDERS, ROOT, DocCommand, all_commands, unique
 from helpers import TINY, run_launch
 from titan_hydra.data.tokenizer import BUILTIN_PATH
 
-pytestmark = pytest.mark.slow
-
 FIXTURES = sorted({key for _, key in PLACEHOLDERS})
 # Lines that cannot run here, and why; each is still checked to be in the docs (asserted small).
 NOT_RUN = {
@@ -123,6 +121,7 @@ def test_the_docs_show_the_recipe_lines_this_module_runs():
     assert sum(c.program in ARGUMENTS_ONLY for c in RECIPE_LINES) >= 10  # one per benchmark suite
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cmd", RUN, ids=lambda c: c.where.split(",")[0] + ":" + c.program.split("/")[-1])
 def test_recipe_line_runs_and_prints_only_its_own_lines(cmd, user):
     work, paths = user
@@ -135,6 +134,7 @@ def test_recipe_line_runs_and_prints_only_its_own_lines(cmd, user):
         assert proc.stdout.startswith("wrote ") and (work / cmd.args[2] / "config.json").is_file() == (cmd.args[0] == "to-hf")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cmd", [c for c in RECIPE_LINES if c.program in ARGUMENTS_ONLY],
                          ids=lambda c: c.where.split(",")[0] + ":" + " ".join(c.args))
 def test_recipe_line_arguments_parse(cmd, tmp_path):
