@@ -21,6 +21,7 @@ state and an empty convolution window, as in the torch forms.
 from __future__ import annotations
 
 import functools
+import importlib.util
 from typing import Callable, NamedTuple
 
 import torch
@@ -48,8 +49,17 @@ def fla_import_error() -> str | None:
     try:
         import fla.modules.causal_conv1d  # noqa: F401
         import fla.ops.gated_delta_rule  # noqa: F401
+        from fla.ops.common import chunk_o
     except Exception as e:  # ImportError, or Triton failing to find a driver
         return f"flash-linear-attention is not importable ({type(e).__name__}: {e}; pip install titan_hydra[fla])"
+    # 0.6.0 raises in the backward of the gated chunk kernel on Hopper with Triton 3.4-3.7.0
+    # (wrong results there, its issue #640) unless tilelang serves that kernel instead
+    refused = all(getattr(chunk_o, flag, False) for flag in ("IS_NVIDIA_HOPPER", "TRITON_ABOVE_3_4_0"))
+    if refused and not getattr(chunk_o, "TRITON_ABOVE_3_7_1", True) and importlib.util.find_spec("tilelang") is None:
+        import triton
+
+        return (f"flash-linear-attention refuses its backward on Hopper with Triton {triton.__version__}; "
+                f"it needs Triton >= 3.7.1 or tilelang")
     return None
 
 
