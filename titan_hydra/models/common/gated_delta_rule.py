@@ -18,16 +18,17 @@ precomputed per chunk: one batched matmul-add per chunk. The outputs are then tw
 matmuls over all chunks at once (the state's read, Q Gamma S0, and the causal intra-chunk
 attention, A U). transformers' torch fallback instead runs four matmuls, an indexed write and
 the output per chunk inside its Python loop and solves twice; that loop and its autograd graph
-dominate its time on CPU.
+(each chunk's indexed read writes a zero-filled full copy in backward) dominate its time on long
+sequences.
 
 Documents (packed sequences): ``starts`` [B, T] marks tokens that begin a new document. The
 state is zeroed before such a token, which is a_t = 0: every decay product a_(j..i] then
-carries a "same document" factor, computed from a running document counter, so no -inf ever
-enters the exponentials. Grouped heads: q/k may have fewer heads than v; each q/k head serves
+carries a "same document" factor, computed from a running document counter (a reset written
+as g = -inf would turn the in-chunk decay differences into inf - inf). Grouped heads: q/k may have fewer heads than v; each q/k head serves
 Hv / Hk consecutive value heads (as transformers and flash-linear-attention do).
 
-Everything runs in fp32 whatever the input dtype (the output is cast back): the triangular
-solve and the decay products are not safe in bf16.
+Everything runs in fp32 whatever the input dtype (fp64 stays fp64; the output is cast back):
+the triangular solve and the decay products are not safe in bf16.
 """
 
 from __future__ import annotations
