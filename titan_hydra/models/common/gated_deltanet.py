@@ -127,7 +127,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         starts = None if document_ids is None else document_starts(document_ids)
-        return self._mix(x, starts, None, chunked=True)[0]
+        return self._mix(x, starts, None, chunked=True, kernel=self.kernel)[0]
 
     def prefill(self, x: torch.Tensor, state: GatedDeltaNetState | None = None
                 ) -> tuple[torch.Tensor, GatedDeltaNetState]:
@@ -140,10 +140,11 @@ class GatedDeltaNet(nn.Module):
         return self._mix(x, None, state, chunked=False)
 
     def _mix(self, x: torch.Tensor, starts: torch.Tensor | None, state: GatedDeltaNetState | None,
-             *, chunked: bool) -> tuple[torch.Tensor, GatedDeltaNetState | None]:
+             *, chunked: bool, kernel=None) -> tuple[torch.Tensor, GatedDeltaNetState | None]:
+        """``kernel``: the installed kernels, for training calls only (they take no state and
+        return none; a returned state is None then)."""
         bsz, s, _ = x.shape
         weight = self.conv1d.weight.squeeze(1)
-        kernel = self.kernel if state is None and chunked else None  # the hook serves training calls
         if kernel is not None:
             mixed, history = kernel.conv(self.in_proj_qkv(x), weight, starts), None
         else:
