@@ -20,7 +20,9 @@ Three ways to run it:
 ``kernel`` is a hook, None = the plain torch forms here: a training policy may install faster
 kernels from outside (``titan_hydra.kernels.gated_delta_policy``: flash-linear-attention on
 CUDA), as ``Attention.causal_kernel`` is filled. Head counts are read off the projected shapes,
-and the module knows nothing of parallelism.
+and the module knows nothing of parallelism; a tensor-parallel plan would have to shard the q, k
+and v parts of ``in_proj_qkv`` and of the convolution each by heads (one contiguous column
+shard of the concatenation would mix them).
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ class GatedDeltaNet(nn.Module):
         return out, (None if history is None else GatedDeltaNetState(history, final))
 
     def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Split the convolved q|k|v [B, S, C] into heads (widths from the shapes: TP-agnostic)."""
+        """Split the convolved q|k|v [B, S, C] into heads (widths read off the shapes)."""
         bsz, s, ch = mixed.shape
         value_dim = self.in_proj_z.weight.shape[0]
         key_dim = (ch - value_dim) // 2
