@@ -1,0 +1,165 @@
+"""Gated DeltaNet (models/common/gated_deltanet.py): the same numbers as transformers' Qwen3.5 layer,
+the chunked form equal to the recurrent one and to itself at another chunk size, packed documents
+isolated from each other, and the kernel policy (flash-linear-attention on CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3_5TextConfig
+from transformers.models.qwen3_5 import modeling_qwen3_5
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+from titan_hydra.errors import ConfigError
+from titan_hydra.kernels import gated_delta_policy as policy
+from titan_hydra.models.common.gated_deltanet import GatedDeltaNet
+
+DIM, HK, HV, DK, DV = 32, 2, 4, 12, 8  # grouped heads (each q/k head serves 2 value heads), dk not a power of 2
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: float = 1e-5) -> None:
+    """Every tensor within ``tol`` of its largest entry: a weight's gradient sums hundreds of
+    tokens' terms, so its fp32 rounding scales with its size (both sides are as far from fp64)."""
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        err, scale = (got[name] - w).abs().max().item(), w.abs().max().item()
+        assert err <= tol * max(scale, 1e-3), f"{name}: max |difference| {err:.2e} over max |value| {scale:.2e}"
+
+
+def _layer(chunk_size: int = 64, seed: int = 0) -> GatedDeltaNet:
+    torch.manual_seed(seed)
+    layer = GatedDeltaNet(DIM, HK, HV, DK, DV, chunk_size=chunk_size)
+    with torch.no_grad():  # the per-head and norm parameters away from their init, so a swapped one shows
+        for p in (layer.dt_bias, layer.A_log, layer.norm.weight):
+            p.add_(torch.randn_like(p) * 0.3)
+    return layer
+
+
+def _x(b: int, s: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(b, s, DIM, generator=torch.Generator().manual_seed(seed))
+
+
+def _grads(layer: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> dict[str, torch.Tensor]:
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.device)
+    names, params = zip(*layer.named_parameters())
+    grads = torch.autograd.grad((out * weight).sum(), (x, *params))
+    return dict(zip(("x", *names), grads))
+
+
+def test_matches_transformers_qwen3_5_layer_forward_and_gradients(monkeypatch):
+    # transformers' torch forms even where flash-linear-attention is installed (which it would call)
+    for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
+        fn = getattr(modeling_qwen3_5, name)
+        monkeypatch.setattr(modeling_qwen3_5, name, getattr(fn, "__wrapped__", fn))
+    cfg = Qwen3_5TextConfig(hidden_size=DIM, linear_num_key_heads=HK, linear_num_value_heads=HV,
+                            linear_key_head_dim=DK, linear_value_head_dim=DV, linear_conv_kernel_dim=4,
+                            num_hidden_layers=1, layer_types=["linear_attention"], rms_norm_eps=1e-6)
+    ours = _layer()
+    ref = Qwen3_5GatedDeltaNet(cfg, layer_idx=0)
+    ref.load_state_dict(ours.state_dict())  # strict: same names and shapes, 1:1
+    x = _x(2, 150).requires_grad_()  # three 64-token chunks, the last one partial
+    out, expected = ours(x), ref(x)
+    torch.testing.assert_close(out, expected, **TOL)
+    ours_g, ref_g = _grads(ours, x, out), _grads(ref, x, expected)
+    assert len(ours_g) == 10  # x and the nine parameters
+    _close(ours_g, ref_g)
+
+
+def test_chunked_equals_recurrent_step_by_step_and_prefill_then_step():
+    layer = _layer(chunk_size=16)
+    x = _x(2, 40)
+    with torch.no_grad():
+        chunked = layer(x)
+        state, steps = None, []
+        for t in range(x.shape[1]):
+            y, state = layer.step(x[:, t:t + 1], state)
+            steps.append(y)
+        torch.testing.assert_close(torch.cat(steps, dim=1), chunked, **TOL)
+        head, state = layer.prefill(x[:, :23])  # the chunked form hands its state to decoding
+        tail, final = layer.step(x[:, 23:], state)
+    torch.testing.assert_close(torch.cat([head, tail], dim=1), chunked, **TOL)
+    torch.testing.assert_close(final.recurrent, layer.prefill(x)[1].recurrent, **TOL)
+    assert final.conv.shape == (2, 2 * HK * DK + HV * DV, 3)
+
+
+def test_chunk_size_16_equals_64_forward_and_gradients():
+    x = _x(1, 100).requires_grad_()
+    small, large = _layer(chunk_size=16), _layer(chunk_size=64)
+    out_small, out_large = small(x), large(x)
+    torch.testing.assert_close(out_small, out_large, **TOL)
+    _close(_grads(small, x, out_small), _grads(large, x, out_large))
+
+
+def test_packed_documents_equal_each_alone():
+    """Row 0 packs 37 + 63 tokens (the boundary inside a 16-token chunk), row 1 packs 32 + 2 + 66
+    (a boundary on a chunk edge, and a document shorter than the convolution's reach of 3)."""
+    layer = _layer(chunk_size=16)
+    x = _x(2, 100).requires_grad_()
+    lengths = [[37, 63], [32, 2, 66]]
+    doc_ids = torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths])
+    packed = layer(x, document_ids=doc_ids)
+    for row, sizes in enumerate(lengths):
+        start = 0
+        for size in sizes:
+            alone = layer(x[row:row + 1, start:start + size])
+            torch.testing.assert_close(packed[row:row + 1, start:start + size], alone, **TOL)
+            start += size
+    # and no gradient crosses a boundary: the second document's outputs ignore the first's inputs
+    # (up to rounding: the in-chunk decay sums still add the first document's g, then subtract it)
+    (grad,) = torch.autograd.grad(packed[0, 37:].sum(), x)
+    assert grad[0, :37].abs().max().item() < 1e-6 * grad[0, 37:].abs().max().item()
+
+
+def test_document_of_one_token_and_reset_at_every_token():
+    layer = _layer(chunk_size=16)
+    x = _x(1, 20)
+    with torch.no_grad():
+        packed = layer(x, document_ids=torch.arange(20).unsqueeze(0))  # every token its own document
+        alone = torch.cat([layer(x[:, t:t + 1]) for t in range(20)], dim=1)
+    torch.testing.assert_close(packed, alone, **TOL)
+
+
+def test_policy_on_cpu_picks_torch_with_the_reason_and_refuses_fla():
+    layer = _layer()
+    picked = policy.apply_gated_delta_kernel(torch.nn.Sequential(layer), "auto", torch.device("cpu"))
+    assert picked.name == "torch" and "this run is on cpu" in picked.reason and layer.kernel is None
+    with pytest.raises(ConfigError, match="gated delta kernel fla cannot be used"):
+        policy.choose("fla", torch.device("cpu"))
+    with pytest.raises(ConfigError, match="not one of auto, torch, fla"):
+        policy.choose("triton", torch.device("cpu"))
+    assert policy.apply_gated_delta_kernel(torch.nn.Linear(2, 2), "auto", torch.device("cpu")).name == "torch"
+
+
+def test_cu_seqlens_cover_every_document_of_the_flattened_batch():
+    starts = torch.zeros(2, 6, dtype=torch.bool)
+    starts[0, 4] = True
+    starts[1, 1] = starts[1, 2] = True
+    assert policy.cu_seqlens(starts).tolist() == [0, 4, 6, 7, 8, 12]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-linear-attention's kernels are CUDA-only")
+def test_cuda_kernels_equal_the_torch_form():
+    """Where flash-linear-attention can train, ``auto`` picks it and it equals the torch form, forward
+    and gradients (fp32: within 2e-3, its Triton matmuls may run in TF32). Where it cannot, ``auto``
+    says why and keeps torch; an importable fla is still compared forward only."""
+    device = torch.device("cuda")
+    layer = _layer(chunk_size=64).to(device)
+    x = _x(2, 300).to(device).requires_grad_()
+    doc_ids = (torch.arange(300, device=device) >= 130).long().expand(2, 300).clone()
+    expected = layer(x, document_ids=doc_ids)
+    expected_g = _grads(layer, x, expected)
+    picked = policy.apply_gated_delta_kernel(layer, "auto", device)
+    why = policy.fla_import_error()
+    assert (picked.name == "fla") == (why is None)
+    if why is not None:
+        assert layer.kernel is None and why in picked.reason
+        if "not importable" in why:
+            return
+        layer.kernel = policy.FLA_KERNELS  # the forward kernels still run
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x, document_ids=doc_ids), expected, atol=2e-3, rtol=2e-3)
+        return
+    out = layer(x, document_ids=doc_ids)
+    torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+    _close(_grads(layer, x, out), expected_g, tol=2e-3)
