@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from titan_hydra.errors import UserError, first_line  # noqa: E402
-from titan_hydra.metrics.images import save_grid  # noqa: E402
+from titan_hydra.logger.images import save_grid  # noqa: E402
 
 
 def locate(path: Path) -> tuple[Path, Path]:

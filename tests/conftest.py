@@ -40,7 +40,7 @@ def run_cache(tmp_path_factory) -> RunCache:
 @pytest.fixture
 def float8_conversions(monkeypatch) -> list[str]:
     """The FQNs of the Linear layers float8 converts during the test (filled as runs convert)."""
-    from titan_hydra.quant.float8 import Float8Converter
+    from titan_hydra.float8 import Float8Converter
 
     converted: list[str] = []
     real_convert = Float8Converter.convert

@@ -17,7 +17,7 @@ from titan_hydra.models.llama3 import LlamaArgs
 from titan_hydra.models.protocol import DrawsSamples, ModelFamily
 from titan_hydra.models.qwen3 import FAMILY as QWEN3
 from titan_hydra.models.registry import BUILTIN, args_of, build_model, family_for_hf_type, get_family
-from titan_hydra.train.periodic_eval import PeriodicEval
+from titan_hydra.train.eval import PeriodicEval
 
 
 def debug(name: str, *overrides: str):

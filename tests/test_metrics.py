@@ -11,10 +11,10 @@ import torch
 
 from helpers import read_metrics
 from titan_hydra.metrics import throughput as tp
-from titan_hydra.metrics.backends import ConsoleBackend, JsonlBackend, TensorBoardBackend
-from titan_hydra.metrics.logger import MetricLogger
+from titan_hydra.logger.backends import ConsoleBackend, JsonlBackend, TensorBoardBackend
+from titan_hydra.logger.metric_logger import MetricLogger
 from titan_hydra.metrics.memory import MemoryMonitor
-from titan_hydra.metrics.wandb_reader import find_wandb_files, read_offline_run
+from titan_hydra.logger.wandb_reader import find_wandb_files, read_offline_run
 
 CONFIG = {"model": {"dim": 256, "layers": [1, 2, 3]}, "optimizer": {"lr": 3e-4}, "seed": 7}
 ROWS = [(1, {"loss": 6.5, "lr": 1e-4}), (2, {"loss": 5.25, "lr": 2e-4}),
@@ -177,7 +177,7 @@ def test_console_backend(capsys):
 
 
 def _wandb_logger(run_dir):
-    spec = {"_target_": "titan_hydra.metrics.backends.WandbBackend",
+    spec = {"_target_": "titan_hydra.logger.backends.WandbBackend",
             "project": "test", "mode": "offline", "group": "g1", "tags": ["a", "b"]}
     return MetricLogger(run_dir, rank=0, backends={"wandb": spec, "jsonl": None},
                         config=CONFIG)
@@ -225,10 +225,10 @@ def test_pictures_reach_every_backend(tmp_path, capsys):
 
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, size=(3, 16, 12, 3), dtype=np.uint8)
-    backends = {"console": {"_target_": "titan_hydra.metrics.backends.ConsoleBackend"},
-                "jsonl": {"_target_": "titan_hydra.metrics.backends.JsonlBackend"},
-                "tensorboard": {"_target_": "titan_hydra.metrics.backends.TensorBoardBackend"},
-                "wandb": {"_target_": "titan_hydra.metrics.backends.WandbBackend", "project": "test", "mode": "offline"}}
+    backends = {"console": {"_target_": "titan_hydra.logger.backends.ConsoleBackend"},
+                "jsonl": {"_target_": "titan_hydra.logger.backends.JsonlBackend"},
+                "tensorboard": {"_target_": "titan_hydra.logger.backends.TensorBoardBackend"},
+                "wandb": {"_target_": "titan_hydra.logger.backends.WandbBackend", "project": "test", "mode": "offline"}}
     with MetricLogger(tmp_path, rank=0, backends=backends) as ml:
         path = ml.log_images("samples", images, 5, ["a", "b", "c"])
     assert path == tmp_path / "samples" / "samples-step000005.png"
@@ -263,8 +263,8 @@ def test_logger_builds_from_hydra_config_and_closes_all(tmp_path):
             raise RuntimeError("still broken")
 
     backends = OmegaConf.create({
-        "jsonl": {"_target_": "titan_hydra.metrics.backends.JsonlBackend"},
-        "tensorboard": {"_target_": "titan_hydra.metrics.backends.TensorBoardBackend"},
+        "jsonl": {"_target_": "titan_hydra.logger.backends.JsonlBackend"},
+        "tensorboard": {"_target_": "titan_hydra.logger.backends.TensorBoardBackend"},
     })
     ml = MetricLogger(tmp_path, 0, {**backends, "broken": Broken()}, OmegaConf.create(CONFIG))
     ml.log({"loss": 1.5}, 1)  # the broken backend is dropped, the others keep logging
@@ -276,9 +276,9 @@ def test_logger_builds_from_hydra_config_and_closes_all(tmp_path):
 
 
 def test_logger_nonzero_rank_creates_nothing(tmp_path):
-    backends = {"jsonl": {"_target_": "titan_hydra.metrics.backends.JsonlBackend"},
-                "wandb": {"_target_": "titan_hydra.metrics.backends.WandbBackend"},
-                "tensorboard": {"_target_": "titan_hydra.metrics.backends.TensorBoardBackend"}}
+    backends = {"jsonl": {"_target_": "titan_hydra.logger.backends.JsonlBackend"},
+                "wandb": {"_target_": "titan_hydra.logger.backends.WandbBackend"},
+                "tensorboard": {"_target_": "titan_hydra.logger.backends.TensorBoardBackend"}}
     with MetricLogger(tmp_path / "run", rank=1, backends=backends, config=CONFIG) as ml:
         ml.log({"loss": 1.0}, 1)
     assert not (tmp_path / "run").exists() and os.listdir(tmp_path) == []

@@ -90,7 +90,7 @@ def test_tensorboard_holds_the_losses(run_dir):
 
 def test_wandb_offline_run_holds_config_and_history(run_dir):
     from titan_hydra.hardware import resolve_precision
-    from titan_hydra.metrics.wandb_reader import read_offline_run
+    from titan_hydra.logger.wandb_reader import read_offline_run
 
     assert list((run_dir / "wandb").glob("offline-run-*"))
     run = read_offline_run(run_dir)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, run_launch, series
-from titan_hydra.metrics.wandb_reader import read_offline_run
+from titan_hydra.logger.wandb_reader import read_offline_run
 
 
 TINY = [

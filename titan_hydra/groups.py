@@ -25,15 +25,15 @@ from titan_hydra.config import choice, register_base, schema_from
 from titan_hydra.data import dataset as token_data
 from titan_hydra.data import image_caption
 from titan_hydra.data.mixture import MixtureDataset
-from titan_hydra.metrics.backends import WANDB_MODES, ConsoleBackend, JsonlBackend, TensorBoardBackend, WandbBackend
+from titan_hydra.logger.backends import WANDB_MODES, ConsoleBackend, JsonlBackend, TensorBoardBackend, WandbBackend
 from titan_hydra.parallel import ac, compile as compiling
 from titan_hydra.parallel.dims import CP_ROTATE_METHODS, PP_SCHEDULES, RESHARD_POLICIES, ParallelDims
 from titan_hydra.profiling import build_profiler
-from titan_hydra.quant.float8 import Float8Converter
+from titan_hydra.float8 import Float8Converter
 from titan_hydra.runtime.fault_tolerance import FaultTolerance
 from titan_hydra.train.lr_schedule import DECAY_TYPES, build_lr_scheduler
 from titan_hydra.train.optimizers import OptimizerConfig
-from titan_hydra.train.periodic_eval import PeriodicEval
+from titan_hydra.train.eval import PeriodicEval
 
 ReshardPolicy = choice("ReshardPolicy", RESHARD_POLICIES, __name__)
 RotateMethod = choice("RotateMethod", CP_ROTATE_METHODS, __name__)

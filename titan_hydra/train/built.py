@@ -71,7 +71,7 @@ class Monitors:
 class BoundEval:
     """The ``eval`` group's evaluator with the model and data it evaluates: ``due`` / ``run``."""
 
-    evaluator: Any  # titan_hydra.train.periodic_eval.PeriodicEval
+    evaluator: Any  # titan_hydra.train.eval.PeriodicEval
     model: BuiltModel
     dataset: Any
 

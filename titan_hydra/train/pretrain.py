@@ -28,7 +28,7 @@ from titan_hydra.errors import UserError
 from titan_hydra.errors import instantiate_checked as instantiate
 from titan_hydra.kernels.attention_policy import apply_attention_kernel
 from titan_hydra.kernels.attention_precision import apply_attention_precision
-from titan_hydra.metrics.logger import MetricLogger
+from titan_hydra.logger.metric_logger import MetricLogger
 from titan_hydra.metrics.memory import MemoryMonitor
 from titan_hydra.metrics.summary import run_footer, run_header
 from titan_hydra.metrics.throughput import ThroughputMeter, cpu_bf16_slower_than_fp32, device_peak_tflops

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from titan_hydra.metrics.wandb_reader import read_offline_run
+from titan_hydra.logger.wandb_reader import read_offline_run
 
 # key -> (label, formatter). Order here is the console column order.
 _FMT: dict[str, tuple[str, Callable[[float], str]]] = {

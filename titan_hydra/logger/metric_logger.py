@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from titan_hydra.metrics.images import save_grid
+from titan_hydra.logger.images import save_grid
 
 log = logging.getLogger("titan_hydra")
 
