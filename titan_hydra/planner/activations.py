@@ -55,8 +55,9 @@ def precision_kind(mp: str, fsdp: bool) -> str:
 
 
 def block_activation_bytes(args: ModelShape, kind: str, mode: str, tokens: float, tp: int = 1,
-                           policy: str = "all_mm") -> float:
-    """Saved activations of one block for ``tokens`` tokens (per rank: heads split by tp)."""
+                           policy: str | None = None) -> float:
+    """Saved activations of one block for ``tokens`` tokens (per rank: heads split by tp); ``policy``
+    is the selective-op policy (``activation_checkpoint.selective_op_policy``) where ``mode`` is selective_op."""
     d, kv, f = args.dim, args.kv_dim, args.ffn_dim
     if mode == "full":
         return tokens * RESIDUAL_BYTES[kind] * d / tp  # only the block input
@@ -73,7 +74,7 @@ def block_activation_bytes(args: ModelShape, kind: str, mode: str, tokens: float
 
 
 def activation_bytes(args: ModelShape, kind: str, mode: str, tokens: float, layers: float,
-                     freq: int, tp: int = 1, policy: str = "all_mm") -> float:
+                     freq: int, tp: int = 1, policy: str | None = None) -> float:
     """All blocks' saved activations plus one block's recompute (transient) under AC."""
     full = block_activation_bytes(args, kind, "none", tokens, tp)
     if mode == "none":
