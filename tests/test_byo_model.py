@@ -93,3 +93,22 @@ def test_checkpoint_view_of_two_stages_has_the_whole_models_names():
     expected = {k for k in model.state_dict() if not k.startswith(("h.1.", "h.2."))}
     assert set(view.state_dict()) == expected
     assert view.h["3"] is last.h["3"] and view.wte is first.wte
+
+
+def test_evaluation_during_training_needs_the_family_to_build_a_copy():
+    """A family without ``build(args)`` cannot make the full evaluation copy: refused in one line
+    before the run starts, while the built-in families (which build) pass the same check."""
+    from titan_hydra.errors import ConfigError
+    from titan_hydra.models.registry import get_family
+    from titan_hydra.train.eval import PeriodicEval
+
+    sys.path.insert(0, str(BYO))
+    try:
+        import tiny_gpt
+    finally:
+        sys.path.remove(str(BYO))
+    assert not tiny_gpt.FAMILY.builds_models() and get_family("llama3").builds_models()
+    with pytest.raises(ConfigError, match=r"model family 'tiny_gpt' has no build\(args\)"):
+        PeriodicEval(freq=5, tasks=["builtin_ppl"]).check(tiny_gpt.FAMILY)
+    PeriodicEval(freq=0).check(tiny_gpt.FAMILY)  # nothing to evaluate: nothing needed
+    PeriodicEval(freq=5, tasks=["builtin_ppl"]).check(get_family("llama3"))

@@ -121,6 +121,16 @@ class ModelFamily:
     def shape(self, args: Any) -> ModelShape:
         raise NotImplementedError
 
+    def build(self, args: Any) -> nn.Module:
+        """A model of ``args`` on the current default device: what evaluation during training
+        loads the gathered weights into. A family without it cannot evaluate during training
+        (``PeriodicEval.check`` says so before the run starts)."""
+        raise NotImplementedError(f"model family {self.name!r} has no build(args)")
+
+    def builds_models(self) -> bool:
+        """Whether this family overrides ``build`` (evaluation during training needs it)."""
+        return type(self).build is not ModelFamily.build
+
     def flops_per_token(self, args: Any, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token: 6 x active matmul params + attention."""
         raise NotImplementedError

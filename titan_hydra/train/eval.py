@@ -60,6 +60,9 @@ class PeriodicEval:
     def check(self, family) -> None:
         """Before training (one line each): lm-eval importable and every task known; a family
         that draws pictures, and prompts to draw, for sample pictures."""
+        if self.enabled and not family.builds_models():
+            raise ConfigError(f"eval: model family {family.name!r} has no build(args) to make the evaluation copy "
+                              "from; define ModelFamily.build in it, or set eval.freq=0 eval.sample_every=0")
         if self.sample_every > 0:
             if not isinstance(family, DrawsSamples):
                 raise ConfigError(f"eval.sample_every={self.sample_every}: model family {family.name!r} draws no "
