@@ -39,6 +39,7 @@ from titan_hydra.parallel.compile import compiled_graphs
 from titan_hydra.parallel.full_state import gather_full_state
 from titan_hydra.runtime.preemption import watch_for_preemption
 from titan_hydra.runtime.rendezvous import init_process_group  # bounded, one-line failure
+from titan_hydra.runtime.threads import threads_here
 from titan_hydra.train.optimizers import build_optimizer as optimizer_of
 from titan_hydra.train.trainer import Trainer, TrainState
 
@@ -153,8 +154,7 @@ def run(cfg: DictConfig, run_dir: str, return_state: bool = False) -> dict[str, 
     full CPU tensors (tests compare them across layouts).
     """
     rank, local_rank, world_size = world_info()
-    if cfg.cluster.threads_per_proc:
-        torch.set_num_threads(int(cfg.cluster.threads_per_proc))
+    torch.set_num_threads(threads_here(cfg.cluster.threads_per_proc).n)  # this rank's share of the host's cores
     device = setup_device(cfg.cluster, local_rank)
     init_distributed(cfg.cluster, world_size)
     try:
@@ -312,6 +312,7 @@ def header_of(cfg: DictConfig, dims, data: DataPlan, built: BuiltModel, world_si
         grad_accum=data.grad_accum_steps, steps=int(t.steps), run_dir=run_dir,
         data_summary=data.dataset.summary() if hasattr(data.dataset, "summary") else None,
         fault_tolerance=fault_tolerance,
+        threads=(torch.get_num_threads(), threads_here(cfg.cluster.threads_per_proc).reason),
     )
 
 
