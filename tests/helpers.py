@@ -43,13 +43,17 @@ def compose_cfg(overrides: list[str] | None = None):
     return compose_config(overrides or [])
 
 
-def run_launch(args: list[str], cwd: Path, timeout: int = 600, env: dict | None = None):
+def run_launch(args: list[str], cwd: Path, timeout: int = 600, env: dict | None = None,
+               unset: Iterable[str] = ()):
     """Run ``python launch.py ARGS`` in a subprocess (one thread per process unless ``env`` says
-    otherwise, W&B quiet); returns the CompletedProcess with its output captured."""
+    otherwise or ``unset`` drops OMP_NUM_THREADS, W&B quiet); returns the CompletedProcess with
+    its output captured."""
     full_env = dict(os.environ)
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env["WANDB_SILENT"] = "true"
     full_env.update(env or {})
+    for name in unset:
+        full_env.pop(name, None)
     return subprocess.run(
         [sys.executable, str(REPO / "launch.py"), *args],
         cwd=cwd,

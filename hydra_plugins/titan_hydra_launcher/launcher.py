@@ -7,6 +7,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLaunche
 
 from titan_hydra.launch.slurm import SlurmLauncher
 from titan_hydra.launch.submitit_jobs import OneLineFailures
+from titan_hydra.runtime.threads import exported, launches_env
 
 
 class TitanSlurmLauncher(SlurmLauncher):
@@ -17,7 +18,12 @@ class TitanSlurmLauncher(SlurmLauncher):
 
 class TitanLocalLauncher(OneLineFailures, LocalLauncher):
     """``hydra/launcher=submitit_local``: the same local processes, points checked first, a
-    failed job one line."""
+    failed job one line, and the jobs of a batch (which run at once) share the cores."""
+
+    def launch(self, job_overrides, initial_job_idx):
+        # submitit's local jobs inherit this environment when they start
+        with exported(launches_env(len(job_overrides))):
+            return super().launch(job_overrides, initial_job_idx)
 
 
 class TitanSubmititSlurmLauncher(OneLineFailures, _StockSlurm):

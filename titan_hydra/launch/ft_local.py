@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 from titan_hydra.errors import RankFailed, UserError
 from titan_hydra.runtime.fault_tolerance import GROUP_ENV, LIGHTHOUSE_ENV, START_BARRIER_ENV, check_lighthouse
 from titan_hydra.runtime.rendezvous import free_port
+from titan_hydra.runtime.threads import launches_env, threads_here
 
 GROUPS_DIR = "replica_groups"
 POLL_S = 0.2
@@ -68,11 +69,16 @@ def run_groups(cfg: DictConfig, run_dir: str, overrides: list[str]) -> dict[str,
 
     barrier = Path(run_dir) / GROUPS_DIR / f"started-{time.time_ns()}"
     barrier.mkdir(parents=True)
+    # the groups share this host's cores: each of their processes gets its share, not all of them
+    shared = launches_env(int(ft.replica_groups))
+    threads = threads_here(cfg.cluster.threads_per_proc, local_processes=int(cfg.cluster.nproc_per_node),
+                           environ={**os.environ, **shared})
+    shared["OMP_NUM_THREADS"] = str(threads.n)
 
     def start(group: int, first: bool = False) -> subprocess.Popen:
         out = group_dir(run_dir, group)
         out.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, GROUP_ENV: str(group), LIGHTHOUSE_ENV: addr}
+        env = {**os.environ, **shared, GROUP_ENV: str(group), LIGHTHOUSE_ENV: addr}
         if first:  # the groups of this launch wait for each other once; a restarted group joins alone
             env[START_BARRIER_ENV] = str(barrier)
         cmd = [sys.executable, str(Path(sys.argv[0]).resolve()), *overrides, f"hydra.run.dir={out}"]

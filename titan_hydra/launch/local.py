@@ -30,6 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from titan_hydra.errors import RankFailed, UserError
 from titan_hydra.runtime.rendezvous import free_port
+from titan_hydra.runtime.threads import exported, threads_here
 from titan_hydra.spec import RunSpec
 from titan_hydra.train.pretrain import build_dataset
 
@@ -62,7 +63,7 @@ def worker_main(spec: RunSpec, run_dir: str, return_state: bool = False, program
     os.environ["TITAN_HYDRA_WORKER"] = "1"
     # A forked worker keeps the launcher's thread count (OMP_NUM_THREADS is read once, at import)
     # and Hydra's logging (console format, the launcher's log file): make it a fresh worker's.
-    torch.set_num_threads(threads_per_worker(spec.config.cluster))
+    torch.set_num_threads(threads_here(spec.config.cluster.threads_per_proc).n)  # its share (LOCAL_WORLD_SIZE)
     if str(spec.config.cluster.start_method) == "fork":
         for handler in list(logging.root.handlers):
             logging.root.removeHandler(handler)
@@ -73,12 +74,6 @@ def worker_main(spec: RunSpec, run_dir: str, return_state: bool = False, program
         raise WorkerUserError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from e
     finally:
         gc.freeze()  # a spawned worker's exit skips the final walk over every object (see launch.py)
-
-
-def threads_per_worker(cluster: DictConfig) -> int:
-    if cluster.threads_per_proc:
-        return int(cluster.threads_per_proc)
-    return max(1, (os.cpu_count() or 1) // int(cluster.nproc_per_node))
 
 
 def run_local(
@@ -98,7 +93,6 @@ def run_local(
             f"cluster.nnodes={cfg.cluster.nnodes} needs a multi-node launcher; use a slurm cluster "
             "or start each node with torchrun"
         )
-    os.environ["OMP_NUM_THREADS"] = str(threads_per_worker(cfg.cluster))
     # Forked workers inherit the tokenizer's thread pool state; this keeps HF tokenizers from
     # warning about it in every worker (they tokenize little: the cache below did the work).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -115,8 +109,11 @@ def run_local(
     build_dataset(cfg.data)  # fills the token cache; bad data fails here, before any worker starts
     _quiet_join_tracebacks()
     entry = elastic_launch(launch_config_of(cfg.cluster), worker_main)
+    # torch elastic hands the workers this process's OMP_NUM_THREADS: make it their share of the cores
+    threads = threads_here(cfg.cluster.threads_per_proc, local_processes=int(cfg.cluster.nproc_per_node))
     try:
-        results = entry(spec, run_dir, return_state, program or DEFAULT_PROGRAM)
+        with exported({"OMP_NUM_THREADS": str(threads.n)}):
+            results = entry(spec, run_dir, return_state, program or DEFAULT_PROGRAM)
     except ChildFailedError as e:
         raise error_of(e) from None
     return results[0]

@@ -138,13 +138,7 @@ def export_dist_env(cfg: DictConfig) -> bool:
         return False
     if cfg.cluster.master_port:
         env["MASTER_PORT"] = str(cfg.cluster.master_port)
-    os.environ.update(env)
-    threads = cfg.cluster.threads_per_proc or cfg.cluster.cpus_per_task
-    if threads:
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        import torch
-
-        torch.set_num_threads(int(threads))
+    os.environ.update(env)  # LOCAL_WORLD_SIZE and SLURM's CPUs per task set the rank's threads (runtime/threads.py)
     return True
 
 

@@ -38,6 +38,7 @@ from titan_hydra.parallel.compile import compiled_graphs
 from titan_hydra.parallel.full_state import gather_full_state
 from titan_hydra.runtime.preemption import watch_for_preemption
 from titan_hydra.runtime.rendezvous import init_process_group  # bounded, one-line failure
+from titan_hydra.runtime.threads import threads_here
 from titan_hydra.spec import RunSpec
 from titan_hydra.train.built import BoundEval, BuiltModel, DataPlan, Monitors, Schedule
 from titan_hydra.train.moe_balance import moe_balance_hooks
@@ -163,8 +164,7 @@ def run(spec: RunSpec, run_dir: str, return_state: bool = False) -> dict[str, An
         raise UserError(f"this process is one of {world_size} ranks (WORLD_SIZE) but the run was planned for "
                         f"{spec.world_size}; launch it with cluster.nproc_per_node x cluster.nnodes = {world_size}")
     cluster = spec.config.cluster
-    if cluster.threads_per_proc:
-        torch.set_num_threads(int(cluster.threads_per_proc))
+    torch.set_num_threads(threads_here(cluster.threads_per_proc).n)  # this rank's share of the host's cores
     device = setup_device(cluster, local_rank)
     init_distributed(cluster, world_size)
     try:
@@ -287,6 +287,7 @@ def header_of(spec: RunSpec, data: DataPlan, built: BuiltModel, run_dir: str,
         grad_accum=spec.batch.grad_accum, steps=int(cfg.training.steps), run_dir=run_dir,
         data_summary=data.dataset.summary() if hasattr(data.dataset, "summary") else None,
         fault_tolerance=fault_tolerance,
+        threads=(torch.get_num_threads(), threads_here(cfg.cluster.threads_per_proc).reason),
     )
 
 
