@@ -70,7 +70,7 @@ def launch(cfg: DictConfig) -> float | None:
         if submit_to_slurm:
             summary = submit(cfg, run_dir)  # each task validates its own spec on its node
         elif ft_groups:
-            summary = run_groups(cfg, run_dir, list(HydraConfig.get().overrides.task))
+            summary = run_groups(spec, run_dir, list(HydraConfig.get().overrides.task))
         elif inside_rank:
             summary = run(spec, run_dir)
         else:

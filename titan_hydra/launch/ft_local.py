@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import DictConfig
 
@@ -28,6 +28,7 @@ from titan_hydra.errors import RankFailed, UserError
 from titan_hydra.runtime.fault_tolerance import GROUP_ENV, LIGHTHOUSE_ENV, START_BARRIER_ENV, check_lighthouse
 from titan_hydra.runtime.rendezvous import free_port
 from titan_hydra.runtime.threads import launches_env, threads_here
+from titan_hydra.spec import RunSpec
 
 GROUPS_DIR = "replica_groups"
 POLL_S = 0.2
@@ -55,8 +56,10 @@ def start_lighthouse(ft: DictConfig, log: Path) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-def run_groups(cfg: DictConfig, run_dir: str, overrides: list[str]) -> dict[str, Any]:
-    """Start the Lighthouse and every group, restart groups that fail, return group 0's summary."""
+def run_groups(spec: RunSpec, run_dir: str, overrides: list[str]) -> dict[str, Any]:
+    """Start the Lighthouse and every group (each a ``launch.py`` run of its own, with the same
+    ``overrides``), restart groups that fail, return group 0's summary."""
+    cfg = spec.config
     ft = cfg.fault_tolerance
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     if ft.lighthouse:
@@ -88,21 +91,7 @@ def run_groups(cfg: DictConfig, run_dir: str, overrides: list[str]) -> dict[str,
             return subprocess.Popen(cmd, env=env, stdout=log, stderr=log)
 
     try:
-        for g in restarts:
-            procs[g] = start(g, first=True)
-        codes: dict[int, int] = {}
-        while len(codes) < len(restarts):
-            time.sleep(POLL_S)
-            for g, proc in procs.items():
-                if g in codes or proc.poll() is None:
-                    continue
-                if proc.returncode != 0 and restarts[g] < int(ft.max_restarts):
-                    restarts[g] += 1
-                    print(f"fault tolerance: replica group {g} exited with {proc.returncode}; restart "
-                          f"{restarts[g]}/{int(ft.max_restarts)}", flush=True)
-                    procs[g] = start(g)
-                else:
-                    codes[g] = proc.returncode
+        codes = supervise(start, procs, restarts, int(ft.max_restarts))
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -111,6 +100,32 @@ def run_groups(cfg: DictConfig, run_dir: str, overrides: list[str]) -> dict[str,
             lighthouse.kill()
             lighthouse.wait()
         shutil.rmtree(barrier, ignore_errors=True)
+    return group_summary(run_dir, codes, restarts)
+
+
+def supervise(start: Callable[..., subprocess.Popen], procs: dict[int, subprocess.Popen], restarts: dict[int, int],
+              max_restarts: int) -> dict[int, int]:
+    """Start every group, restart one that fails (up to ``max_restarts`` each); their exit codes."""
+    for g in restarts:
+        procs[g] = start(g, first=True)
+    codes: dict[int, int] = {}
+    while len(codes) < len(restarts):
+        time.sleep(POLL_S)
+        for g, proc in procs.items():
+            if g in codes or proc.poll() is None:
+                continue
+            if proc.returncode != 0 and restarts[g] < max_restarts:
+                restarts[g] += 1
+                print(f"fault tolerance: replica group {g} exited with {proc.returncode}; restart "
+                      f"{restarts[g]}/{max_restarts}", flush=True)
+                procs[g] = start(g)
+            else:
+                codes[g] = proc.returncode
+    return codes
+
+
+def group_summary(run_dir: str, codes: dict[int, int], restarts: dict[int, int]) -> dict[str, Any]:
+    """Group 0's final loss (its metrics.jsonl), or RankFailed naming the groups that failed."""
     failed = {g: c for g, c in codes.items() if c != 0}
     if failed:
         raise RankFailed(f"replica group(s) {sorted(failed)} failed (exit {sorted(set(failed.values()))}); "
