@@ -21,9 +21,13 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import Qwen3_5TextConfig
-from transformers.models.qwen3_5 import modeling_qwen3_5
-from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+from titan_hydra.quiet import import_quietly
+
+# transformers' Qwen3.5 module imports torchao where it is installed, which logs its missing CUDA kernels
+modeling_qwen3_5 = import_quietly("transformers.models.qwen3_5.modeling_qwen3_5")
+Qwen3_5GatedDeltaNet = modeling_qwen3_5.Qwen3_5GatedDeltaNet
+Qwen3_5TextConfig = import_quietly("transformers").Qwen3_5TextConfig
 
 from titan_hydra.kernels import gated_delta_policy
 from titan_hydra.models.common.gated_deltanet import GatedDeltaNet

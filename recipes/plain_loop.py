@@ -44,7 +44,7 @@ def main() -> None:
     torch.manual_seed(cfg.training.seed)  # after construction, as the trainer's init does
     model.init_weights()
     optimizer = build_optimizer(cfg.optimizer, list(model.named_parameters()))  # the trainer's groups
-    loader = build_dataset(cfg).loader("train", cfg.training.local_batch_size)
+    loader = build_dataset(cfg.data).loader("train", cfg.training.local_batch_size)
     fpt = family.flops_per_token(args_of(cfg.model)[1], cfg.training.seq_len)
 
     run_dir = Path(args.run_dir)

@@ -59,7 +59,7 @@ def single(tmp_path_factory) -> list[dict]:
 def build_dataset(num_images: int = 24):
     from titan_hydra.train.pretrain import build_dataset as build
 
-    return build(compose_cfg(FLUX + [f"data.num_images={num_images}"]))
+    return build(compose_cfg(FLUX + [f"data.num_images={num_images}"]).data)
 
 
 def test_examples_are_the_same_in_every_data_parallel_layout():
