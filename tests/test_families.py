@@ -186,6 +186,9 @@ def test_drawing_pictures_is_a_capability_a_family_opts_into():
     class Painter(ModelFamily):  # names no capability class: the protocol is structural
         name = "painter"
 
+        def build(self, args):  # the pictures are drawn by a full copy of the model
+            return torch.nn.Identity()
+
         def sample_images(self, model, dataset, prompts, steps, guidance, seed):
             return torch.zeros(len(prompts), 4, 4, 3, dtype=torch.uint8)
 
