@@ -57,6 +57,15 @@ class ModuleScheduling(LoadScopeScheduling):
     def _reschedule(self, node) -> None:
         if node.shutting_down:
             return
+        try:
+            self._top_up(node)
+        except OSError:
+            # The worker died after reporting its last test and before this send ("cannot send
+            # (already closed?)"): what was just assigned to it is in assigned_work, unfinished,
+            # and remove_node puts it back on the queue when xdist reports the worker down.
+            return
+
+    def _top_up(self, node) -> None:
         if self.workqueue and self._pending_of(self.assigned_work[node]) <= 2:
             self._assign_work_unit(node)
         # A worker starts a test only once it knows the next one (or that there is none): one
