@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -76,6 +77,15 @@ def evaluate_row(row: dict) -> dict:
     }
 
 
+def headroom_covering(results: list[dict]) -> tuple[float, dict]:
+    """The smallest ``cluster.memory_headroom`` (whole percent) under which no row's estimate
+    fits a device its published peak overflows: the fit check keeps estimate <= (1 - h) x device,
+    and the real peak is estimate / ratio, so h >= 1 - the lowest estimated/published ratio.
+    Returns it with the row that sets it."""
+    worst = min(results, key=lambda r: r["estimated_gib"] / r["published_gib"])
+    return math.ceil(100 * (1 - worst["estimated_gib"] / worst["published_gib"])) / 100, worst
+
+
 def markdown(results: list[dict]) -> str:
     lines = ["| row | published GiB | estimated GiB | ratio | published TPS/GPU | estimated TPS/GPU | ratio |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -91,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     results = [evaluate_row(r) for r in load_rows()]
     print(markdown(results))
+    headroom, worst = headroom_covering(results)
+    print(f"\nlargest underestimate: {worst['id']} at {worst['memory_ratio']:.3f} -> "
+          f"cluster.memory_headroom >= {headroom:.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {
@@ -99,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": "H100 96 GB HBM2e, 500 W; peak taken as 989 TFLOP/s dense bf16",
         "runtime": "estimate.TORCHTITAN_2024_12",
         "rows": results,
+        "memory_headroom_covering_all_rows": headroom,
     }
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"\nwrote {out}")

@@ -12,9 +12,11 @@ import pytest
 from titan_hydra.spec import spec_of
 from helpers import BASE, GLOBAL_BATCH, STEPS, assert_parity, compose_cfg, reference_losses, run_launch, series
 
+from titan_hydra.config.schemas import ClusterConfig
 from titan_hydra.errors import ConfigError
 from titan_hydra.planner import auto
 from titan_hydra.planner.plan import plan
+from titan_hydra.validate import validate
 
 H100 = ["cluster=slurm_h100", "parallelism=auto", "training.seq_len=8192"]
 
@@ -58,7 +60,8 @@ def test_choice_is_the_fastest_fitting_candidate():
     for c in cands:  # each row agrees with plan() on the same degrees
         p = fixed_layout_plan(["model=llama3_8b", *H100, "training.local_batch_size=2"], **c.degrees())
         assert math.isclose(c.mem_gib, p.mem_total_gib, rel_tol=1e-12)
-        assert c.fits == (p.mem_total_gib <= 80.0)
+        assert p.usable_memory_gib == pytest.approx(80.0 * (1 - ClusterConfig.memory_headroom))
+        assert c.fits == (p.mem_total_gib <= p.usable_memory_gib)
     chosen = auto.choose(cands)
     fitting = [c for c in cands if c.fits]
     assert chosen.tokens_per_s == max(c.tokens_per_s for c in fitting)
@@ -128,7 +131,7 @@ def test_deepseek_v3_671b_keeps_expert_parallel_when_compiled_or_selectively_che
 
 
 def test_resolution_is_deterministic_and_idempotent():
-    ov = ["model=llama3_70b", *H100, "cluster.nnodes=4", "training.local_batch_size=1"]
+    ov = ["model=llama3_70b", *H100, "cluster.nnodes=8", "training.local_batch_size=1"]
     a, _ = resolved(ov)
     b, _ = resolved(ov)
     assert a.parallelism == b.parallelism
@@ -136,6 +139,42 @@ def test_resolution_is_deterministic_and_idempotent():
     assert again.parallelism == b.parallelism
     fixed = compose_cfg(["parallelism=fsdp_tp"])
     assert auto.resolve_auto(fixed).parallelism == compose_cfg(["parallelism=fsdp_tp"]).parallelism
+
+
+# 8B at 2 x 8192 tokens with torchtitan's selective AC on one 80 GB node: pure FSDP is estimated
+# at 77.6 GiB per rank, inside the device but not inside its default headroom.
+EDGE = ["model=llama3_8b", *H100, "training.local_batch_size=2", "activation_checkpoint=selective_op",
+        "activation_checkpoint.selective_op_policy=every_second_mm"]
+
+
+def test_a_layout_that_fits_only_without_headroom_is_not_chosen(capsys):
+    edge = fixed_layout_plan(EDGE, dp_shard=8)
+    assert edge.usable_memory_gib < edge.mem_total_gib <= edge.device_memory_gib == 80.0
+    cfg, p = resolved(EDGE)
+    assert (cfg.parallelism.dp_shard, cfg.parallelism.tp) == (4, 2)
+    assert p.mem_total_gib <= p.usable_memory_gib == pytest.approx(80.0 * (1 - ClusterConfig.memory_headroom))
+    out = capsys.readouterr().out
+    assert (f"parallelism=auto memory: estimated peak per rank <= {p.usable_memory_gib:.1f} GiB usable "
+            f"(80 GiB device, cluster.memory_headroom={ClusterConfig.memory_headroom} kept free)") in out
+    assert f"faster dp_shard=8 needs {edge.mem_total_gib:.1f} GiB/rank" in out
+    # the plan reports the estimate, the headroom and the device memory
+    assert f"(exceeds the {edge.usable_memory_gib:.1f} GiB usable)" in edge.format()
+    row = [r for r in edge.format().splitlines() if r.startswith("device memory / headroom")]
+    assert row[0].split(None, 4)[-1] == (f"80 GiB / {ClusterConfig.memory_headroom:.0%} kept free -> "
+                                         f"{edge.usable_memory_gib:.1f} GiB usable")
+    cfg, p = resolved([*EDGE, "cluster.memory_headroom=0"])  # trusting the estimate: pure FSDP
+    assert (cfg.parallelism.dp_shard, cfg.parallelism.tp) == (8, 1)
+    assert p.mem_total_gib == pytest.approx(edge.mem_total_gib) and p.usable_memory_gib == 80.0
+
+
+@pytest.mark.parametrize("value", ["-0.1", "1", "1.5"])
+def test_memory_headroom_out_of_range_is_a_one_line_error(value):
+    """Checked by auto (before validation) and by validation (for the runs that never plan)."""
+    for check in (auto.resolve_auto, lambda cfg: validate(cfg, environment=False)):
+        with pytest.raises(ConfigError) as e:
+            check(compose_cfg([*EDGE, f"cluster.memory_headroom={value}"]))
+        assert str(e.value) == (f"cluster.memory_headroom={float(value)} must be within [0, 1): the fraction of "
+                                "device memory the planner keeps free (0 = none)")
 
 
 def test_long_sequences_consider_context_parallel():
@@ -173,12 +212,13 @@ def test_launch_nothing_fits_one_line_error(tmp_path):
 
 @pytest.mark.slow
 def test_launch_dry_run_prints_the_choice(tmp_path):
-    ov = ["parallelism=auto", "model=llama3_70b", "cluster=slurm_h100", "cluster.nnodes=4", "training.seq_len=8192",
+    ov = ["parallelism=auto", "model=llama3_70b", "cluster=slurm_h100", "cluster.nnodes=8", "training.seq_len=8192",
           "training.local_batch_size=1", "data.max_documents=1"]
     proc = run_launch(["dry_run=true", *ov], cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cfg, p = resolved(ov)
-    assert (cfg.parallelism.dp_shard, cfg.parallelism.tp) == (4, 8)
-    assert f"parallelism=auto chose dp_shard=4 tp=8: fits ({p.mem_total_gib:.3g} GiB/rank)" in proc.stdout
-    assert "32 / dp_replicate=1 dp_shard=4 tp=8 pp=1 cp=1" in proc.stdout
+    assert (cfg.parallelism.dp_shard, cfg.parallelism.tp) == (8, 8)
+    assert f"parallelism=auto chose dp_shard=8 tp=8: fits ({p.mem_total_gib:.3g} GiB/rank)" in proc.stdout
+    assert "64 / dp_replicate=1 dp_shard=8 tp=8 pp=1 cp=1" in proc.stdout
     assert f"memory per rank: peak         {p.mem_total_gib:.3f} GiB (fits)" in proc.stdout
+    assert f"80 GiB / {ClusterConfig.memory_headroom:.0%} kept free -> {p.usable_memory_gib:.1f} GiB usable" in proc.stdout

@@ -219,6 +219,7 @@ def _validate_ranges(cfg: DictConfig) -> None:
     betas = OmegaConf.select(cfg, "optimizer.betas")
     if betas is not None and not all(0.0 <= float(b) < 1.0 for b in betas):
         raise ConfigError(f"optimizer.betas={list(betas)} must each be within [0, 1)")
+    memory_headroom(cfg.cluster)
     val_fraction = cfg.data.get("val_fraction", 0.0)  # a mixture holds out per source
     if not 0.0 <= val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={val_fraction} must be within [0, 1)")
@@ -227,6 +228,16 @@ def _validate_ranges(cfg: DictConfig) -> None:
         for key in ("profile_freq", "active"):
             _positive(cfg, f"profiling.{key}")
         _positive(cfg, "profiling.warmup", allow_zero=True)
+
+
+def memory_headroom(cluster: DictConfig) -> float:
+    """``cluster.memory_headroom``, checked: the planner (parallelism=auto, the plan's fit check)
+    reads it before validation runs, so both ask here."""
+    h = float(cluster.memory_headroom)
+    if not 0.0 <= h < 1.0:
+        raise ConfigError(f"cluster.memory_headroom={h} must be within [0, 1): the fraction of device memory "
+                          "the planner keeps free (0 = none)")
+    return h
 
 
 def _validate_checkpoint(c: DictConfig, world_size: int, local_paths: bool) -> None:

@@ -21,6 +21,9 @@ Each patch, and why it is needed (the README of this directory lists the same it
    which makes FSDP reduce-scatter with a PREMUL_SUM that gloo rejects; a plain SUM is the same
    reduction when the factor is 1.
 
+On a CUDA machine (``TT_SHIM_DEVICE=cuda``, scripts/gpu_side_by_side/) only patch 4 applies (an
+API the installed torch may lack) and the mixed-precision report; the device is torch's own.
+
 Set ``TT_SHIM_VERBOSE=1`` to print which patches were installed. The shim also prints, once, the
 mixed-precision policy torchtitan hands to FSDP (an observation; it changes nothing), so the
 harness can report the precision torchtitan ran from its own process.
@@ -118,11 +121,12 @@ def _patch_fsdp_divide_factor() -> None:
     _INSTALLED.append("FSDP divide factor 1.0 -> SUM reduction")
 
 
-def install() -> list[str]:
-    _patch_device_type()
-    _patch_cpu_module()
+def install(cpu: bool = True) -> list[str]:
+    if cpu:
+        _patch_device_type()
+        _patch_cpu_module()
     _patch_set_timeout()
-    _patch_fsdp_divide_factor()
+    _patch_fsdp_divide_factor()  # on CUDA: the report only matters (NCCL takes PREMUL_SUM; factor 1 = SUM)
     return list(_INSTALLED)
 
 
@@ -130,7 +134,7 @@ def main() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     if here not in sys.path:
         sys.path.insert(0, here)  # --module tt_cpu_configs
-    installed = install()
+    installed = install(cpu=os.environ.get("TT_SHIM_DEVICE", "cpu") == "cpu")
     if os.environ.get("TT_SHIM_VERBOSE"):
         print("tt_cpu_shim: " + "; ".join(installed), file=sys.stderr)
     runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)

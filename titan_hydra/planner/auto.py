@@ -15,7 +15,9 @@ How the choice is made:
     across nodes) when there are several nodes per pipeline stage;
   * each candidate must pass the same pre-launch rules the launch will apply (the parallel
     modules' checks) and fit the device memory by ``plan()`` (planner/plan.py's
-    own fit check: peak per rank <= device memory; CPU has no limit);
+    own fit check: peak per rank <= device memory less ``cluster.memory_headroom``, the
+    estimator's measured error, so a layout at the edge of the device is not chosen; CPU has
+    no limit);
   * among those, the highest estimated tokens/s wins. ``plan`` gives compute time at
     ``ASSUMED_MFU`` (40%), which is the same for every layout of one world size, so the ranking
     adds what differs between layouts: the pipeline bubble and stage imbalance, exposed TP/CP
@@ -39,7 +41,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from titan_hydra.errors import ConfigError, UserError
 from titan_hydra.models.registry import args_of
-from titan_hydra.planner.devices import device_memory_of, peak_tflops_of
+from titan_hydra.planner.devices import device_memory_of, peak_tflops_of, usable_memory_of
 from titan_hydra.planner.plan import ASSUMED_MFU, plan
 from titan_hydra.planner.shape import stage_params
 from titan_hydra.spec import RunSpec, flavor_of, spec_of, world_size_of
@@ -213,7 +215,7 @@ def evaluate(cfg: DictConfig, c: Candidate) -> Candidate:
     c.invalid = layout_problem(spec)
     p = plan(spec)
     c.mem_gib = p.mem_total_gib
-    c.fits = p.device_memory_gib is None or p.mem_total_gib <= p.device_memory_gib
+    c.fits = p.fits
     c.tokens_per_s = p.tokens_per_step / estimated_step_time(spec, p)
     return c
 
@@ -229,7 +231,7 @@ def choose(cands: list[Candidate]) -> Candidate | None:
 
 
 def table(cands: list[Candidate], device_gib: float | None) -> str:
-    cap = f"{device_gib:.0f} GiB" if device_gib else "no limit"
+    cap = f"{device_gib:.1f} GiB" if device_gib else "no limit"
     rows = [f"{'layout':<40} {'mem/rank GiB':>12} {'fits ' + cap:>14} {'est. tokens/s':>14}"]
     for c in cands:
         status = ("yes" if c.fits else "no") if not c.invalid else "invalid"
@@ -264,27 +266,39 @@ def resolve_auto(cfg: DictConfig) -> DictConfig:
     if OmegaConf.select(cfg, "parallelism.name") != "auto":
         return cfg
     cands = [evaluate(cfg, c) for c in enumerate_candidates(cfg)]
-    device_gib = device_memory_of(cfg.cluster)
+    usable = usable_memory_of(cfg.cluster)
     chosen = choose(cands)
     if chosen is None:
-        raise ConfigError(no_fit_message(cfg, cands, device_gib))
+        raise ConfigError(no_fit_message(cfg, cands))
     if is_launcher_rank():
-        print(f"parallelism=auto candidates ({len(cands)}):\n{table(cands, device_gib)}", flush=True)
+        print(f"parallelism=auto candidates ({len(cands)}):\n{table(cands, usable)}", flush=True)
+        if usable is not None:
+            print(f"parallelism=auto memory: {budget(cfg)}", flush=True)
         peak = peak_tflops_of(cfg.cluster) is not None
         print(f"parallelism=auto chose {chosen.describe()}: {reason(chosen, cands, peak)}", flush=True)
     set_degrees(cfg, chosen)
     return cfg
 
 
-def no_fit_message(cfg: DictConfig, cands: list[Candidate], device_gib: float | None) -> str:
-    valid = [c for c in cands if not c.invalid] or cands
-    if not valid:
-        return f"parallelism=auto found no layout for model={flavor_of(cfg.model)} on this cluster"
-    best = min(valid, key=lambda c: c.mem_gib)
+def budget(cfg: DictConfig) -> str:
+    """The fit check's limit in words: device memory, headroom, what is left."""
+    c = cfg.cluster
+    return (f"estimated peak per rank <= {usable_memory_of(c):.1f} GiB usable ({device_memory_of(c):.0f} GiB device, "
+            f"cluster.memory_headroom={c.memory_headroom} kept free)")
+
+
+def no_fit_message(cfg: DictConfig, cands: list[Candidate]) -> str:
     nodes, per_node = topology(cfg)
+    valid = [c for c in cands if not c.invalid]
+    if not valid:  # every layout breaks a launch rule (memory was not the problem)
+        why = f": {cands[0].describe()} is refused ({cands[0].invalid})" if cands else ""
+        return f"parallelism=auto found no valid layout for model={flavor_of(cfg.model)} on {nodes}x{per_node} devices{why}"
+    best = min(valid, key=lambda c: c.mem_gib)
     return (
         f"parallelism=auto: model={flavor_of(cfg.model)} does not fit on {nodes}x{per_node} devices: the "
         f"smallest layout ({best.describe()}) needs {best.mem_gib:.1f} GiB/rank, the device has "
-        f"{device_gib:.0f} GiB; add nodes (cluster.nnodes), set activation_checkpoint=full, or lower "
-        "training.local_batch_size"
+        f"{device_memory_of(cfg.cluster):.0f} GiB of which {usable_memory_of(cfg.cluster):.1f} GiB usable "
+        f"(cluster.memory_headroom={cfg.cluster.memory_headroom}); add nodes (cluster.nnodes), set "
+        "activation_checkpoint=full, or lower training.local_batch_size (or, at the risk of an OOM, "
+        "cluster.memory_headroom)"
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from titan_hydra.metrics.throughput import PEAK_TFLOPS
+from titan_hydra.validate import memory_headroom
 
 # Device memory (GiB) by GPU name in cluster.name / cluster.constraint.
 DEVICE_MEMORY_GIB = {"h200": 141.0, "h100": 80.0, "a100": 80.0, "b200": 180.0, "l40s": 48.0}
@@ -26,6 +27,13 @@ def device_memory_of(c: DictConfig) -> float | None:
         if key in text:
             return gib
     return None
+
+
+def usable_memory_of(c: DictConfig) -> float | None:
+    """GiB a rank's estimated peak may use: the device's memory less ``cluster.memory_headroom``
+    (the estimator's measured error; config/schemas.py says how it was derived); None on CPU."""
+    device = device_memory_of(c)
+    return None if device is None else device * (1 - memory_headroom(c))
 
 
 def peak_tflops_of(c: DictConfig) -> float | None:

@@ -5,7 +5,9 @@ parameters + AdamW state + the larger of (activations saved for backward, gradie
 temporaries), split by the layout (FSDP shards, TP splits, PP stages, CP sequence chunks), by
 mixed precision and by activation-checkpoint mode. This module only combines the terms: the
 measured activation coefficients are in activations.py, the CUDA allocator model in
-cuda_memory.py, the pipeline schedule in pipeline.py, device facts in devices.py.
+cuda_memory.py, the pipeline schedule in pipeline.py, device facts in devices.py. A plan fits
+when its peak leaves ``cluster.memory_headroom`` of the device free: the estimate's measured
+error against real peaks, so that what fits on paper fits on the device.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from titan_hydra.planner.cuda_memory import (
     ALLOCATOR_RESERVE_EAGER,
     cuda_dynamic_peak,
 )
-from titan_hydra.planner.devices import device_memory_of, peak_tflops_of
+from titan_hydra.planner.devices import device_memory_of, peak_tflops_of, usable_memory_of
 from titan_hydra.planner.runtime import TITAN_HYDRA, Runtime
 from titan_hydra.planner.shape import largest_block_params, stage_params
 from titan_hydra.spec import RunSpec
+from titan_hydra.validate import memory_headroom
 
 GIB = 1024**3
 ASSUMED_MFU = 0.4  # the model FLOP utilization a plan's step time assumes (Plan.step_time_s_at_mfu40)
@@ -68,6 +71,8 @@ class Plan:
     ac_mode: str = "none"
     mem_transient_gib: float = 0.0
     device_memory_gib: float | None = None
+    memory_headroom: float = 0.0  # fraction of device memory kept free (cluster.memory_headroom)
+    usable_memory_gib: float | None = None  # what the peak may use: device memory less the headroom
     tflops_per_rank_at_mfu40: float = 0.0
     step_time_s_at_mfu40: float | None = None
     expert_parallel: int = 1
@@ -80,10 +85,15 @@ class Plan:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def fits(self) -> bool:
+        """The estimated peak is within the usable memory (always on CPU: no limit)."""
+        return self.usable_memory_gib is None or self.mem_total_gib <= self.usable_memory_gib
+
     def format(self) -> str:
         fits = ""
-        if self.device_memory_gib:
-            fits = " (fits)" if self.mem_total_gib <= self.device_memory_gib else f" (exceeds {self.device_memory_gib:.0f} GiB)"
+        if self.usable_memory_gib is not None:
+            fits = " (fits)" if self.fits else f" (exceeds the {self.usable_memory_gib:.1f} GiB usable)"
         rows = [
             ("model", self.flavor),
             ("parameters", f"{self.params:,} ({self.params / 1e9:.3f}B)"),
@@ -107,6 +117,9 @@ class Plan:
             ("memory per rank: transient", f"{self.mem_transient_gib:.3f} GiB"),
             ("memory per rank: peak", f"{self.mem_total_gib:.3f} GiB{fits}"),
         ]
+        if self.usable_memory_gib is not None:
+            rows.append(("device memory / headroom", f"{self.device_memory_gib:.0f} GiB / {self.memory_headroom:.0%} "
+                         f"kept free -> {self.usable_memory_gib:.1f} GiB usable"))
         if self.expert_parallel > 1:
             rows.append(("expert all-to-all per rank", f"{self.alltoall_gib_per_step:.3g} GiB/step"))
         if self.step_time_s_at_mfu40 is not None:
@@ -141,6 +154,7 @@ def plan(spec: RunSpec, runtime: Runtime = TITAN_HYDRA) -> Plan:
     flops_rank = fpt * tokens / dims.world_size
     step_time = flops_rank / (ASSUMED_MFU * peak_tflops * 1e12) if peak_tflops else None
     per_unit = family.objective.unit == "token"
+    device_gib = device_memory_of(cfg.cluster)
     return Plan(
         flavor=spec.flavor, params=args.params,
         active_params=args.active_params, non_embedding_params=args.params - args.embedding_params,
@@ -149,7 +163,8 @@ def plan(spec: RunSpec, runtime: Runtime = TITAN_HYDRA) -> Plan:
         mem_grads_gib=mem.grads / GIB, mem_optimizer_gib=mem.optimizer / GIB,
         mem_activations_gib=mem.activations / GIB, mem_total_gib=mem.peak / GIB,
         mixed_precision=mp, ac_mode=str(cfg.activation_checkpoint.mode), mem_transient_gib=mem.transient / GIB,
-        device_memory_gib=device_memory_of(cfg.cluster),
+        device_memory_gib=device_gib, memory_headroom=memory_headroom(cfg.cluster),
+        usable_memory_gib=usable_memory_of(cfg.cluster),
         tflops_per_rank_at_mfu40=ASSUMED_MFU * peak_tflops if peak_tflops else 0.0, step_time_s_at_mfu40=step_time,
         expert_parallel=ep, alltoall_gib_per_step=a2a / GIB, unit=family.objective.unit,
         flops_per_unit=fpt if per_unit else per_sample, units_per_step=tokens if per_unit else global_bs,
