@@ -13,7 +13,8 @@ never names a family. It gets a ``ModelFamily`` from the ``model.family`` config
   (what context parallel shards with the tokens), ``expert_modules`` (what expert parallelism
   shards over its own mesh);
 * training: ``objective`` (the loss, and what throughput counts: ``objective.py``; language
-  families predict the next token), ``flops_per_unit``, ``step_hooks`` (work once per
+  families predict the next token), ``training_loss`` (the objective's, or one with the model's
+  own extra terms), ``flops_per_unit``, ``step_hooks`` (work once per
   optimizer step that belongs to the model, returning metrics to log);
 * conversion: ``hf`` (an ``HFAdapter``; None when the family has no HF counterpart).
 
@@ -95,6 +96,11 @@ class HFAdapter:
 
     def args_from_hf_config(self, cfg: dict[str, Any]) -> Any:
         raise NotImplementedError
+
+    def args_for_weights(self, args: Any, names: Any) -> Any:
+        """``args`` fitted to the tensor names the files hold (default: unchanged). A checkpoint
+        saved by a library that drops optional layers keeps them in its config.json."""
+        return args
 
 
 class ModelFamily:
@@ -189,6 +195,11 @@ class ModelFamily:
         return [(n, m) for n, m in model.named_modules() if getattr(type(m), "routed_experts", False)]
 
     # --- training -----------------------------------------------------------------------
+    def training_loss(self, args: Any) -> Any:
+        """The loss the runners backpropagate, ``(output, labels) -> scalar``: the objective's,
+        unless the model trains terms of its own on the same batch (multi-token prediction)."""
+        return self.objective.loss
+
     def set_loss_scale(self, model_parts: list[nn.Module], scale: float) -> None:
         """The runner backpropagates each microbatch's loss times ``scale`` (1 / (gradient
         accumulation x pipeline microbatches)); losses a model adds to the gradient itself (MoE

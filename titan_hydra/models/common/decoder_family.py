@@ -21,8 +21,9 @@ What it decides, and why:
 * FSDP units: embeddings, each block, norm+output; a tied model keeps embedding, norm and
   output in one unit (a parameter can belong to only one unit).
 * Pipeline stages: a deep copy of the meta model with other layers deleted and the embedding /
-  head set to None; tied models cannot be cut (the two ends live on different stages) and are
-  refused with one line.
+  head set to None; the multi-token prediction layers (``common/mtp.py``) stay on the last stage
+  only. Tied models cannot be cut (the two ends live on different stages) and are refused with
+  one line.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch import nn
 
 from titan_hydra.errors import ConfigError
 from titan_hydra.models.common import moe
+from titan_hydra.models.mtp_loss import MultiTokenLoss
 from titan_hydra.models.protocol import ModelFamily, ModelShape
 
 
@@ -132,6 +134,7 @@ class DecoderFamily(ModelFamily):
         units: list[tuple[Any, bool]] = []
         if emb is not None and not tied:
             units.append((emb, False))
+        blocks += list(getattr(model, "mtp_layers", None) or ())  # run after the head, shard like blocks
         for i, block in enumerate(blocks):
             units.append((block, i == len(blocks) - 1 and not head and not tied))
         if tied:
@@ -197,6 +200,11 @@ class DecoderFamily(ModelFamily):
         if any(self.expert_modules(part) for part in model_parts):
             moe.set_aux_grad_scale(model_parts, scale)
 
+    def training_loss(self, args: Any) -> Any:
+        if int(getattr(args, "mtp_layers", 0)):
+            return MultiTokenLoss(args.mtp_loss_weight)
+        return self.objective.loss
+
     def cut_stage(self, model: nn.Module, layer_ids: range, is_first: bool, is_last: bool) -> nn.Module:
         stage = copy.deepcopy(model)
         for name in list(stage.layers.keys()):
@@ -207,6 +215,8 @@ class DecoderFamily(ModelFamily):
         if not is_last:
             stage.norm = None
             stage.output = None
+            if getattr(stage, "mtp_layers", None) is not None:  # multi-token prediction: the last stage
+                stage.mtp_layers = None
         return stage
 
 
