@@ -225,3 +225,54 @@ def test_pipeline_with_mtp_equals_one_process(tmp_path):
     for key in COMPARED:
         a, b = series(one, key), series(pp, key)
         assert len(a) == len(b) > 1 and max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (key, a, b)
+
+
+RESUME = ["model=deepseek_v3_debug", "model.mtp_layers=1", *[o for o in TINY if "vocab" not in o and "max_seq" not in o],
+          "training.seq_len=32", "training.local_batch_size=2", "training.steps=6", "training.mixed_precision=fp32",
+          "training.deterministic=true", "training.val_freq=0", "lr_scheduler.warmup_steps=2",
+          "data.max_documents=40", "logger=minimal", "cluster.threads_per_proc=1", "checkpoint=default",
+          "checkpoint.interval=2", "checkpoint.keep_latest_k=2"]
+
+
+def test_exact_resume_with_mtp(tmp_path):
+    """6 steps == 4 steps + resume + 2 steps, bit for bit: losses, mtp/loss and every parameter
+    (the MTP layer's weights, optimizer state and routing bias come back from the checkpoint)."""
+    import shutil
+
+    from titan_hydra.spec import spec_of
+    from titan_hydra.train.pretrain import run
+
+    spec = spec_of(compose_cfg(RESUME))
+    ref = run(spec, str(tmp_path / "ref"), return_state=True)
+    shutil.copytree(tmp_path / "ref" / "checkpoint", tmp_path / "resumed" / "checkpoint")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoint" / "step-6")
+    resumed = run(spec, str(tmp_path / "resumed"), return_state=True)
+    assert resumed["losses"] == ref["losses"] and len(ref["losses"]) == 6
+    mtp_ref, mtp_resumed = (series(read_metrics(tmp_path / d), "mtp/loss") for d in ("ref", "resumed"))
+    assert mtp_resumed[-2:] == mtp_ref[-2:]
+    assert any(k.startswith("mtp_layers.0.") for k in ref["full_state"])
+    assert all(torch.equal(resumed["full_state"][k], v) for k, v in ref["full_state"].items())
+
+
+def test_plan_counts_the_mtp_layer_memory():
+    """The dry-run plan of the debug flavor with one depth: its parameters, and activations of one
+    more never-checkpointed block, MoE layer and loss head for the step's tokens."""
+    from titan_hydra.planner.activations import block_activation_bytes, moe_activation_bytes
+    from titan_hydra.planner.plan import GIB, plan
+    from titan_hydra.spec import spec_of
+
+    base = ["model=deepseek_v3_debug", "training.seq_len=128", "training.local_batch_size=4",
+            "training.mixed_precision=fp32"]
+    off, on = (spec_of(compose_cfg(base + [f"model.mtp_layers={d}"])) for d in (0, 1))
+    with torch.device("meta"):
+        layer_params = sum(p.numel() for p in FAMILY.build(on.model_args).mtp_layers.parameters())
+    p_off, p_on = plan(off), plan(on)
+    assert p_on.params - p_off.params == layer_params
+    shape, tokens = on.shape, 4 * 128
+    assert (shape.mtp_layers, shape.moe_layers) == (1, off.shape.moe_layers + 1)
+    expected = (tokens * (12 * shape.dim + 12 * shape.vocab_size) + block_activation_bytes(shape, "fp32", "none", tokens)
+                + moe_activation_bytes(shape, "fp32", "none", tokens))
+    got = (p_on.mem_activations_gib - p_off.mem_activations_gib) * GIB
+    assert abs(got - expected) < 1e-3 * expected, (got, expected)
+    assert p_on.flops_per_token - p_off.flops_per_token == FAMILY.flops_per_token(on.model_args, 128) - \
+        FAMILY.flops_per_token(off.model_args, 128)

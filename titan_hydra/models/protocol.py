@@ -63,6 +63,10 @@ class ModelShape:
     top_k: int = 0
     moe_layers: int = 0
     expert_params: int = 0
+    # Multi-token prediction depths (DeepSeek-V3): each runs one more block and one more pass
+    # through the output head; their non-expert parameters count in head_params (they sit with
+    # the head on the last pipeline stage), their experts in expert_params / moe_layers.
+    mtp_layers: int = 0
 
     @property
     def block_params(self) -> float:

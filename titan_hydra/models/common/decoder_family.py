@@ -232,6 +232,9 @@ def _shape(family: DecoderFamily, key: str) -> ModelShape:
     head = model.norm.weight.numel() + model.output.weight.numel()
     experts = family.expert_modules(model)
     expert_params = sum(p.numel() for _, m in experts for p in m.parameters())
+    mtp = getattr(model, "mtp_layers", None) or ()  # with the head; their experts with the others
+    head += sum(p.numel() for p in nn.ModuleList(mtp).parameters()) - sum(
+        p.numel() for n, m in experts if n.startswith("mtp_layers.") for p in m.parameters())
     moe = getattr(args, "moe", None)
     n_experts, top_k = (int(moe.num_experts), int(moe.top_k)) if experts and moe is not None else (0, 0)
     # each token uses top_k / n_experts of every routed expert tensor (exact: E divides their sizes)
@@ -242,5 +245,6 @@ def _shape(family: DecoderFamily, key: str) -> ModelShape:
         ffn_dim=family.ffn_dim(args), params=total, active_params=total - idle, embedding_params=emb,
         head_params=head, tied_embeddings=tied, qk_norm=bool(getattr(args, "qk_norm", False)),
         n_experts=n_experts, top_k=top_k, moe_layers=len(experts), expert_params=expert_params,
+        mtp_layers=len(mtp),
     )
 
