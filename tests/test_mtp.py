@@ -102,6 +102,20 @@ def test_future_positions_stay_in_their_document():
     assert shift_left(torch.arange(6)[None], 2).tolist() == [[2, 3, 4, 5, 0, 0]]
 
 
+def test_packed_documents_predict_as_each_alone():
+    """With document ids, a depth's valid outputs for two packed documents equal each document's
+    own, and the document's last positions are marked invalid (no input from the next one)."""
+    model = tiny_model(1).train()
+    a, b = torch.randint(0, 64, (1, 7)), torch.randint(0, 64, (1, 5))
+    doc_ids = torch.tensor([[0] * 7 + [1] * 5])
+    with torch.no_grad():
+        _, valid, packed = model(torch.cat([a, b], dim=1), doc_ids=doc_ids)
+        alone = [model(x)[2] for x in (a, b)]
+    assert valid[0].tolist() == [[True] * 6 + [False] + [True] * 4 + [False]]
+    assert (packed[:, :6] - alone[0][:, :6]).abs().max().item() < 1e-5
+    assert (packed[:, 7:11] - alone[1][:, :4]).abs().max().item() < 1e-5
+
+
 def test_mtp_loss_hook_averages_the_step_and_skips_other_losses():
     class Dims:  # one process: no pipeline, no data parallel
         broadcast_pp_loss = staticmethod(lambda x: x)
