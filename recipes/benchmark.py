@@ -26,6 +26,8 @@ are comparable; absolute numbers on shared 2-core machines are noisy.
     python recipes/benchmark.py --suite moe_memory --steps 300 --threads 2
         # resident memory of a long qwen3_moe_debug run: at step 30 and at the end, bf16 with and
         # without bucketed expert rows, fp32, and expert parallel on 2 ranks
+    python recipes/benchmark.py --suite mtp --steps 200 --threads 2 training.seq_len=128
+        # DeepSeek-V3 debug with and without multi-token prediction: validation loss at equal tokens
 """
 
 from __future__ import annotations
@@ -469,7 +471,58 @@ def moe_memory_suite(args, tmp: Path) -> tuple[list[str], dict]:
     return lines, {"suite": "moe_memory", "steps": args.steps, "rows": rows}
 
 
-EXTRA_SUITES = {"data": data_suite, "ft": ft_suite, "moe_memory": moe_memory_suite}
+# ------------------------------------------------------------------------------ the mtp suite
+def mtp_run(args, tmp: Path, name: str, overrides: tuple[str, ...]) -> dict:
+    """One deepseek_v3_debug run of the mtp suite: validation every steps/4, the next-token CE of
+    the training batches (the MTP run's loss minus its weighted MTP term) and tokens/s."""
+    run_dir = tmp / "".join(c if c.isalnum() else "_" for c in name)
+    cmd = [sys.executable, str(REPO / "launch.py"), "model=deepseek_v3_debug", *overrides,
+           f"training.steps={args.steps}", f"training.val_freq={max(1, args.steps // 4)}", "training.val_steps=8",
+           "logger=minimal", "checkpoint=none", "cluster.nproc_per_node=1",
+           f"cluster.threads_per_proc={args.threads}", f"hydra.run.dir={run_dir}", *args.extra]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp,
+                          env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+    if proc.returncode != 0:
+        return {"variant": name, "failed": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "loss" in r and "tps" in r]
+    weight = 0.3 if any("mtp/loss" in r for r in train) else 0.0
+    last = train[-10:]
+    return {
+        "variant": name, "overrides": list(overrides), "wall_s": time.time() - t0,
+        "val_loss": {r["step"]: r["val/loss"] for r in rows if "val/loss" in r},
+        "train_next_token_ce_last10": statistics.mean(r["loss"] - weight * r.get("mtp/loss", 0.0) for r in last),
+        "mtp_loss_last10": statistics.mean(r["mtp/loss"] for r in last) if weight else None,
+        "tokens_per_s": statistics.median(r["tps"] for r in train if r["step"] > args.warmup),
+        "precision": header_value(proc.stdout, "precision").split(" ")[0],
+    }
+
+
+def mtp_suite(args, tmp: Path) -> tuple[list[str], dict]:
+    """DeepSeek-V3 debug with and without one multi-token prediction depth (weight 0.3), the same
+    batches, seed and token count: validation loss (next-token CE; eval forwards skip MTP) along
+    the run, the training batches' next-token CE, and the throughput MTP costs."""
+    from titan_hydra.hardware import cpu_isa, cpu_model
+
+    variants = {"deepseek_v3_debug": ("model.mtp_layers=0",),
+                "deepseek_v3_debug + MTP (1 depth, weight 0.3)": ("model.mtp_layers=1",)}
+    rows = [mtp_run(args, tmp, name, ov) for name, ov in variants.items()]
+    steps = sorted({s for r in rows for s in r.get("val_loss", {})})
+
+    def cells(r: dict) -> str:
+        vals = " | ".join(f"{r['val_loss'].get(s, float('nan')):.4f}" for s in steps)
+        mtp = "-" if r["mtp_loss_last10"] is None else f"{r['mtp_loss_last10']:.4f}"
+        return f"{vals} | {r['train_next_token_ce_last10']:.4f} | {mtp} | {r['tokens_per_s']:,.0f}"
+
+    lines = variant_table(f"suite `mtp` — {time.strftime('%Y-%m-%d')}, {cpu_model()} ({cpu_isa()}), "
+                          f"{os.cpu_count()} cores, {args.threads} thread(s), {args.steps} steps of the builtin corpus",
+                          [*(f"val loss @{s}" for s in steps), "train next-token CE (last 10)",
+                           "mtp/loss (last 10)", "tok/s"], rows, cells)
+    return lines, {"suite": "mtp", "steps": args.steps, "rows": rows}
+
+
+EXTRA_SUITES = {"data": data_suite, "ft": ft_suite, "moe_memory": moe_memory_suite, "mtp": mtp_suite}
 
 
 def parse_args() -> argparse.Namespace:

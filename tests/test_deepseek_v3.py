@@ -165,7 +165,7 @@ def test_hf_state_reads_fused_experts_and_skips_mtp_layers():
                                         qk_rope_head_dim=4, qk_nope_head_dim=8,
                                         v_head_dim=8, max_position_embeddings=32)
     fused = transformers.DeepseekV3ForCausalLM(cfg).state_dict()
-    args = FAMILY.hf.args_from_hf_config(cfg.to_dict())
+    args = FAMILY.hf.args_from_hf_config({**cfg.to_dict(), "num_nextn_predict_layers": 0})  # a model without MTP
     ours = FAMILY.hf.from_hf_state({**fused, "model.layers.2.eh_proj.weight": torch.zeros(1)}, args)
     files = FAMILY.hf.to_hf_state(ours, args)
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in files and not any("gate_up" in k for k in files)

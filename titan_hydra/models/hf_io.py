@@ -52,6 +52,7 @@ def load_hf_checkpoint(path: str | Path, family: ModelFamily | None = None
         hf: dict[str, torch.Tensor] = {}
         for f in sorted(path.glob("*.safetensors")):
             hf.update(load_file(str(f)))
+        args = family.hf.args_for_weights(args, hf.keys())
         return family, args, family.hf.from_hf_state(hf, args)
     except (HFConversionError, KeyError, ValueError, OSError) as e:
         raise CheckpointError(f"HF checkpoint {path}: {e}") from None

@@ -13,7 +13,8 @@ never names a family. It gets a ``ModelFamily`` from the ``model.family`` config
   (what context parallel shards with the tokens), ``expert_modules`` (what expert parallelism
   shards over its own mesh);
 * training: ``objective`` (the loss, and what throughput counts: ``objective.py``; language
-  families predict the next token), ``flops_per_unit``, ``step_hooks`` (work once per
+  families predict the next token), ``training_loss`` (the objective's, or one with the model's
+  own extra terms), ``flops_per_unit``, ``step_hooks`` (work once per
   optimizer step that belongs to the model, returning metrics to log);
 * conversion: ``hf`` (an ``HFAdapter``; None when the family has no HF counterpart).
 
@@ -62,6 +63,10 @@ class ModelShape:
     top_k: int = 0
     moe_layers: int = 0
     expert_params: int = 0
+    # Multi-token prediction depths (DeepSeek-V3): each runs one more block and one more pass
+    # through the output head; their non-expert parameters count in head_params (they sit with
+    # the head on the last pipeline stage), their experts in expert_params / moe_layers.
+    mtp_layers: int = 0
 
     @property
     def block_params(self) -> float:
@@ -95,6 +100,11 @@ class HFAdapter:
 
     def args_from_hf_config(self, cfg: dict[str, Any]) -> Any:
         raise NotImplementedError
+
+    def args_for_weights(self, args: Any, names: Any) -> Any:
+        """``args`` fitted to the tensor names the files hold (default: unchanged). A checkpoint
+        saved by a library that drops optional layers keeps them in its config.json."""
+        return args
 
 
 class ModelFamily:
@@ -189,6 +199,11 @@ class ModelFamily:
         return [(n, m) for n, m in model.named_modules() if getattr(type(m), "routed_experts", False)]
 
     # --- training -----------------------------------------------------------------------
+    def training_loss(self, args: Any) -> Any:
+        """The loss the runners backpropagate, ``(output, labels) -> scalar``: the objective's,
+        unless the model trains terms of its own on the same batch (multi-token prediction)."""
+        return self.objective.loss
+
     def set_loss_scale(self, model_parts: list[nn.Module], scale: float) -> None:
         """The runner backpropagates each microbatch's loss times ``scale`` (1 / (gradient
         accumulation x pipeline microbatches)); losses a model adds to the gradient itself (MoE

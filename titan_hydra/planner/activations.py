@@ -125,8 +125,11 @@ def loss_bytes_per_token(args: ModelShape, dims) -> float:
     return LOSS_BACKWARD_BYTES_PER_LOGIT * args.vocab_size
 
 
-def head_activation_bytes(args: ModelShape, tokens: float, dims) -> float:
+def head_activation_bytes(args: ModelShape, tokens: float, dims, kind: str = "fp32") -> float:
     """Final norm + logits at the loss backward: the fp32 log-softmax kept for backward, its
     gradient and the logits' gradient (12 B/vocab; the logits themselves are dropped before
-    backward, parallel/runner.py)."""
-    return tokens * (12 * args.dim + loss_bytes_per_token(args, dims))
+    backward, parallel/runner.py). Each multi-token prediction depth adds one such head and one
+    block that is never checkpointed (its MoE extra is in ``moe_layers`` already)."""
+    head = tokens * (12 * args.dim + loss_bytes_per_token(args, dims))
+    mtp_block = block_activation_bytes(args, kind, "none", tokens, dims.tp) if args.mtp_layers else 0.0
+    return head + args.mtp_layers * (head + mtp_block)

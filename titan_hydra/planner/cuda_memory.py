@@ -69,8 +69,9 @@ def recompute_bytes(args: ModelShape, tokens: float, tp: int, compiled: bool) ->
 def loss_peak_bytes(args: ModelShape, tokens: float, dims) -> float:
     """The loss backward's peak for ``tokens`` (logits vocab-sharded by tp under loss parallel):
     fp32 log-softmax saved + its two gradients (the bf16 logits are dropped before backward), and
-    the final norm's output the output projection saved (all-gathered: 2d per token)."""
-    return tokens * (loss_bytes_per_token(args, dims) + 2 * args.dim)
+    the final norm's output the output projection saved (all-gathered: 2d per token); once more
+    per multi-token prediction depth (all depths' logits are scored before backward)."""
+    return (1 + args.mtp_layers) * tokens * (loss_bytes_per_token(args, dims) + 2 * args.dim)
 
 
 def saved_block_bytes_cuda(args: ModelShape, mode: str, tokens: float, tp: int, policy: str) -> float:
@@ -159,6 +160,7 @@ def recompute_with_grads(args: ModelShape, terms: StepTerms, tokens: float) -> f
 def unpipelined_peak(args: ModelShape, dims, terms: StepTerms, tokens: float) -> tuple[float, float]:
     """``cuda_dynamic_peak`` without PP, for this rank's ``tokens`` per step."""
     saved = args.n_layers * saved_block_bytes_cuda(args, terms.ac_mode, tokens, terms.tp, terms.sac_policy)
+    saved += args.mtp_layers * saved_block_bytes_cuda(args, "none", tokens, terms.tp, terms.sac_policy)
     dyn = saved + max(loss_peak_bytes(args, tokens, dims), recompute_with_grads(args, terms, tokens))
     unsharded = terms.root_weights + 2 * terms.block_weights  # root + the last block (kept) + the one in use
     return dyn + unsharded, unsharded

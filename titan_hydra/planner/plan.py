@@ -234,7 +234,7 @@ def saved_activation_bytes(spec: RunSpec, kind: str, local_tokens: float, params
     act = activation_bytes(args, kind, ac.mode, local_tokens, layers, int(ac.selective_layer_freq), dims.tp,
                            str(ac.selective_op_policy))
     act += math.ceil(args.moe_layers / dims.pp) * moe_activation_bytes(args, kind, ac.mode, local_tokens)
-    act += head_activation_bytes(args, local_tokens, dims)
+    act += head_activation_bytes(args, local_tokens, dims, kind)
     act += fp32_attention_bytes(spec, local_tokens, layers)
     if kind == "bf16":  # autocast's bf16 copies of the weights live until backward ends
         act += params_local * 2

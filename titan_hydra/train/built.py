@@ -39,6 +39,8 @@ class BuiltModel:
     attention_dtype: Any = None  # the dtype SDPA runs in (None: the compute dtype)
     # what runs plain causal attention, and why (kernels/attention_policy.py)
     attention_kernel: KernelChoice = KernelChoice("sdpa", "set explicitly")
+    # per-step metrics of the training loss's own terms (``mtp/loss``; train/mtp_metrics.py)
+    loss_hooks: list = field(default_factory=list)
 
     @property
     def objective(self):

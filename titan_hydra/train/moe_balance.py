@@ -28,12 +28,13 @@ def moe_balance_hooks(model_parts: list[nn.Module], dims: Any) -> list[Callable[
     return [functools.partial(balance_step, model_parts, group)]
 
 
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_LAYER_RE = re.compile(r"(?:^|\.)(mtp_)?layers\.(\d+)\.")
 
 
 def _layer_label(name: str) -> str:
+    """``layer<i>`` for ``layers.<i>``, ``mtp_layer<k>`` for a multi-token prediction depth."""
     m = _LAYER_RE.search(name + ".")
-    return f"layer{m.group(1)}" if m else (name.replace(".", "_") or "root")
+    return f"{m.group(1) or ''}layer{m.group(2)}" if m else (name.replace(".", "_") or "root")
 
 
 def _process_group(group: Any):

@@ -42,6 +42,7 @@ from titan_hydra.runtime.threads import threads_here
 from titan_hydra.spec import RunSpec
 from titan_hydra.train.built import BoundEval, BuiltModel, DataPlan, Monitors, Schedule
 from titan_hydra.train.moe_balance import moe_balance_hooks
+from titan_hydra.train.mtp_metrics import mtp_loss_hooks
 from titan_hydra.train.optimizers import build_optimizer
 from titan_hydra.train.trainer import Trainer, TrainState
 
@@ -223,15 +224,17 @@ def build_parallel_model(spec: RunSpec, device: torch.device, rank: int, dataset
         attention_dtype = torch.float32  # the kernel computes in fp32 whatever q/k/v arrive in
     float8 = instantiate(cfg.float8, _convert_="all")
     model = float8.convert(model)
+    loss_fn = family.training_loss(spec.model_args)
     pm = parallelize(
-        model, family, dims, device=device, mixed_precision=mp, loss_fn=family.objective.loss,
+        model, family, dims, device=device, mixed_precision=mp, loss_fn=loss_fn,
         grad_accum_steps=spec.batch.grad_accum, ac=instantiate(cfg.activation_checkpoint),
         compiler=instantiate(cfg.compile), document_eos_id=getattr(dataset, "document_eos_id", None),
     )
     family.set_loss_scale(pm.model_parts, pm.runner.loss_scale)  # model-internal losses weigh like the main one
     init_weights(spec, pm.model_parts, device, rank)
     return BuiltModel(family, spec.model_args, pm.model_parts, pm.runner, float8,
-                      family.flops_per_unit(spec.model_args, dataset), attention_dtype, attention_kernel)
+                      family.flops_per_unit(spec.model_args, dataset), attention_dtype, attention_kernel,
+                      loss_hooks=mtp_loss_hooks(loss_fn, dims, pm.runner.loss_scale, device))
 
 
 def optimizer_and_schedule(spec: RunSpec, built: BuiltModel):
@@ -324,7 +327,7 @@ def _run(spec: RunSpec, run_dir: str, rank: int, device: torch.device, return_st
         monitors=Monitors(metric_logger, build_throughput(spec, device, rank, built), MemoryMonitor(device), profiler),
         preemption=watch_for_preemption(rank, spec.world_size, device),  # None outside SLURM
         step_hooks=moe_balance_hooks(built.parts, spec.dims) + built.family.step_hooks(built.parts, spec.dims)
-        + compile_hooks(spec),
+        + built.loss_hooks + compile_hooks(spec),
         periodic_eval=periodic_eval_of(spec, built, data), fault_tolerance=ft if ft.enabled else None,
     )
     if rank == 0:

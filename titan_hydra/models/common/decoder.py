@@ -116,26 +116,35 @@ class Decoder(nn.Module):
         tokens are run, attending to the cached keys/values of earlier calls.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        cos, sin = self.rope_cos, self.rope_sin
+        h = self.run_layers(h, doc_ids, cache)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+    def rope_for(self, doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos/sin tables every block of a training forward uses: per position, or per
+        position within each document (``doc_ids``)."""
+        if doc_ids is None:
+            return self.rope_cos, self.rope_sin
+        positions = positions_in_documents(doc_ids)
+        return self.rope_cos[positions], self.rope_sin[positions]
+
+    def run_layers(self, h: torch.Tensor, doc_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """The blocks of this model (or pipeline stage) on hidden states [B, S, dim]."""
         if cache is not None:  # decoding: the new tokens sit at positions cache.length, ...
             if doc_ids is not None:
                 raise ValueError("a KV cache decodes one sequence per row: document ids are not supported with it")
             start = cache.length
             for name, layer in self.layers.items():
-                h = layer(h, cos[start:], sin[start:], cache=cache.layer(name))
+                h = layer(h, self.rope_cos[start:], self.rope_sin[start:], cache=cache.layer(name))
             cache.advance(h.shape[1])
-        elif doc_ids is None:
-            for layer in self.layers.values():
-                h = layer(h, cos, sin)
-        else:
-            positions = positions_in_documents(doc_ids)
-            cos, sin = cos[positions], sin[positions]
-            for layer in self.layers.values():
-                h = layer(h, cos, sin, doc_ids=doc_ids)
-        if self.norm is not None:
-            h = self.norm(h)
-        if self.output is not None:
-            h = self.output(h)
+            return h
+        cos, sin = self.rope_for(doc_ids)
+        extra = {} if doc_ids is None else {"doc_ids": doc_ids}
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, **extra)
         return h
 
     @torch.no_grad()

@@ -21,8 +21,9 @@ What it decides, and why:
 * FSDP units: embeddings, each block, norm+output; a tied model keeps embedding, norm and
   output in one unit (a parameter can belong to only one unit).
 * Pipeline stages: a deep copy of the meta model with other layers deleted and the embedding /
-  head set to None; tied models cannot be cut (the two ends live on different stages) and are
-  refused with one line.
+  head set to None; the multi-token prediction layers (``common/mtp.py``) stay on the last stage
+  only. Tied models cannot be cut (the two ends live on different stages) and are refused with
+  one line.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch import nn
 
 from titan_hydra.errors import ConfigError
 from titan_hydra.models.common import moe
+from titan_hydra.models.mtp_loss import MultiTokenLoss
 from titan_hydra.models.protocol import ModelFamily, ModelShape
 
 
@@ -132,6 +134,7 @@ class DecoderFamily(ModelFamily):
         units: list[tuple[Any, bool]] = []
         if emb is not None and not tied:
             units.append((emb, False))
+        blocks += list(getattr(model, "mtp_layers", None) or ())  # run after the head, shard like blocks
         for i, block in enumerate(blocks):
             units.append((block, i == len(blocks) - 1 and not head and not tied))
         if tied:
@@ -197,6 +200,11 @@ class DecoderFamily(ModelFamily):
         if any(self.expert_modules(part) for part in model_parts):
             moe.set_aux_grad_scale(model_parts, scale)
 
+    def training_loss(self, args: Any) -> Any:
+        if int(getattr(args, "mtp_layers", 0)):
+            return MultiTokenLoss(args.mtp_loss_weight)
+        return self.objective.loss
+
     def cut_stage(self, model: nn.Module, layer_ids: range, is_first: bool, is_last: bool) -> nn.Module:
         stage = copy.deepcopy(model)
         for name in list(stage.layers.keys()):
@@ -207,6 +215,8 @@ class DecoderFamily(ModelFamily):
         if not is_last:
             stage.norm = None
             stage.output = None
+            if getattr(stage, "mtp_layers", None) is not None:  # multi-token prediction: the last stage
+                stage.mtp_layers = None
         return stage
 
 
@@ -222,6 +232,9 @@ def _shape(family: DecoderFamily, key: str) -> ModelShape:
     head = model.norm.weight.numel() + model.output.weight.numel()
     experts = family.expert_modules(model)
     expert_params = sum(p.numel() for _, m in experts for p in m.parameters())
+    mtp = getattr(model, "mtp_layers", None) or ()  # with the head; their experts with the others
+    head += sum(p.numel() for p in nn.ModuleList(mtp).parameters()) - sum(
+        p.numel() for n, m in experts if n.startswith("mtp_layers.") for p in m.parameters())
     moe = getattr(args, "moe", None)
     n_experts, top_k = (int(moe.num_experts), int(moe.top_k)) if experts and moe is not None else (0, 0)
     # each token uses top_k / n_experts of every routed expert tensor (exact: E divides their sizes)
@@ -232,5 +245,6 @@ def _shape(family: DecoderFamily, key: str) -> ModelShape:
         ffn_dim=family.ffn_dim(args), params=total, active_params=total - idle, embedding_params=emb,
         head_params=head, tied_embeddings=tied, qk_norm=bool(getattr(args, "qk_norm", False)),
         n_experts=n_experts, top_k=top_k, moe_layers=len(experts), expert_params=expert_params,
+        mtp_layers=len(mtp),
     )
 

@@ -150,7 +150,7 @@ class DecoderHFAdapter(HFAdapter):
     extra_names: ClassVar[Mapping[str, str]] = {}
     experts: ClassVar[ExpertLayout | None] = None
     no_routing_bias: ClassVar[str | None] = None
-    skip_layers_beyond_model = False  # import skips model.layers.<i >= n_layers> (multi-token prediction)
+    skip_layers_beyond_model = False  # import skips model.layers.<i >= hf_layers(args)> (multi-token prediction)
 
     def __init__(self) -> None:
         self._names = {**self.block_names, **self.extra_names}
@@ -160,6 +160,11 @@ class DecoderHFAdapter(HFAdapter):
     # --- hooks --------------------------------------------------------------------------------
     def check_export(self, args: Any) -> None:
         """Raise HFConversionError for a model the HF class cannot express (before any tensor)."""
+
+    def hf_layers(self, args: Any) -> int:
+        """Decoder layers the files number ``model.layers.<i>`` that import reads (the rest are
+        skipped when ``skip_layers_beyond_model``): the model's, plus any multi-token prediction ones."""
+        return args.n_layers
 
     def moe_layer_ids(self, args: Any) -> Iterable[int]:
         return range(getattr(args, "n_dense_layers", 0), args.n_layers)
@@ -207,7 +212,7 @@ class DecoderHFAdapter(HFAdapter):
             if m is None:
                 raise HFConversionError(f"HF tensor {name!r} has no counterpart in this model")
             layer, suffix = int(m.group(1)), m.group(2)
-            if self.skip_layers_beyond_model and layer >= args.n_layers:
+            if self.skip_layers_beyond_model and layer >= self.hf_layers(args):
                 continue
             got = self.experts.from_hf(suffix, t) if self.experts else None
             if isinstance(got, tuple):

@@ -14,13 +14,22 @@ travel in ``rope_parameters`` (legacy ``rope_scaling`` + ``rope_theta`` are read
 
 Refused with one line: fp8-quantized releases (dequantize first), attention biases, softmax
 routing on export (HF's DeepSeek-V3 router is sigmoid-only; our V2-shaped flavors use softmax
-like torchtitan's), rope types other than default/yarn. Multi-token-prediction layers
-(``model.layers.<n_layers>...``) are skipped on import: the model here has none.
+like torchtitan's), rope types other than default/yarn.
+
+Multi-token prediction (``model.mtp_layers``, HF ``num_nextn_predict_layers``): depth k is stored
+as decoder layer ``model.layers.<n_layers + k>`` (its block under the usual names, always MoE)
+plus ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm`` (our ``mtp_layers.<k>.norm``).
+deepseek-ai's release also stores the shared embedding and head again with the layer
+(``embed_tokens``, ``shared_head.head``): export writes those copies, import ignores them (the
+model shares the main ones). Import reads as many depths as the config declares and the files
+hold: transformers keeps ``num_nextn_predict_layers`` in config.json but saves no MTP weights.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import re
+from typing import Any, Iterable
 
 import torch
 
@@ -54,11 +63,74 @@ BLOCK_NAMES = {
 }
 
 
+# our name within mtp_layers.<k>. -> HF's within model.layers.<n_layers + k>. (besides the block's)
+MTP_NAMES = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+             "norm.weight": "shared_head.norm.weight"}
+MTP_INV = {v: k for k, v in MTP_NAMES.items()}
+# copies of the main embedding / head that the release stores with each MTP layer
+MTP_SHARED = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
+_MTP_OURS = re.compile(r"^mtp_layers\.(\d+)\.(.+)$")
+_LAYER_OURS = re.compile(r"^layers\.(\d+)\.(.+)$")
+_LAYER_HF = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
 class DeepSeekV3HFAdapter(DecoderHFAdapter):
     model_type = "deepseek_v3"
     block_names = BLOCK_NAMES
     experts = ExpertLayout(module="mlp", per_expert=True)
-    skip_layers_beyond_model = True  # multi-token-prediction layers: not part of the model here
+    skip_layers_beyond_model = True  # multi-token-prediction layers beyond model.mtp_layers
+
+    def hf_layers(self, args: DeepSeekV3Args) -> int:
+        return args.n_layers + args.mtp_layers
+
+    def args_for_weights(self, args: DeepSeekV3Args, names: Iterable[str]) -> DeepSeekV3Args:
+        """The MTP depths the files hold, up to what config.json declares."""
+        names, held = set(names), 0
+        while held < args.mtp_layers and f"model.layers.{args.n_layers + held}.eh_proj.weight" in names:
+            held += 1
+        return args if held == args.mtp_layers else dataclasses.replace(args, mtp_layers=held)
+
+    # --- tensors: the MTP depths around the shared decoder tables --------------------------------
+    def to_hf_state(self, sd: dict[str, torch.Tensor], args: DeepSeekV3Args) -> dict[str, torch.Tensor]:
+        main, extra = {}, {}
+        for fqn, t in sd.items():
+            m = _MTP_OURS.match(fqn)
+            if m is None:
+                main[fqn] = t
+                continue
+            layer, suffix = args.n_layers + int(m.group(1)), m.group(2)
+            if suffix.startswith("block."):
+                main[f"layers.{layer}.{suffix.removeprefix('block.')}"] = t
+            elif suffix in MTP_NAMES:
+                extra[f"model.layers.{layer}.{MTP_NAMES[suffix]}"] = t.contiguous()
+            else:
+                raise HFConversionError(f"no HF name for parameter {fqn!r}")
+        out = super().to_hf_state(main, args)
+        for k in range(args.mtp_layers):  # safetensors refuses two names for one storage: copies
+            for hf_name, ours in MTP_SHARED.items():
+                out[f"model.layers.{args.n_layers + k}.{hf_name}"] = sd[ours].detach().clone()
+        return {**out, **extra}
+
+    def from_hf_state(self, sd: dict[str, torch.Tensor], args: DeepSeekV3Args) -> dict[str, torch.Tensor]:
+        n = args.n_layers
+        main, extra = {}, {}
+        for name, t in sd.items():
+            m = _LAYER_HF.match(name)
+            if m is not None and n <= int(m.group(1)) < n + args.mtp_layers:
+                k, suffix = int(m.group(1)) - n, m.group(2)
+                if suffix in MTP_SHARED:
+                    continue
+                if suffix in MTP_INV:
+                    extra[f"mtp_layers.{k}.{MTP_INV[suffix]}"] = t
+                    continue
+            main[name] = t
+        out = {}
+        for fqn, t in super().from_hf_state(main, args).items():
+            m = _LAYER_OURS.match(fqn)
+            if m is not None and int(m.group(1)) >= n:
+                fqn = f"mtp_layers.{int(m.group(1)) - n}.block.{m.group(2)}"
+            out[fqn] = t
+        return {**out, **extra}
 
     # --- config.json --------------------------------------------------------------------------
     def hf_config(self, args: DeepSeekV3Args, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
@@ -101,7 +173,7 @@ class DeepSeekV3HFAdapter(DecoderHFAdapter):
             "routed_scaling_factor": float(moe.route_scale),
             "scoring_func": "sigmoid",
             "topk_method": "noaux_tc",
-            "num_nextn_predict_layers": 0,
+            "num_nextn_predict_layers": int(args.mtp_layers),
             "rope_parameters": rope,
             "rope_interleave": bool(args.rope_interleaved),
             "hidden_act": "silu",
@@ -167,5 +239,6 @@ class DeepSeekV3HFAdapter(DecoderHFAdapter):
             moe=moe,
             rope_interleaved=bool(cfg.get("rope_interleave", True)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
             **fields,
         )

@@ -5,7 +5,8 @@ rotary on a narrow slice of each head, YaRN-extended rotary (``common/rotary.yar
 whose magnitude correction also enters the softmax scale, and a Mixture-of-Experts FFN
 (``common/moe.py``: sigmoid or softmax scores, group-limited routing, shared experts, an
 aux-loss-free expert bias) in every layer but the first ``n_dense_layers``, which keep a
-dense SwiGLU of width ``ffn_hidden_dim``. Multi-token prediction is not built.
+dense SwiGLU of width ``ffn_hidden_dim``. ``mtp_layers`` > 0 adds multi-token prediction
+depths (``common/mtp.py``), each an MoE layer like the released MTP layer.
 
 The rotary pairing is a field: DeepSeek's released weights rotate interleaved pairs (HF's
 ``rope_interleave: true``), which is also the pairing used here by default, so conversion
@@ -18,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_hydra.models.common.decoder import Decoder, TransformerBlock, residual_out_std
+from titan_hydra.models.common.decoder import TransformerBlock, residual_out_std
 from titan_hydra.models.common.layers import FeedForward
 from titan_hydra.models.common.mla import MultiHeadLatentAttention
 from titan_hydra.models.common.moe import MoE, MoEArgs
+from titan_hydra.models.common.mtp import MultiTokenDecoder
 from titan_hydra.models.common.rotary import inverse_frequencies, yarn_frequencies, yarn_mscale
 
 ROPE_TYPES = ("default", "yarn")
@@ -60,6 +62,9 @@ class DeepSeekV3Args:
     mscale_all_dim: float = 1.0
     tie_word_embeddings: bool = False
     depth_init: bool = True
+    # multi-token prediction (HF num_nextn_predict_layers; the V3 release has 1); 0 = off
+    mtp_layers: int = 0
+    mtp_loss_weight: float = 0.3  # the report's lambda (0.3, then 0.1 for the last 4.8T tokens)
 
     def __post_init__(self) -> None:
         self.moe = MoEArgs.of(self.moe)
@@ -72,6 +77,9 @@ class DeepSeekV3Args:
         if self.q_lora_rank < 0 or self.kv_lora_rank <= 0:
             raise ValueError(f"model.q_lora_rank={self.q_lora_rank} must be >= 0 and model.kv_lora_rank="
                              f"{self.kv_lora_rank} > 0")
+        if self.mtp_layers < 0 or self.mtp_loss_weight < 0:
+            raise ValueError(f"model.mtp_layers={self.mtp_layers} and model.mtp_loss_weight={self.mtp_loss_weight} "
+                             "must be >= 0")
 
     @property
     def head_dim(self) -> int:
@@ -102,7 +110,7 @@ def rope_frequencies(args: DeepSeekV3Args, device=None) -> tuple[torch.Tensor, f
     return inverse_frequencies(args.qk_rope_head_dim, args.rope_theta, device).float(), 1.0
 
 
-class DeepSeekV3(Decoder):
+class DeepSeekV3(MultiTokenDecoder):
     """``DeepSeekV3(dim=..., moe={...}, ...)``: fields of ``DeepSeekV3Args`` (conf/model/deepseek_v3_*.yaml)."""
 
     def __init__(self, **fields):
