@@ -3,8 +3,8 @@
 * NaN / spike: a forward hook on this rank's last model part multiplies its output (the logits) by
   NaN (for ``nan_attempts`` tries of the step) or by ``spike_scale`` (once), so the loss and every gradient after it are poisoned the
   way a bad batch or a broken kernel poisons them, before any gradient reduction.
-* slow rank: busy-waits ``delay_s`` before each step's forward (a slow device burns time, it does
-  not sleep), so the other ranks wait for it in the step's collectives.
+* slow rank: computes ``delay_s`` of CPU time more before each step's forward (a slow device burns
+  time, it does not sleep), so the other ranks wait for it in the step's collectives.
 * hang: the rank stops before its forward at ``hang_at_step`` and never comes back (its peers then
   block in the step's first collective), which is what the watchdog must catch. Only the first
   attempt hangs: a restart finds the watchdog's reports in ``<run>/hang/`` and runs through.
@@ -30,8 +30,9 @@ def _scaled(output: Any, factor: float) -> Any:
 
 
 def busy_wait(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    """``seconds`` of this thread's CPU time: extra work, the same on a loaded machine as on an idle one."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
         pass
 
 

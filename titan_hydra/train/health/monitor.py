@@ -10,6 +10,7 @@ summary counts them (``summary``).
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ class HealthMonitor:
                  device: torch.device, parts: list, checkpointer: Any, loader: Any, state: Any,
                  metric_logger: Any) -> None:
         self.settings, self.rank, self.parts, self.state = settings, rank, parts, state
+        self.report = Path(run_dir) / "health" / f"rank{rank}.json"  # this rank's counts and events
         self.metric_logger = metric_logger
         self.injector = Injector(faults, rank, Path(run_dir) / HANG_DIR)
         self.guard = StepGuard(skip_nonfinite=settings.skip_nonfinite, spike_window=settings.spike_window,
@@ -56,16 +58,17 @@ class HealthMonitor:
             self.watchdog.start(self.state.step)
 
     def close(self) -> None:
+        """Stop the watchdog; write this rank's counts and events (every rank: they must agree)."""
         if self.watchdog is not None:
             self.watchdog.stop()
+        self.report.parent.mkdir(parents=True, exist_ok=True)
+        self.report.write_text(json.dumps({**self.summary(), "step": self.state.step, "event_lines": self.events}))
 
     def begin_step(self, step: int) -> None:
+        self.clock.start()
         self.injector.begin_step(step, self.parts)  # before the beat: a hung rank's last beat is the step before
-        t0 = time.perf_counter()
         if self.watchdog is not None:
             self.watchdog.beat(step, "forward/backward")
-        self.clock.start()
-        self.own_s += time.perf_counter() - t0
 
     def judge(self, loss: float, grad_norm: float) -> bool:
         """Whether to apply this step (the same answer on every rank: both values are reduced)."""

@@ -4,7 +4,7 @@ Each rank times its own steps: ``compute`` is the main thread's CPU time in the 
 forward, backward, the optimizer: work this rank does), ``wait`` the rest of the step's wall time
 (blocked in collectives, mostly waiting for the slowest rank). A rank whose compute is well above
 the median's is the one the others wait for. The sums since the last gather travel in one
-``[world, 2]`` all-gather, so the check costs nothing on the steps in between; on a GPU the CPU
+all-gather of 2 numbers per rank, so the check costs nothing on the steps in between; on a GPU the CPU
 time counts the host's share only (data, Python, kernel launches), not kernels.
 """
 
@@ -44,12 +44,16 @@ class StragglerCheck:
         self.steps = 0
         self.hosts: list[str] | None = None
         self.gather_s = 0.0  # time spent gathering: the check's own cost
+        self.warm = False
 
     @property
     def enabled(self) -> bool:
         return self.every > 0 and self.world_size > 1 and dist.is_initialized()
 
     def add(self, compute: float, wait: float) -> None:
+        if not self.warm:  # the first step of a process (lazy init, allocations) says nothing about speed
+            self.warm = True
+            return
         self.sums[0] += compute
         self.sums[1] += wait
         self.steps += 1
@@ -64,9 +68,9 @@ class StragglerCheck:
             self.hosts = [""] * self.world_size
             dist.all_gather_object(self.hosts, socket.gethostname())
         mine = torch.tensor([s / max(self.steps, 1) for s in self.sums], dtype=torch.float64, device=self.device)
-        every = torch.empty(self.world_size, 2, dtype=torch.float64, device=self.device)
-        dist.all_gather_into_tensor(every, mine)
-        compute, wait = every[:, 0].tolist(), every[:, 1].tolist()
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine)
+        compute, wait = [float(t[0]) for t in every], [float(t[1]) for t in every]
         self.sums, self.steps = [0.0, 0.0], 0
         slowest = max(range(self.world_size), key=lambda r: compute[r])
         ratio = compute[slowest] / max(statistics.median(compute), 1e-9)
@@ -74,8 +78,9 @@ class StragglerCheck:
                    "health/compute_s_max": compute[slowest], "health/wait_s_max": max(wait)}
         line = None
         if ratio >= self.ratio:
+            others = max(w for r, w in enumerate(wait) if r != slowest)
             line = (f"straggler: rank {slowest} ({self.hosts[slowest]}) computes {ratio:.2f}x the median "
                     f"({compute[slowest]:.3f} s vs {statistics.median(compute):.3f} s per step; the others wait "
-                    f"up to {max(wait):.3f} s) in the {self.every} steps to {step}")
+                    f"up to {others:.3f} s per step) over steps {step - self.every + 1}-{step}")
         self.gather_s += time.perf_counter() - t0
         return metrics, line

@@ -78,11 +78,18 @@ class Watchdog:
                 self.fire()
 
     def fire(self) -> None:
-        """Write this rank's report, name the rank that stopped first, exit the process."""
+        """Write this rank's report, name the rank that stopped first, exit the process (whatever
+        the report met: a hung run must end)."""
+        try:
+            self._report()
+        finally:
+            os._exit(HANG_EXIT_CODE)
+
+    def _report(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         with open(self.dir / f"rank{self.rank}.stacks.txt", "w") as f:
             faulthandler.dump_traceback(file=f, all_threads=True)
-        recorder = dump_flight_recorder(self.dir / f"rank{self.rank}.flight_recorder.json")
+        recorder = dump_flight_recorder(self.dir / f"flight_recorder.rank{self.rank}.json")
         step, phase, at = self.last
         report = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": step,
                   "phase": phase, "last_beat_unix": at, "flight_recorder": recorder}
@@ -90,7 +97,6 @@ class Watchdog:
         reports = self._collect(grace_s=min(10.0, max(2.0, self.timeout_s / 2)))
         if min(reports) == self.rank:
             print(hang_line(reports, self.timeout_s, self.dir, self.world_size), file=sys.stderr, flush=True)
-        os._exit(HANG_EXIT_CODE)
 
     def _collect(self, grace_s: float) -> dict[int, dict]:
         """Every rank's report that arrives within ``grace_s``."""
