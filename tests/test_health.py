@@ -7,11 +7,12 @@ from __future__ import annotations
 import copy
 import json
 import math
+import sys
 
 import pytest
 import torch
 
-from helpers import TINY, compose_cfg, read_metrics
+from helpers import REPO, TINY, compose_cfg, read_metrics
 from titan_hydra.errors import ConfigError, TrainingDiverged
 from titan_hydra.spec import spec_of
 from titan_hydra.train.health.guard import SpikeWindow, StepGuard
@@ -168,3 +169,22 @@ def test_skips_in_a_row_roll_back_past_the_bad_data_then_stop(tmp_path):
 def test_health_off_stops_at_the_first_nan_as_before(tmp_path):
     with pytest.raises(TrainingDiverged, match=r"^loss is nan at step 2; lower optimizer.lr"):
         train(tmp_path, ["health=off", "fault_injection.nan_at_step=2"], "off")
+
+
+def test_the_benchmark_times_the_monitor_alone():
+    sys.path.insert(0, str(REPO / "recipes"))
+    import bench_health
+
+    per_step = bench_health.monitor_alone(50)
+    assert 0 < per_step < 0.01  # microseconds in fact; 10 ms would be 1% of a debug-model step
+
+
+def test_the_sweep_report_counts_skipped_steps_and_rollbacks(tmp_path):
+    sys.path.insert(0, str(REPO / "recipes"))
+    import sweep_report
+
+    rows = [{"step": s, "loss": 7.0 - s} for s in range(1, 5)]
+    rows += [{"step": 2, "health/skipped": 1}, {"step": 3, "health/skipped": 3}, {"step": 2, "health/rollbacks": 1}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    row = sweep_report.job_row(0, tmp_path, ["health=strict"])
+    assert (row.skipped, row.rollbacks, row.steps) == (3, 1, 4)

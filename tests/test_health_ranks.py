@@ -74,3 +74,14 @@ def test_a_hung_rank_ends_the_attempt_and_the_restart_finishes_the_run(tmp_path)
     assert report["flight_recorder"] == "flight recorder flight_recorder.rank1.json"
     assert "resuming at step 1" in out and [r["step"] for r in rank_reports(run_dir)] == [3, 3]
     assert time.monotonic() - started < 240
+
+
+@pytest.mark.slow
+def test_a_flipped_weight_bit_on_one_replica_stops_the_run_naming_it(tmp_path):
+    proc, run_dir = launch(tmp_path, "bitflip", [
+        "training.steps=4", "parallelism=ddp", "fault_injection.bitflip_rank=1", "fault_injection.at_step=2",
+        "health.checksum_every=1"])
+    assert proc.returncode != 0
+    assert "silent corruption at step 2: rank(s) [0, 1] hold weights that differ from their replicas' " \
+           "(first: tok_embeddings.weight)" in proc.stderr
+    assert by_step(run_dir, "health/replicas_differ") == {1: 0.0}  # step 1 compared equal

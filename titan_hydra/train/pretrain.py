@@ -306,7 +306,7 @@ def health_of(spec: RunSpec, run_dir: str, rank: int, device: torch.device, buil
         return None
     return HealthMonitor(settings, faults, run_dir=run_dir, rank=rank, world_size=spec.world_size, device=device,
                          parts=built.parts, checkpointer=checkpointer, loader=data.train_loader, state=state,
-                         metric_logger=metric_logger)
+                         metric_logger=metric_logger, dims=spec.dims)
 
 
 def schedule_of(spec: RunSpec) -> Schedule:

@@ -72,8 +72,8 @@ class StepGuard:
         if bad:
             verdict = Verdict(not self.skip_nonfinite, "non-finite", ", ".join(bad))
         else:
-            over = [f"{k} is {v:.4g} (over {self.windows[k].threshold():.4g})" for k, v in values.items()
-                    if v > self.windows[k].threshold()]
+            limits = {k: self.windows[k].threshold() for k in values}
+            over = [f"{k} is {v:.4g} (over {limits[k]:.4g})" for k, v in values.items() if v > limits[k]]
             verdict = Verdict(not over or self.spike_action != "skip", "spike" if over else "", ", ".join(over))
             self.spikes += bool(over)
         if verdict.apply:

@@ -8,6 +8,8 @@
 * hang: the rank stops before its forward at ``hang_at_step`` and never comes back (its peers then
   block in the step's first collective), which is what the watchdog must catch. Only the first
   attempt hangs: a restart finds the watchdog's reports in ``<run>/hang/`` and runs through.
+* bit flip: after the optimizer step of ``at_step`` one mantissa bit of this rank's first parameter
+  flips (fp32 weights), so this replica silently disagrees with the others.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from titan_hydra.train.health.settings import FaultInjection
 
@@ -63,6 +66,17 @@ class Injector:
             factor = float(f.spike_scale)
         if factor is not None and parts:
             self._hooks.append(parts[-1].register_forward_hook(lambda _m, _i, out: _scaled(out, factor)))
+
+    @torch.no_grad()
+    def after_step(self, step: int, parts: list[torch.nn.Module]) -> None:
+        """After the optimizer step: the bit flip (a corrupted weight on one replica)."""
+        if self.faults.bitflip_rank != self.rank or step != self.faults.at_step or not parts:
+            return
+        p = next(parts[0].parameters())
+        local = p.to_local() if isinstance(p, DTensor) else p
+        flat = local.detach().view(-1)
+        if flat.element_size() == 4:
+            flat[:1].view(torch.int32).bitwise_xor_(1 << 20)  # a mantissa bit: a small, silent error
 
     def end_step(self) -> None:
         for hook in self._hooks:

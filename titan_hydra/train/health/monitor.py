@@ -3,7 +3,7 @@ watchdog and injected faults of one rank.
 
 The loop's calls, per step: ``begin_step`` (faults, watchdog beat, clock), ``judge`` (after the
 loss and gradient norm are reduced: apply the step or skip it; rolls back when too many were
-skipped in a row), ``end_step`` (after an applied step: straggler gather when due). Events print
+skipped in a row), ``end_step`` (after an applied step: straggler gather and replica comparison when due). Events print
 one ``health:`` line on rank 0 and log ``health/*`` metrics (files, TensorBoard, W&B); the run's
 summary counts them (``summary``).
 """
@@ -20,6 +20,7 @@ import torch
 from titan_hydra.train.health.guard import StepGuard
 from titan_hydra.train.health.inject import Injector
 from titan_hydra.train.health.rollback import Rollback
+from titan_hydra.train.health.sdc import ReplicaCheck
 from titan_hydra.train.health.settings import FaultInjection, Health
 from titan_hydra.train.health.stragglers import StepClock, StragglerCheck
 from titan_hydra.train.health.watchdog import HANG_DIR, Watchdog
@@ -31,7 +32,7 @@ class HealthMonitor:
 
     def __init__(self, settings: Health, faults: FaultInjection, *, run_dir: str, rank: int, world_size: int,
                  device: torch.device, parts: list, checkpointer: Any, loader: Any, state: Any,
-                 metric_logger: Any) -> None:
+                 metric_logger: Any, dims: Any = None) -> None:
         self.settings, self.rank, self.parts, self.state = settings, rank, parts, state
         self.report = Path(run_dir) / "health" / f"rank{rank}.json"  # this rank's counts and events
         self.metric_logger = metric_logger
@@ -40,6 +41,8 @@ class HealthMonitor:
                                spike_min_history=settings.spike_min_history, spike_k=settings.spike_k,
                                spike_action=settings.spike_action)
         self.rollback = Rollback(checkpointer, loader, state, run_dir, rank, settings.max_rollbacks)
+        self.replicas = ReplicaCheck(settings.checksum_every if settings.enable else 0, settings.checksum_action,
+                                     dims, device)
         self.stragglers = StragglerCheck(settings.straggler_every if settings.enable else 0, settings.straggler_ratio,
                                          rank, world_size, device)
         on = settings.enable and settings.hang_timeout_s > 0
@@ -99,11 +102,15 @@ class HealthMonitor:
         if self.watchdog is not None:
             self.watchdog.beat(step, "done")
         self.own_s += time.perf_counter() - t0
-        if self.stragglers.due(step):
-            metrics, line = self.stragglers.gather(step)
-            self.metric_logger.log(metrics, step)
-            if line:
-                self.say(line)
+        self.injector.after_step(step, self.parts)
+        checks = [(self.stragglers.due(step), lambda: self.stragglers.gather(step)),
+                  (self.replicas.due(step), lambda: self.replicas.check(step, self.parts))]
+        for due, check in checks:
+            if due:
+                metrics, line = check()
+                self.metric_logger.log(metrics, step)
+                if line:
+                    self.say(line)
 
     def summary(self) -> dict[str, Any]:
         """Counts for the run's end summary, and what the checks cost (seconds over the run)."""

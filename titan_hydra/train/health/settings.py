@@ -13,6 +13,7 @@ from typing import Optional
 from titan_hydra.errors import ConfigError
 
 SPIKE_ACTIONS = ("log", "skip")  # a spiking step is logged only, or logged and not applied
+CHECKSUM_ACTIONS = ("stop", "log")  # replicas whose weights differ: stop the run, or only report it
 
 
 @dataclass
@@ -37,11 +38,19 @@ class Health:
     straggler_ratio: float = 1.5
     # no step progress for this long -> every rank's stacks to <run>/hang/ and a non-zero exit (0: off)
     hang_timeout_s: float = 1800.0
+    # every N steps the data-parallel replicas' weights are compared bitwise (0: never; a no-op
+    # without dp_replicate); a mismatch stops the run or is only logged (checksum_action)
+    checksum_every: int = 100
+    checksum_action: str = "stop"  # one of CHECKSUM_ACTIONS
 
     def __post_init__(self) -> None:
         if str(self.spike_action) not in SPIKE_ACTIONS:
             raise ConfigError(f"health.spike_action={self.spike_action!r} is not one of {', '.join(SPIKE_ACTIONS)}")
-        for key in ("spike_window", "spike_min_history", "max_skips_in_a_row", "max_rollbacks", "straggler_every"):
+        if str(self.checksum_action) not in CHECKSUM_ACTIONS:
+            raise ConfigError(f"health.checksum_action={self.checksum_action!r} is not one of "
+                              f"{', '.join(CHECKSUM_ACTIONS)}")
+        for key in ("spike_window", "spike_min_history", "max_skips_in_a_row", "max_rollbacks", "straggler_every",
+                    "checksum_every"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"health.{key}={getattr(self, key)} must be >= 0")
         if self.spike_min_history > self.spike_window:
@@ -60,9 +69,11 @@ class Health:
         rollback = f"{self.max_skips_in_a_row} skips in a row -> rollback (max {self.max_rollbacks})"
         straggler = f"stragglers every {self.straggler_every} steps" if self.straggler_every else "no straggler check"
         hang = f"hang watchdog {self.hang_timeout_s:g} s" if self.hang_timeout_s else "no hang watchdog"
+        checksum = (f"replica weights compared every {self.checksum_every} steps (under dp_replicate)"
+                    if self.checksum_every else "no replica comparison")
         cost = ("cost: no extra collective per step (decided from the reduced loss and grad norm), "
                 + (f"one small all-gather every {self.straggler_every} steps" if self.straggler_every else "no gather"))
-        return f"{nonfinite}; {spike}; {rollback}; {straggler}; {hang}; {cost}"
+        return f"{nonfinite}; {spike}; {rollback}; {straggler}; {hang}; {checksum}; {cost}"
 
 
 @dataclass
@@ -79,6 +90,8 @@ class FaultInjection:
     delay_s: float = 0.5
     hang_rank: Optional[int] = None  # this rank stops making progress at hang_at_step
     hang_at_step: int = 1
+    bitflip_rank: Optional[int] = None  # this rank flips one bit of its first parameter after step at_step
+    at_step: int = 1
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -88,7 +101,8 @@ class FaultInjection:
 
     @property
     def enabled(self) -> bool:
-        return any(v is not None for v in (self.nan_at_step, self.spike_at_step, self.slow_rank, self.hang_rank))
+        return any(v is not None for v in (self.nan_at_step, self.spike_at_step, self.slow_rank, self.hang_rank,
+                                           self.bitflip_rank))
 
     def describe(self) -> str:
         """The header's loud line: every fault this run will make on purpose."""
@@ -102,4 +116,6 @@ class FaultInjection:
             faults.append(f"rank {self.slow_rank} {self.delay_s:g} s slower every step")
         if self.hang_rank is not None:
             faults.append(f"rank {self.hang_rank} hangs at step {self.hang_at_step}")
+        if self.bitflip_rank is not None:
+            faults.append(f"rank {self.bitflip_rank} flips a weight bit after step {self.at_step}")
         return "!!! FAULT INJECTION ON (a drill, not a real run): " + "; ".join(faults)
