@@ -111,6 +111,7 @@ class Watchdog:
                 reports[int(r["rank"])] = r
             if len(reports) >= self.world_size or time.time() > deadline:
                 return reports
+            time.sleep(0.2)
 
 
 def hang_line(reports: dict[int, dict], timeout_s: float, where: Path, world_size: int) -> str:
