@@ -188,3 +188,12 @@ def test_the_sweep_report_counts_skipped_steps_and_rollbacks(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     row = sweep_report.job_row(0, tmp_path, ["health=strict"])
     assert (row.skipped, row.rollbacks, row.steps) == (3, 1, 4)
+
+
+def test_an_injected_spike_is_skipped_under_the_skip_action(tmp_path):
+    out = train(tmp_path, ["training.steps=6", "health.spike_action=skip", "health.spike_min_history=3",
+                           "fault_injection.spike_at_step=5"], "spike")
+    assert (out["health"]["spikes"], out["health"]["skipped"], out["steps"]) == (1, 1, 6)
+    report = json.loads((tmp_path / "spike/health/rank0.json").read_text())
+    [line] = report["event_lines"]
+    assert line.startswith("step 5 spike: loss is ") and line.endswith("skipped (optimizer and schedule untouched)")
