@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-COLUMNS = ["job", "label", "overrides", "status", "final_loss", "val_loss", "tok_per_s", "mfu_pct", "peak_mem_gib", "steps", "error"]
+COLUMNS = ["job", "label", "overrides", "status", "final_loss", "val_loss", "tok_per_s", "mfu_pct", "peak_mem_gib", "steps", "skipped", "rollbacks",
+           "error"]
 
 
 @dataclass
@@ -37,6 +38,8 @@ class JobRow:
     mfu_pct: float | None = None
     peak_mem_gib: float | None = None
     steps: int = 0
+    skipped: int = 0  # steps the health group did not apply (non-finite or spiking)
+    rollbacks: int = 0  # times it went back to a checkpoint past a bad data window
     error: str = ""
     curve: list[tuple[int, float]] = field(default_factory=list)
     tps_curve: list[float] = field(default_factory=list)
@@ -88,6 +91,8 @@ def job_row(num: int, run_dir: Path, manifest_overrides: list[str] | None) -> Jo
     row.mfu_pct = _mean([r["mfu"] for r in steady if r.get("mfu") is not None])
     peaks = [r.get("memory_peak_gib", r.get("memory")) for r in train]
     row.peak_mem_gib = max((p for p in peaks if p is not None), default=None)
+    row.skipped = int(max((r["health/skipped"] for r in metrics if "health/skipped" in r), default=0))
+    row.rollbacks = int(max((r["health/rollbacks"] for r in metrics if "health/rollbacks" in r), default=0))
     row.status, row.error = job_status(run_dir, row.steps)
     return row
 
@@ -157,15 +162,16 @@ def write_tables(rows: list[JobRow], sweep_dir: Path) -> None:
         f"{sum(r.status == 'completed' for r in rows)} of {len(rows)} jobs completed.",
         "",
         "| job | varies | status | final loss | val loss | " + "".join(f"val {n} | " for n in sources)
-        + "tok/s | MFU % | peak mem GiB | steps |",
-        "|---:|---|---|---:|---:|" + "---:|" * len(sources) + "---:|---:|---:|---:|",
+        + "tok/s | MFU % | peak mem GiB | steps | skipped | rollbacks |",
+        "|---:|---|---|---:|---:|" + "---:|" * len(sources) + "---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         status = r.status if not r.error else f"{r.status}: {r.error}".replace("|", "/")
         lines.append(
             f"| {r.job} | `{r.label}` | {status} | {_fmt(r.final_loss, '.4f')} | {_fmt(r.val_loss, '.4f')} | "
             + "".join(f"{_fmt(last_source_val(r, n), '.4f')} | " for n in sources)
-            + f"{_fmt(r.tok_per_s, ',.0f')} | {_fmt(r.mfu_pct, '.2f')} | {_fmt(r.peak_mem_gib, '.2f')} | {r.steps} |"
+            + f"{_fmt(r.tok_per_s, ',.0f')} | {_fmt(r.mfu_pct, '.2f')} | {_fmt(r.peak_mem_gib, '.2f')} | {r.steps} | "
+            f"{r.skipped} | {r.rollbacks} |"
         )
     lines += ["", "![loss curves](loss_curves.png)", "", "![throughput](throughput.png)", ""]
     if sources:

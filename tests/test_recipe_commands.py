@@ -34,7 +34,7 @@ NOT_RUN = {
 # Recipes whose lines run minutes of training: their arguments are parsed (argparse refuses a
 # suite or a flag that no longer exists) and --help stops them before anything runs.
 # tests/test_benchmark.py runs the default suite end to end.
-ARGUMENTS_ONLY = {"recipes/benchmark.py"}
+ARGUMENTS_ONLY = {"recipes/benchmark.py", "recipes/bench_health.py"}
 # Third-party noise that must not reach stdout either.
 NOISE = re.compile(r"Warning:|warnings\.warn|it/s\]|^fatal: |\[Task: |^\s*\d+%\|", re.M)
 

@@ -34,6 +34,7 @@ from titan_hydra.runtime.fault_tolerance import FaultTolerance
 from titan_hydra.train.lr_schedule import DECAY_TYPES, build_lr_scheduler
 from titan_hydra.train.optimizers import OptimizerConfig
 from titan_hydra.train.eval import PeriodicEval
+from titan_hydra.train.health.settings import CHECKSUM_ACTIONS, SPIKE_ACTIONS, FaultInjection, Health
 
 ReshardPolicy = choice("ReshardPolicy", RESHARD_POLICIES, __name__)
 RotateMethod = choice("RotateMethod", CP_ROTATE_METHODS, __name__)
@@ -48,6 +49,8 @@ ACMode = choice("ACMode", ac.MODES, __name__)
 SACPolicy = choice("SACPolicy", ac.SAC_POLICIES, __name__)
 CompileMode = choice("CompileMode", compiling.MODES, __name__)
 WandbMode = choice("WandbMode", WANDB_MODES, __name__)
+SpikeAction = choice("SpikeAction", SPIKE_ACTIONS, __name__)
+ChecksumAction = choice("ChecksumAction", CHECKSUM_ACTIONS, __name__)
 
 # Settings that follow another key rather than the owner's default (which serves direct callers).
 SEQ_LEN, SEED = "${training.seq_len}", "${training.seed}"
@@ -75,6 +78,9 @@ ActivationCheckpointConfig = schema_from(ac.ActivationCheckpointing, name="Activ
                                          choices={"mode": ACMode, "selective_op_policy": SACPolicy})
 CompileConfig = schema_from(compiling.Compiler, name="CompileConfig", module=__name__, choices={"mode": CompileMode})
 FaultToleranceConfig = schema_from(FaultTolerance, name="FaultToleranceConfig", module=__name__)
+HealthConfig = schema_from(Health, name="HealthConfig", module=__name__,
+                           choices={"spike_action": SpikeAction, "checksum_action": ChecksumAction})
+FaultInjectionConfig = schema_from(FaultInjection, name="FaultInjectionConfig", module=__name__)
 EvalConfig = schema_from(PeriodicEval, name="EvalConfig", module=__name__, links={"max_seq_len": SEQ_LEN})
 ProfilingConfig = schema_from(build_profiler, name="ProfilingConfig", module=__name__, partial=True,
                               given=("run_dir", "rank", "model_parts", "optimizer", "device"))
@@ -115,6 +121,8 @@ SCHEMAS = {
     "profiling": ProfilingConfig,
     "eval": EvalConfig,
     "fault_tolerance": FaultToleranceConfig,
+    "health": HealthConfig,
+    "fault_injection": FaultInjectionConfig,
 }
 
 

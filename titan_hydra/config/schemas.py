@@ -126,6 +126,8 @@ class TitanConfig:
     profiling: Any = MISSING
     eval: Any = MISSING
     fault_tolerance: Any = MISSING
+    health: Any = MISSING
+    fault_injection: Any = MISSING
     training: TrainingConfig = field(default_factory=TrainingConfig)
     dry_run: bool = False
     run_name: Optional[str] = None

@@ -32,6 +32,7 @@ from titan_hydra.errors import RankFailed, UserError
 from titan_hydra.runtime.rendezvous import free_port
 from titan_hydra.runtime.threads import exported, threads_here
 from titan_hydra.spec import RunSpec
+from titan_hydra.train.health.watchdog import HANG_EXIT_CODE
 from titan_hydra.train.pretrain import build_dataset
 
 
@@ -181,6 +182,10 @@ def error_of(e) -> Exception:
             f"rank {rank} (pid {failure.pid}) was killed by {name}; the other ranks were stopped "
             "(run again with the same hydra.run.dir to resume from its newest complete checkpoint)"
         )
+    if failure.exitcode == HANG_EXIT_CODE:  # the health watchdog already printed which rank stopped first
+        return RankFailed(f"rank {rank} was ended by the hang watchdog (exit {HANG_EXIT_CODE}; stacks in the run "
+                          "dir's hang/); run again with the same hydra.run.dir, or set cluster.max_restarts, "
+                          "to resume from its newest complete checkpoint")
     message = _message_of(failure)
     last = message.splitlines()[-1] if message else f"exit code {failure.exitcode}"
     return RuntimeError(f"rank {rank} failed: {last} (see {failure.error_file} for its traceback)")

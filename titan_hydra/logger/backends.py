@@ -41,8 +41,9 @@ log = logging.getLogger("titan_hydra")
 
 
 def _per_layer(key: str) -> bool:
-    """Per-layer breakdowns (``moe/layer<i>/...``): logged to files, TB and W&B, not the console line."""
-    return key.startswith("moe/layer")
+    """Per-layer breakdowns (``moe/layer<i>/...``) and health counters (``health/*``: the health
+    monitor prints its own one-line events): logged to files, TB and W&B, not the console line."""
+    return key.startswith(("moe/layer", "health/"))
 
 
 def _fmt_items(metrics: dict[str, Any], fields: Iterable[str] | None) -> str:
@@ -74,8 +75,8 @@ class ConsoleBackend:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         train = {k: v for k, v in metrics.items() if not k.startswith("val/")}
         val = {k[4:]: v for k, v in metrics.items() if k.startswith("val/")}
-        if train:
-            body = _fmt_items(train, self.fields)
+        body = _fmt_items(train, self.fields) if train else ""
+        if train and (body or not all(_per_layer(k) for k in train)):  # nothing but file-only keys: no line
             print(f"step {step:>5}" + (f" | {body}" if body else ""), file=sys.stdout, flush=True)
         if val:
             print(f"val  {step:>5} | {_fmt_items(val, None)}", file=sys.stdout, flush=True)

@@ -26,7 +26,8 @@ def run_header(*, flavor: str, family: str, shape, dims, world_size: int, precis
                grad_accum: int, steps: int, run_dir: str,
                attention_kernel: tuple[str, str] = ("sdpa", "set explicitly"),
                data_summary: str | None = None, fault_tolerance: str | None = None,
-               threads: tuple[int, str] | None = None) -> str:
+               threads: tuple[int, str] | None = None, health: str | None = None,
+               fault_injection: str | None = None) -> str:
     """``precision`` and ``attention_kernel``: (what was chosen, why), e.g. ("fp32", "auto: this
     CPU has no native bf16 matmuls"); the header prints both, so an ``auto`` choice is never silent.
     ``data_summary``: a dataset that is not token sequences describes itself (its samples are then
@@ -58,6 +59,8 @@ def run_header(*, flavor: str, family: str, shape, dims, world_size: int, precis
                   + f"(local {local_batch} x data parallel {dims.data_degree} x accumulation {grad_accum}); {steps} steps"),
         *([("threads", f"{threads[0]} per process ({threads[1]})")] if threads else []),
         *([("torchft", fault_tolerance)] if fault_tolerance else []),
+        *([("health", health)] if health else []),
+        *([("FAULTS", fault_injection)] if fault_injection else []),
         ("run dir", str(run_dir)),
     ]
     width = max(len(k) for k, _ in rows)
@@ -74,6 +77,11 @@ def run_footer(summary: Mapping[str, Any], *, seconds: float, run_dir: str, outp
     if val is not None:
         head += f" | val loss {val:.4f}"
     rows = []
+    health = summary.get("health")
+    if health:
+        rows.append(("health", f"{health['skipped']} step(s) skipped, {health['spikes']} spike(s), "
+                               f"{health['rollbacks']} rollback(s); checks took {health['cost_s']:.3f} s "
+                               f"({100 * health['cost_s'] / max(seconds, 1e-9):.2f}% of the run)"))
     if "jsonl" in outputs:
         rows.append(("metrics", outputs["jsonl"]))
     if "tensorboard" in outputs:

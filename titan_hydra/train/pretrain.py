@@ -41,6 +41,8 @@ from titan_hydra.runtime.rendezvous import init_process_group  # bounded, one-li
 from titan_hydra.runtime.threads import threads_here
 from titan_hydra.spec import RunSpec
 from titan_hydra.train.built import BoundEval, BuiltModel, DataPlan, Monitors, Schedule
+from titan_hydra.train.health.monitor import HealthMonitor
+from titan_hydra.train.health.watchdog import enable_flight_recorder
 from titan_hydra.train.moe_balance import moe_balance_hooks
 from titan_hydra.train.mtp_metrics import mtp_loss_hooks
 from titan_hydra.train.optimizers import build_optimizer
@@ -167,6 +169,8 @@ def run(spec: RunSpec, run_dir: str, return_state: bool = False) -> dict[str, An
     cluster = spec.config.cluster
     torch.set_num_threads(threads_here(cluster.threads_per_proc).n)  # this rank's share of the host's cores
     device = setup_device(cluster, local_rank)
+    if spec.config.health.enable and spec.config.health.hang_timeout_s > 0:
+        enable_flight_recorder()  # a hang report then holds the last collectives (set before the group starts)
     init_distributed(cluster, world_size)
     try:
         summary = _run(spec, run_dir, rank, device, return_state)
@@ -277,7 +281,7 @@ def compile_hooks(spec: RunSpec) -> list:
 
 
 def header_of(spec: RunSpec, data: DataPlan, built: BuiltModel, run_dir: str,
-              fault_tolerance: str | None = None) -> str:
+              fault_tolerance: str | None = None, health: HealthMonitor | None = None) -> str:
     cfg = spec.config
     return run_header(
         flavor=spec.flavor, family=built.family.name, shape=spec.shape, dims=spec.dims, world_size=spec.world_size,
@@ -290,8 +294,22 @@ def header_of(spec: RunSpec, data: DataPlan, built: BuiltModel, run_dir: str,
         grad_accum=spec.batch.grad_accum, steps=int(cfg.training.steps), run_dir=run_dir,
         data_summary=data.dataset.summary() if hasattr(data.dataset, "summary") else None,
         fault_tolerance=fault_tolerance,
+        health=health.settings.describe() if health is not None else "off (a non-finite loss stops the run)",
+        fault_injection=health.injector.faults.describe() if health is not None and health.injector.faults.enabled
+        else None,
         threads=(torch.get_num_threads(), threads_here(cfg.cluster.threads_per_proc).reason),
     )
+
+
+def health_of(spec: RunSpec, run_dir: str, rank: int, device: torch.device, built: BuiltModel, data: DataPlan,
+              checkpointer, state: TrainState, metric_logger: MetricLogger) -> HealthMonitor | None:
+    """The ``health`` group's checks for this rank (None when off and no fault is injected)."""
+    settings, faults = instantiate(spec.config.health), instantiate(spec.config.fault_injection)
+    if not settings.enable and not faults.enabled:
+        return None
+    return HealthMonitor(settings, faults, run_dir=run_dir, rank=rank, world_size=spec.world_size, device=device,
+                         parts=built.parts, checkpointer=checkpointer, loader=data.train_loader, state=state,
+                         metric_logger=metric_logger, dims=spec.dims)
 
 
 def schedule_of(spec: RunSpec) -> Schedule:
@@ -321,6 +339,7 @@ def _run(spec: RunSpec, run_dir: str, rank: int, device: torch.device, return_st
         train_loader=data.train_loader, train_state=state, dims=spec.dims, family=built.family,
         model_args=built.args, flavor=spec.flavor, rank=rank, world_size=spec.world_size,
     )
+    health = health_of(spec, run_dir, rank, device, built, data, checkpointer, state, metric_logger)
     trainer = Trainer(
         model=built, optimizer=optimizer, lr_scheduler=lr_scheduler, data=data, dims=spec.dims,
         schedule=schedule_of(spec), state=state, device=device, checkpointer=checkpointer,
@@ -329,9 +348,10 @@ def _run(spec: RunSpec, run_dir: str, rank: int, device: torch.device, return_st
         step_hooks=moe_balance_hooks(built.parts, spec.dims) + built.family.step_hooks(built.parts, spec.dims)
         + built.loss_hooks + compile_hooks(spec),
         periodic_eval=periodic_eval_of(spec, built, data), fault_tolerance=ft if ft.enabled else None,
+        health=health,
     )
     if rank == 0:
-        print(header_of(spec, data, built, run_dir, ft.describe() if ft.enabled else None), flush=True)
+        print(header_of(spec, data, built, run_dir, ft.describe() if ft.enabled else None, health), flush=True)
     try:
         summary = _train(trainer, checkpointer, ft, rank, device, built, optimizer)
     finally:
@@ -358,6 +378,14 @@ def _train(trainer: Trainer, checkpointer, ft, rank: int, device: torch.device, 
     if ft.enabled:
         ft.start(*live_state_fns(checkpointer.run), rank=rank, world_size=trainer.dims.world_size,
                  step=trainer.state.step, device=device, model_parts=built.parts, optimizer=optimizer)
-    summary = trainer.train()
+    if trainer.health is not None:
+        trainer.health.start()  # the watchdog counts from the restored step
+    try:
+        summary = trainer.train()
+    finally:
+        if trainer.health is not None:
+            trainer.health.close()
+    if trainer.health is not None:
+        summary["health"] = trainer.health.summary()
     checkpointer.close()
     return summary

@@ -51,13 +51,14 @@ class Trainer:
     """The loop. ``model.runner`` (``parallel/runner.py`` or ``parallel/pp.py``) runs each
     microbatch for whatever layout this rank has; ``checkpointer`` (a CheckpointManager holding
     ``state``), ``preemption`` (a SLURM watcher), ``periodic_eval`` and ``fault_tolerance``
-    (torchft's quorum, gradient average and commit around each step) are None when off."""
+    (torchft's quorum, gradient average and commit around each step) and ``health``
+    (``train/health``) are None when off."""
 
     def __init__(self, *, model: BuiltModel, optimizer: torch.optim.Optimizer,
                  lr_scheduler: torch.optim.lr_scheduler.LRScheduler, data: DataPlan, dims, schedule: Schedule,
                  monitors: Monitors, state: TrainState, device: torch.device, checkpointer=None,
                  preemption=None, step_hooks=(), periodic_eval: BoundEval | None = None,
-                 fault_tolerance=None) -> None:
+                 fault_tolerance=None, health=None) -> None:
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.data, self.dims, self.schedule, self.monitors = data, dims, schedule, monitors
         self.state, self.device = state, device
@@ -65,6 +66,7 @@ class Trainer:
         # per-optimizer-step work returning metrics (the family's, e.g. MoE load balancing; compile's)
         self.step_hooks = list(step_hooks)
         self.periodic_eval, self.fault_tolerance = periodic_eval, fault_tolerance
+        self.health = health  # a train.health.HealthMonitor: skips bad steps, watches for stragglers and hangs
         self.steps = schedule.steps  # a seed-checkpoint run sets it to 0
         self.last_val_loss: float | None = None
 
@@ -79,6 +81,8 @@ class Trainer:
         ft = self.fault_tolerance
         if ft is not None:
             ft.begin_step()
+        if self.health is not None:
+            self.health.begin_step(self.state.step + 1)
         self.optimizer.zero_grad(set_to_none=True)
         data_time = 0.0
         losses = []
@@ -95,28 +99,31 @@ class Trainer:
             ft.reduce_gradients(params)
             local_loss = ft.mean(local_loss)
         grad_norm = clip_grad_norm_(params, self.schedule.max_norm, pp_group=self.dims.pp_group())
+        loss = self.dims.global_mean(local_loss)
+        # decided from reduced values, so every rank applies or skips the step alike
+        apply = self.health is None or self.health.judge(loss, float(grad_norm.item()))
         lr = self.optimizer.param_groups[0]["lr"]
         # named groups (optimizer.param_groups) with their own LR (Muon's peak differs): lr/<name>
         first_peak = self.optimizer.param_groups[0].get("initial_lr")
         hook_metrics: dict[str, float] = {
             f"lr/{g['group_name']}": float(g["lr"]) for g in self.optimizer.param_groups
             if "group_name" in g and g.get("initial_lr") != first_peak}
-        for hook in self.step_hooks:
+        for hook in self.step_hooks if apply else ():
             hook_metrics.update(hook())
-        committed = ft is None or ft.commit()
+        committed = (ft is None or ft.commit()) and apply
         if committed:
             self.optimizer.step()
             self.lr_scheduler.step()
-        loss = self.dims.global_mean(local_loss)
-        if not math.isfinite(loss):
+        if apply and not math.isfinite(loss):
             raise TrainingDiverged(
                 f"loss is {loss} at step {self.state.step + 1}; lower optimizer.lr, keep "
                 "training.max_norm > 0, or use training.mixed_precision=fp32"
             )
         # Per-device throughput: the tokens of this data-parallel replica are shared by its
         # tp*pp*cp devices (each computes that fraction of the FLOPs).
-        self.monitors.throughput.update(tokens / (self.dims.tp * self.dims.pp * self.dims.cp))
-        self.state.seen += tokens * self.dims.data_degree
+        if apply:  # a skipped step's batch counts as not seen (as if the data had skipped it)
+            self.monitors.throughput.update(tokens / (self.dims.tp * self.dims.pp * self.dims.cp))
+            self.state.seen += tokens * self.dims.data_degree
         return {
             "loss": loss,
             "grad_norm": float(grad_norm.item()),
@@ -164,6 +171,8 @@ class Trainer:
             self.state.step += 1
             self.state.losses.append(metrics["loss"])
             step = self.state.step
+            if self.health is not None:
+                self.health.end_step(step)
             if step % self.schedule.log_freq == 0 or step == self.steps or step == 1:
                 metrics.update(self.monitors.throughput.report())
                 mem = self.monitors.memory.report()

@@ -1,0 +1,199 @@
+"""The ``health`` group on one process: the skip decision's numbers, a skipped step that leaves
+weights, optimizer and schedule bit-equal, equal to a run whose data skipped that batch, and a
+rollback past the bad data window (see test_health_ranks.py for 2 ranks)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from helpers import REPO, TINY, compose_cfg, read_metrics
+from titan_hydra.errors import ConfigError, TrainingDiverged
+from titan_hydra.spec import spec_of
+from titan_hydra.train.health.guard import SpikeWindow, StepGuard
+from titan_hydra.train.health.monitor import HealthMonitor
+from titan_hydra.train.health.settings import FaultInjection, Health
+from titan_hydra.train.health.watchdog import hang_line
+from titan_hydra.train.pretrain import run
+
+FAST = TINY + ["logger=minimal", "training.val_freq=0", "cluster.threads_per_proc=1",
+               "training.mixed_precision=fp32", "training.steps=4"]
+
+
+def guard(action: str = "skip") -> StepGuard:
+    return StepGuard(skip_nonfinite=True, spike_window=8, spike_min_history=4, spike_k=5.0, spike_action=action)
+
+
+def test_threshold_is_median_plus_k_mad():
+    w = SpikeWindow(size=5, min_history=3, k=2.0)
+    for v in (1.0, 2.0):
+        w.add(v)
+    assert w.threshold() == math.inf  # fewer than min_history values: nothing is a spike yet
+    for v in (3.0, 10.0, 4.0, 5.0):  # the window keeps the last 5: 2, 3, 10, 4, 5
+        w.add(v)
+    # median 4, deviations 2 1 6 0 1 -> MAD 1
+    assert w.threshold() == 4.0 + 2.0 * 1.0
+
+
+def test_nonfinite_steps_are_skipped_and_counted_in_a_row():
+    g = guard()
+    assert not g.judge(float("nan"), 1.0).apply
+    v = g.judge(2.0, float("inf"))
+    assert (v.apply, v.reason, g.skipped, g.in_a_row) == (False, "non-finite", 2, 2)
+    assert g.judge(2.0, 1.0).apply and g.in_a_row == 0 and g.skipped == 2
+
+
+@pytest.mark.parametrize("action, applied", [("skip", False), ("log", True)])
+def test_a_spike_is_judged_on_healthy_history_only(action, applied):
+    g = guard(action)
+    for loss in (3.0, 3.1, 2.9, 3.0, 3.05):
+        assert g.judge(loss, 1.0).apply
+    v = g.judge(30.0, 1.0)
+    assert (v.apply, v.reason, g.spikes) == (applied, "spike", 1)
+    assert 30.0 not in g.windows["loss"].values  # a spike never raises its own threshold
+    assert g.judge(3.0, 50.0).reason == "spike"  # the gradient norm is judged the same way
+
+
+def test_bad_settings_name_the_key():
+    with pytest.raises(ConfigError, match="health.spike_action='drop'"):
+        Health(spike_action="drop")
+    with pytest.raises(ConfigError, match="health.spike_min_history=30 exceeds health.spike_window=20"):
+        Health(spike_window=20, spike_min_history=30)
+    with pytest.raises(ConfigError, match="fault_injection.delay_s=-1"):
+        FaultInjection(delay_s=-1)
+
+
+def test_the_header_lines_state_the_cost_and_shout_when_faults_are_on():
+    assert "no extra collective per step" in Health().describe()
+    assert Health(enable=False).describe().startswith("off")
+    faults = FaultInjection(nan_at_step=5, slow_rank=1, delay_s=0.2)
+    assert not FaultInjection().enabled and faults.enabled
+    assert faults.describe() == ("!!! FAULT INJECTION ON (a drill, not a real run): NaN at step 5 on rank 0; "
+                                 "rank 1 0.2 s slower every step")
+
+
+def test_the_hang_line_names_the_rank_that_stopped_first(tmp_path):
+    reports = {0: {"rank": 0, "host": "a", "step": 3, "phase": "forward/backward", "last_beat_unix": 10.0},
+               1: {"rank": 1, "host": "b", "step": 2, "phase": "done", "last_beat_unix": 9.9}}
+    line = hang_line(reports, 5.0, tmp_path, world_size=3)
+    assert line.startswith("hang: rank 1 (b) stopped first, in step 2 (done); no progress for 5 s")
+    assert "(no report from rank(s) [2])" in line and line.endswith("exiting 75 so the run restarts from its last checkpoint")
+
+
+def test_the_composed_groups_default_to_on_and_off():
+    cfg = compose_cfg()
+    assert cfg.health.enable and cfg.health.spike_action == "log" and cfg.fault_injection.nan_at_step is None
+    strict = compose_cfg(["health=strict"]).health
+    assert (strict.spike_action, strict.max_skips_in_a_row, strict.hang_timeout_s) == ("skip", 3, 600.0)
+    assert not compose_cfg(["health=off"]).health.enable
+
+
+# ----------------------------------------------------------------------------- in-process runs
+
+
+def train(tmp_path, overrides, name):
+    return run(spec_of(compose_cfg(FAST + overrides)), str(tmp_path / name), return_state=True)
+
+
+def snapshot(monitor: HealthMonitor) -> dict:
+    run_parts = monitor.rollback.checkpointer.run
+    return copy.deepcopy({"model": [p.state_dict() for p in run_parts.model_parts],
+                          "optimizer": run_parts.optimizer.state_dict(),
+                          "schedule": run_parts.lr_scheduler.state_dict()})
+
+
+def assert_bit_equal(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_bit_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_bit_equal(x, y)
+    else:
+        assert a == b
+
+
+def test_a_skipped_nan_step_changes_nothing_and_equals_skipping_its_batch(tmp_path, monkeypatch):
+    """Step 3 sees a NaN: the state before its retry is bit-equal to the state before it, and the
+    run ends bit-equal to a fault-free run whose loader skipped that batch."""
+    begin = HealthMonitor.begin_step
+    seen: dict[int, list] = {}
+
+    def spying(self, step):
+        seen.setdefault(step, []).append(snapshot(self))
+        begin(self, step)
+
+    monkeypatch.setattr(HealthMonitor, "begin_step", spying)
+    faulty = train(tmp_path, ["fault_injection.nan_at_step=3"], "nan")
+    assert len(seen[3]) == 2 and len(seen[4]) == 1  # step 3 tried twice
+    assert_bit_equal(seen[3][0], seen[3][1])
+    rows = [r for r in read_metrics(tmp_path / "nan") if "health/skipped" in r]
+    assert [(r["step"], r["health/skipped"]) for r in rows] == [(3, 1)]
+    assert faulty["health"]["skipped"] == 1 and faulty["steps"] == 4
+
+    def skip_batch(self, step):  # the fault-free run whose data skipped the 3rd batch
+        if step == 3 and not getattr(self, "_skipped_batch", False):
+            self._skipped_batch = True
+            next(self.rollback.loader)
+        begin(self, step)
+
+    monkeypatch.setattr(HealthMonitor, "begin_step", skip_batch)
+    clean = train(tmp_path, [], "clean")
+    assert faulty["losses"] == clean["losses"]
+    assert_bit_equal(faulty["full_state"], clean["full_state"])
+
+
+def test_skips_in_a_row_roll_back_past_the_bad_data_then_stop(tmp_path):
+    rollback = ["checkpoint=default", "checkpoint.interval=2", "health.max_skips_in_a_row=2",
+                "fault_injection.nan_at_step=3", "fault_injection.nan_attempts=2"]
+    out = train(tmp_path, rollback, "rollback")
+    assert out["steps"] == 4 and out["health"]["rollbacks"] == 1 and out["health"]["skipped"] == 2
+    [record] = [json.loads(line) for line in (tmp_path / "rollback/health/skipped_data.jsonl").read_text().splitlines()]
+    # global batch 4: the checkpoint of step 2 sits at sample 8; two failed tries of step 3 read 8 more
+    assert record == {"rollback": 1, "failed_step": 3, "to_step": 2, "data_from": 8, "data_to": 16,
+                      "why": "non-finite: loss is nan, grad_norm is nan"}
+    with pytest.raises(TrainingDiverged, match=r"^loss is nan, grad_norm is nan at step 3: 2 steps in a row skipped .* after 0 "
+                                               r"rollback\(s\) \(health.max_rollbacks=0\); the run stops"):
+        train(tmp_path, rollback + ["health.max_rollbacks=0"], "stop")
+
+
+def test_health_off_stops_at_the_first_nan_as_before(tmp_path):
+    with pytest.raises(TrainingDiverged, match=r"^loss is nan at step 2; lower optimizer.lr"):
+        train(tmp_path, ["health=off", "fault_injection.nan_at_step=2"], "off")
+
+
+def test_the_benchmark_times_the_monitor_alone():
+    sys.path.insert(0, str(REPO / "recipes"))
+    import bench_health
+
+    per_step = bench_health.monitor_alone(50)
+    assert 0 < per_step < 0.01  # microseconds in fact; 10 ms would be 1% of a debug-model step
+
+
+def test_the_sweep_report_counts_skipped_steps_and_rollbacks(tmp_path):
+    sys.path.insert(0, str(REPO / "recipes"))
+    import sweep_report
+
+    rows = [{"step": s, "loss": 7.0 - s} for s in range(1, 5)]
+    rows += [{"step": 2, "health/skipped": 1}, {"step": 3, "health/skipped": 3}, {"step": 2, "health/rollbacks": 1}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    row = sweep_report.job_row(0, tmp_path, ["health=strict"])
+    assert (row.skipped, row.rollbacks, row.steps) == (3, 1, 4)
+
+
+def test_an_injected_spike_is_skipped_under_the_skip_action(tmp_path):
+    out = train(tmp_path, ["training.steps=6", "health.spike_action=skip", "health.spike_min_history=3",
+                           "fault_injection.spike_at_step=5"], "spike")
+    assert (out["health"]["spikes"], out["health"]["skipped"], out["steps"]) == (1, 1, 6)
+    report = json.loads((tmp_path / "spike/health/rank0.json").read_text())
+    [line] = report["event_lines"]
+    assert line.startswith("step 5 spike: loss is ") and line.endswith("skipped (optimizer and schedule untouched)")

@@ -1,0 +1,84 @@
+"""Faults made on purpose (the ``fault_injection`` group), at the points a real one would strike.
+
+* NaN / spike: a forward hook on this rank's last model part multiplies its output (the logits) by
+  NaN (for ``nan_attempts`` tries of the step) or by ``spike_scale`` (once), so the loss and every gradient after it are poisoned the
+  way a bad batch or a broken kernel poisons them, before any gradient reduction.
+* slow rank: computes ``delay_s`` of CPU time more before each step's forward (a slow device burns
+  time, it does not sleep), so the other ranks wait for it in the step's collectives.
+* hang: the rank stops before its forward at ``hang_at_step`` and never comes back (its peers then
+  block in the step's first collective), which is what the watchdog must catch. Only the first
+  attempt hangs: a restart finds the watchdog's reports in ``<run>/hang/`` and runs through.
+* bit flip: after the optimizer step of ``at_step`` one mantissa bit of this rank's first parameter
+  flips (fp32 weights), so this replica silently disagrees with the others.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from titan_hydra.train.health.settings import FaultInjection
+
+
+def _scaled(output: Any, factor: float) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output * factor
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (output[0] * factor, *output[1:])
+    return output
+
+
+def busy_wait(seconds: float) -> None:
+    """``seconds`` of this thread's CPU time: extra work, the same on a loaded machine as on an idle one."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+class Injector:
+    """This rank's share of the configured faults; ``begin_step`` / ``end_step`` around each step."""
+
+    def __init__(self, faults: FaultInjection, rank: int, hang_dir: Path | None = None) -> None:
+        self.faults, self.rank = faults, rank
+        # a restarted run (the watchdog's reports exist) does not hang again: it resumes and finishes
+        self.hang = faults.hang_rank == rank and not (hang_dir is not None and hang_dir.exists())
+        self._hooks: list = []
+        self.nan_left = faults.nan_attempts if faults.fault_rank == rank else 0
+        self.spike_left = 1 if faults.fault_rank == rank else 0
+
+    def begin_step(self, step: int, parts: list[torch.nn.Module]) -> None:
+        f = self.faults
+        if f.slow_rank == self.rank:
+            busy_wait(f.delay_s)
+        if self.hang and step == f.hang_at_step:
+            while True:  # never returns: the watchdog ends the process
+                time.sleep(1.0)
+        factor = None
+        if step == f.nan_at_step and self.nan_left > 0:  # a skipped step is tried again: count the tries
+            self.nan_left -= 1
+            factor = float("nan")
+        elif step == f.spike_at_step and self.spike_left > 0:
+            self.spike_left -= 1
+            factor = float(f.spike_scale)
+        if factor is not None and parts:
+            self._hooks.append(parts[-1].register_forward_hook(lambda _m, _i, out: _scaled(out, factor)))
+
+    @torch.no_grad()
+    def after_step(self, step: int, parts: list[torch.nn.Module]) -> None:
+        """After the optimizer step: the bit flip (a corrupted weight on one replica)."""
+        if self.faults.bitflip_rank != self.rank or step != self.faults.at_step or not parts:
+            return
+        p = next(parts[0].parameters())
+        local = p.to_local() if isinstance(p, DTensor) else p
+        flat = local.detach().view(-1)
+        if flat.element_size() == 4:
+            flat[:1].view(torch.int32).bitwise_xor_(1 << 20)  # a mantissa bit: a small, silent error
+
+    def end_step(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
