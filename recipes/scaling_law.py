@@ -12,7 +12,8 @@ last validation loss; ``train``: the mean training loss over the last tenth of t
 (titan_hydra/planner/scaling_law.py, isoflop.py), prints both and the compute-optimal N and D of
 each ``--flops`` budget, and writes ``scaling_law.json`` (the fit ``recipes/estimate.py --law``
 reads) and ``scaling_law.png`` (IsoFLOP profiles, loss against tokens per size, N_opt against C)
-into the first dir, or ``--out``.
+into the first dir, or ``--out``. ``--holdout <dir>``: runs predicted rather than fitted, the
+prediction (and interval) beside the measured loss.
 """
 
 from __future__ import annotations
@@ -82,6 +83,15 @@ def read_runs(sweep_dirs: list[Path], loss: str, params: str) -> list[Run]:
     return runs
 
 
+def held_out(runs: list[Run], fit: Fit) -> list[dict]:
+    """Runs left out of the fit, each with the loss the fit predicted for it and the interval."""
+    out = []
+    for r in runs:
+        loss, lo, hi = fit.predict(r.n, r.d)
+        out.append({**asdict(r), "predicted": loss, "interval": [lo, hi], "inside": lo <= r.loss <= hi})
+    return out
+
+
 def record_of(runs: list[Run], fit: Fit, iso: IsoFlop, args: argparse.Namespace) -> dict:
     """Everything the fit JSON holds: how N and the loss were read, the runs, both fits, the optima."""
     cols = {k: np.array([getattr(r, k) for r in runs]) for k in ("n", "d", "flops", "loss")}
@@ -92,6 +102,7 @@ def record_of(runs: list[Run], fit: Fit, iso: IsoFlop, args: argparse.Namespace)
         "fit": fit.as_dict(),
         "isoflop": iso.as_dict(),
         "optimal": [fit.optimal(c, flops_per_nd) for c in args.flops],
+        "held_out": held_out(read_runs(args.holdout, args.loss, args.params), fit) if args.holdout else [],
     }
 
 
@@ -112,6 +123,10 @@ def report(record: dict, fit: Fit) -> str:
                  + (f"a = {iso['a']:.3f}, D_opt ~ C^{iso['b']:.3f} from the IsoFLOP minima of {found} budgets"
                     if iso["a"] is not None else f"IsoFLOP minima: {found} budget(s) with an interior minimum, "
                     "too few for an exponent"))
+    for h in record["held_out"]:
+        lines.append(f"held out {h['where']} (N = {h['n']:,.0f}, D = {h['d']:,.0f}): predicted {h['predicted']:.4f} "
+                     f"[{h['interval'][0]:.4f}, {h['interval'][1]:.4f}], measured {h['loss']:.4f} "
+                     f"({(h['loss'] / h['predicted'] - 1):+.1%}{'' if h['inside'] else ', outside the interval'})")
     for o in record["optimal"]:
         lines.append(f"compute-optimal at C = {o['flops']:.3g}: N = {o['n']:,.0f} [{o['n_interval'][0]:,.0f}, "
                      f"{o['n_interval'][1]:,.0f}], D = {o['d']:,.0f} [{o['d_interval'][0]:,.0f}, {o['d_interval'][1]:,.0f}] "
@@ -146,6 +161,11 @@ def plot_tokens(ax, record: dict, fit: Fit) -> None:
         grid = np.geomspace(min(d) / 1.5, max(d) * 1.5, 60)
         ax.plot(d, loss, "o", color=f"C{i % 10}", label=f"N = {n:,.0f}")
         ax.plot(grid, fit.law.loss(n, grid), "-", color=f"C{i % 10}", alpha=0.6)
+    for j, h in enumerate(record["held_out"]):
+        color = f"C{(len(sizes) + j) % 10}"
+        ax.errorbar(h["d"], h["predicted"], yerr=[[h["predicted"] - h["interval"][0]], [h["interval"][1] - h["predicted"]]],
+                    fmt="s", mfc="none", color=color, capsize=4, label=f"predicted, N = {h['n']:,.0f}")
+        ax.plot(h["d"], h["loss"], "D", color=color, label="held out, measured")
     ax.set_xscale("log")
     ax.set(xlabel="D (tokens)", ylabel=f"{record['loss']} loss", title="Runs and the fitted L(N, D)")
     ax.legend(fontsize=7)
@@ -178,6 +198,8 @@ def write_plot(record: dict, fit: Fit, path: Path) -> None:
     plot_isoflop(axes[0], record, fit)
     plot_tokens(axes[1], record, fit)
     plot_optimum(axes[2], record, fit)
+    for ax in axes:  # log axes over a decade or two label their minor ticks on top of each other
+        ax.tick_params(which="minor", labelbottom=False, labelleft=False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -191,6 +213,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--params", choices=["non_embedding", "total"], default="non_embedding")
     p.add_argument("--resamples", type=int, default=200, help="bootstrap resamples")
     p.add_argument("--level", type=float, default=0.95, help="confidence level of the intervals")
+    p.add_argument("--holdout", type=Path, action="append", default=[],
+                   help="a multirun dir whose runs are predicted, not fitted (repeatable)")
     p.add_argument("--out", type=Path, help="where scaling_law.json/.png go (default: the first dir)")
     return p.parse_args(argv)
 

@@ -120,9 +120,10 @@ def fake_multirun(root, dims=(64, 128, 256), steps=(125, 250, 500)):
 
 def test_recipe_fits_a_multirun_and_estimate_predicts_from_the_fit(tmp_path):
     sweep = fake_multirun(tmp_path / "multirun")
+    widest = fake_multirun(tmp_path / "widest", dims=(512,), steps=(500,))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert scaling_law.main([str(sweep), "--flops", "1e14", "--resamples", "20"]) == 0
+        assert scaling_law.main([str(sweep), "--flops", "1e14", "--resamples", "20", "--holdout", str(widest)]) == 0
     record = json.loads((sweep / "scaling_law.json").read_text())
     assert (sweep / "scaling_law.png").stat().st_size > 10_000
     assert len(record["runs"]) == 9 and record["params"] == "non_embedding"
@@ -134,6 +135,10 @@ def test_recipe_fits_a_multirun_and_estimate_predicts_from_the_fit(tmp_path):
     assert max(errors.values()) < 0.05, errors
     assert "compute-optimal at C = 1e+14: N = " in out.getvalue()
     assert record["optimal"][0]["n"] == pytest.approx(LADDER_LAW.optimal(1e14, record["flops_per_nd"])[0], rel=0.05)
+    [held] = record["held_out"]  # the widest run, predicted from the three narrower widths
+    assert held["n"] == 7_866_880 and held["predicted"] == pytest.approx(held["loss"], rel=0.01)
+    assert held["interval"] == pytest.approx([held["loss"]] * 2, rel=0.01)  # noise-free runs: a narrow interval
+    assert f"measured {held['loss']:.4f}" in out.getvalue()
 
     # recipes/estimate.py --law: the planned widest run's loss, from the fit, at its planned N and D
     out = io.StringIO()
