@@ -164,8 +164,8 @@ class Fit:
 
 def bootstrap_fit(n, d, loss, resamples: int = 200, level: float = 0.95, seed: int = 0) -> Fit:
     """``fit_law`` on the runs, and again on ``resamples`` resamples of them (with replacement),
-    each started from the full fit (a resample's optimum is near it; a grid per resample would
-    cost START_COUNT times as much)."""
+    each started from the full fit and from its own best grid point: from the full fit alone, a
+    parameter the full fit drove to a bound (E -> 0: its gradient vanishes) could never move."""
     n, d, loss = check_points(n, d, loss)
     law = fit_law(n, d, loss)
     rng = np.random.default_rng(seed)
@@ -173,7 +173,8 @@ def bootstrap_fit(n, d, loss, resamples: int = 200, level: float = 0.95, seed: i
     for _ in range(resamples):
         idx = rng.integers(0, len(loss), len(loss))
         log_n, log_d, log_loss = np.log(n[idx]), np.log(d[idx]), np.log(loss[idx])
-        samples.append(Law.from_theta(_minimize([law.theta], log_n, log_d, log_loss)))
+        starts = np.vstack([law.theta[None], _grid_starts(log_n, log_d, log_loss, 1)])
+        samples.append(Law.from_theta(_minimize(starts, log_n, log_d, log_loss)))
     return Fit(law, samples, level)
 
 
