@@ -30,6 +30,10 @@ HUBER_DELTA = 1e-3
 START_GRID = (np.arange(-1.0, 1.6, 0.5), np.arange(0.0, 26.0, 5.0), np.arange(0.0, 26.0, 5.0),
               np.arange(0.0, 2.1, 0.5), np.arange(0.0, 2.1, 0.5))
 START_COUNT = 12
+# Box for L-BFGS-B in (log E, log A, log B, alpha, beta): only to keep exp() and N^alpha finite when a
+# fit drives E to 0 (nine CPU runs do) or a bootstrap resample of two sizes lets an exponent run off;
+# E = exp(-20) is zero at any loss, and no fit of real runs is near the other edges.
+BOUNDS = [(-20.0, 10.0), (-20.0, 200.0), (-20.0, 200.0), (0.0, 10.0), (0.0, 10.0)]
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,7 @@ def _grid_starts(log_n, log_d, log_loss, count: int) -> np.ndarray:
 def _minimize(starts, log_n, log_d, log_loss) -> np.ndarray:
     best, best_value = None, np.inf
     for start in starts:
-        res = minimize(huber_objective, start, args=(log_n, log_d, log_loss), jac=True, method="L-BFGS-B",
+        res = minimize(huber_objective, start, args=(log_n, log_d, log_loss), jac=True, method="L-BFGS-B", bounds=BOUNDS,
                        options={"maxiter": 2000, "ftol": 1e-15, "gtol": 1e-10})
         if res.fun < best_value:
             best, best_value = res.x, res.fun
