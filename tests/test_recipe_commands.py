@@ -30,6 +30,8 @@ FIXTURES = sorted({key for _, key in PLACEHOLDERS})
 NOT_RUN = {
     "data=c4 data.hf_name=HuggingFaceFW/fineweb-edu": "streams a corpus from the HF Hub, and CI has no network; "
                                                        "the local-file line beside it runs",
+    "scaling_law": "fits model sizes x token budgets, which the one-size fixture sweep is not; "
+                   "tests/test_scaling_law.py runs scaling_law.py and estimate.py --law on a ladder's multirun dir",
 }
 # Recipes whose lines run minutes of training: their arguments are parsed (argparse refuses a
 # suite or a flag that no longer exists) and --help stops them before anything runs.
