@@ -1,0 +1,131 @@
+"""Qwen3.5 (dense and MoE, text model): logits equal transformers' Qwen3_5ForCausalLM /
+Qwen3_5MoeForCausalLM (its torch path) both ways through convert.py, the layer pattern as a config
+value, decoding with the Gated DeltaNet state, and the layout rules (TP and CP refused in one line)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import compose_cfg
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+
+import convert  # noqa: E402
+from titan_hydra.checkpoint.state import FORMAT_VERSION  # noqa: E402
+from titan_hydra.checkpoint.storage import save_plain  # noqa: E402
+from titan_hydra.errors import ConfigError  # noqa: E402
+from titan_hydra.models.qwen3_5 import FAMILY as QWEN35  # noqa: E402
+from titan_hydra.models.qwen3_5 import Qwen35  # noqa: E402
+from titan_hydra.models.qwen3_5_moe import FAMILY as QWEN35_MOE  # noqa: E402
+from titan_hydra.models.qwen3_5_moe import Qwen35Moe  # noqa: E402
+from titan_hydra.models.registry import args_of  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.qwen3_5 import modeling_qwen3_5  # noqa: E402
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe  # noqa: E402
+
+VOCAB = 128
+TOKENS = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
+HF_CLASSES = {"qwen3_5_text": transformers.Qwen3_5ForCausalLM, "qwen3_5_moe_text": transformers.Qwen3_5MoeForCausalLM}
+FAMILIES = {"qwen3_5_text": QWEN35, "qwen3_5_moe_text": QWEN35_MOE}
+# 4 layers: linear, full, linear, full (both mixers twice); GQA 4/2 x 32 with a quarter rotating
+# (8 channels), DeltaNet 2 key / 4 value heads x 16, 4 experts of width 48 top-2 + a gated shared one.
+LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=32, max_position_embeddings=64, rms_norm_eps=1e-6, layer_types=LAYERS,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+              initializer_range=0.1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                      "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1]})
+HF_EXTRA = {"qwen3_5_text": dict(intermediate_size=96),
+            "qwen3_5_moe_text": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                     shared_expert_intermediate_size=48)}
+OURS = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=VOCAB, max_seq_len=64,
+            rope_theta=10000.0, layer_types=LAYERS, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=16, linear_chunk_size=8)
+OUR_MOE = dict(num_experts=4, top_k=2, expert_dim=48, num_shared_experts=1, route_norm=True, load_balance_coeff=0.0)
+KINDS = list(HF_CLASSES)
+# Measured max |logit difference| (fp32, OMP_NUM_THREADS=1): see docs/families.md (Qwen3.5).
+LOGIT_BAR = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def torch_path(monkeypatch):
+    """transformers' torch forms of the DeltaNet even where flash-linear-attention is installed."""
+    for module in (modeling_qwen3_5, modeling_qwen3_5_moe):
+        for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn"):
+            if hasattr(module, name):
+                fn = getattr(module, name)
+                monkeypatch.setattr(module, name, getattr(fn, "__wrapped__", fn))
+
+
+def randomize(model: torch.nn.Module) -> None:
+    """Norm weights, decays and shared-expert gates away from their init, so a swapped name shows."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 or name.endswith(("A_log", "dt_bias", "shared_expert_gate.weight", "shared_experts.gate.weight")):
+                p.add_(0.3 * torch.randn_like(p))
+
+
+def hf_logits(kind: str, path: Path) -> torch.Tensor:
+    model = HF_CLASSES[kind].from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+def our_logits(ckpt: Path) -> torch.Tensor:
+    family, args, sd = convert.read_model(ckpt)
+    model = family.build(args).eval()
+    model.load_state_dict(sd)
+    with torch.no_grad():
+        return model(TOKENS)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hf_to_ours_to_hf(tmp_path, kind, record_property):
+    """HF -> ours -> HF is tensor-identical; our model reproduces HF's logits."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    hf = HF_CLASSES[kind](HF_CLASSES[kind].config_class(**COMMON, **HF_EXTRA[kind]))
+    randomize(hf)
+    hf.save_pretrained(tmp_path / "hf")
+    convert.from_hf(tmp_path / "hf", tmp_path / "ckpt" / "step-0")
+    family, args, sd = convert.read_model(tmp_path / "ckpt" / "step-0")
+    assert family is FAMILIES[kind] and args.layer_types == LAYERS and args.rotary_dim == 8
+    assert sd["layers.0.linear_attn.conv1d.weight"].shape == (2 * 32 + 64, 1, 4)
+    assert sd["layers.1.attention.wq.weight"].shape == (2 * 4 * 32, 64)  # query + gate per head
+    convert.to_hf(tmp_path / "ckpt" / "step-0", tmp_path / "back")
+    a, b = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ref = hf_logits(kind, tmp_path / "hf")
+    diff = (our_logits(tmp_path / "ckpt" / "step-0") - ref).abs().max().item()
+    record_property(f"{kind} HF -> ours max |logit diff|", diff)
+    assert diff < LOGIT_BAR, diff
+    cfg = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert cfg["model_type"] == kind and cfg["layer_types"] == LAYERS
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ours_to_hf_to_ours(tmp_path, kind, record_property):
+    """A checkpoint of our model exports to HF (same logits there) and re-imports with equal logits."""
+    torch.manual_seed(0)
+    model = Qwen35(**OURS, ffn_hidden_dim=96) if kind == "qwen3_5_text" else Qwen35Moe(**OURS, moe=OUR_MOE)
+    model.init_weights()
+    randomize(model)
+    family = FAMILIES[kind]
+    marker = {"format": FORMAT_VERSION, "step": 3, "kind": "full",
+              "model": {"family": family.name, "flavor": "custom", "args": family.args_fields(model.args),
+                        "signature": family.signature(model.args)}}
+    save_plain(tmp_path / "step-3", {f"model.{k}": v.clone() for k, v in model.state_dict().items()}, marker)
+    before = our_logits(tmp_path / "step-3")
+    convert.to_hf(tmp_path / "step-3", tmp_path / "hf")
+    diff = (hf_logits(kind, tmp_path / "hf") - before).abs().max().item()
+    record_property(f"{kind} ours -> HF max |logit diff|", diff)
+    assert diff < LOGIT_BAR, diff
+    convert.from_hf(tmp_path / "hf", tmp_path / "again" / "step-0")
+    again = our_logits(tmp_path / "again" / "step-0")  # chunk size 64 on import: same function, other rounding
+    assert (again - before).abs().max().item() < 1e-5
