@@ -129,3 +129,63 @@ def test_ours_to_hf_to_ours(tmp_path, kind, record_property):
     convert.from_hf(tmp_path / "hf", tmp_path / "again" / "step-0")
     again = our_logits(tmp_path / "again" / "step-0")  # chunk size 64 on import: same function, other rounding
     assert (again - before).abs().max().item() < 1e-5
+
+
+# ------------------------------------------------------------------------------- layer pattern
+
+
+def debug(name: str, *overrides: str):
+    return args_of(compose_cfg([f"model={name}", *(f"model.{o}" for o in overrides)]).model)
+
+
+def test_layer_pattern_from_interval_or_list():
+    """``full_attention_interval`` k: every k-th layer full (HF's rule; 0 = none); an explicit list wins."""
+    kinds = {k: "".join("F" if t == "full_attention" else "L" for t in debug("qwen3_5_debug", f"full_attention_interval={k}")[1].layer_kinds)
+             for k in (0, 1, 2, 4, 8)}
+    assert kinds == {0: "LLLLLLLL", 1: "FFFFFFFF", 2: "LFLFLFLF", 4: "LLLFLLLF", 8: "LLLLLLLF"}
+    family, args = debug("qwen3_5_moe_debug", "layer_types=[full_attention,linear_attention,linear_attention,full_attention]")
+    assert args.layer_kinds == ["full_attention", "linear_attention", "linear_attention", "full_attention"]
+    with torch.device("meta"):
+        model = family.build(args)
+    assert [hasattr(b, "attention") for b in model.layers.values()] == [True, False, False, True]
+    assert [hasattr(b, "linear_attn") for b in model.layers.values()] == [False, True, True, False]
+    # the pattern is part of what the weights mean: a checkpoint of another pattern is refused
+    assert family.signature(args) != family.signature(debug("qwen3_5_moe_debug")[1])
+    assert QWEN35.signature(debug("qwen3_5_debug")[1]) == QWEN35.signature(debug(
+        "qwen3_5_debug", "layer_types=[" + ",".join((["linear_attention"] * 3 + ["full_attention"]) * 2) + "]")[1])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("layer_types=[linear_attention,sliding_attention,linear_attention,full_attention]",
+     r"model.layer_types has unknown types \['sliding_attention'\]"),
+    ("layer_types=[linear_attention,full_attention]", r"model.layer_types has 2 entries but model.n_layers=4"),
+    ("full_attention_interval=-1", r"model.full_attention_interval=-1 must be >= 0"),
+])
+def test_bad_layer_pattern_is_one_line(override, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        debug("qwen3_5_moe_debug", override)
+    assert "\n" not in str(err.value)
+
+
+def test_flops_count_attention_only_in_full_layers():
+    """A DeltaNet layer's work is linear in the sequence, a full layer's quadratic: at 8k tokens the
+    all-linear pattern costs less than the 3:1 hybrid, which costs less than all-full attention."""
+    flops = {k: QWEN35.flops_per_token(debug("qwen3_5_debug", f"full_attention_interval={k}")[1], 8192)
+             for k in (0, 4, 1)}
+    assert flops[0] < flops[4] < flops[1]
+    short = {k: QWEN35.flops_per_token(debug("qwen3_5_debug", f"full_attention_interval={k}")[1], 256) for k in (0, 4)}
+    assert (flops[4] - flops[0]) / (short[4] - short[0]) > 20  # the full layers' term grows with the sequence
+
+
+@pytest.mark.parametrize("name,override,message", [
+    ("qwen3_5_debug", "parallelism.tp=2", r"parallelism.tp=2 is not supported for qwen3_5 \(a Gated DeltaNet's"),
+    ("qwen3_5_moe_debug", "parallelism.tp=2", r"parallelism.tp=2 is not supported for qwen3_5_moe"),
+    ("qwen3_5_debug", "parallelism.cp=2", r"parallelism.cp=2 is not supported for qwen3_5 with linear_attention"),
+])
+def test_tp_and_cp_refused_in_one_line(name, override, message):
+    from titan_hydra.validate import validate
+
+    cfg = compose_cfg([f"model={name}", override, "cluster.nproc_per_node=2"])
+    with pytest.raises(ConfigError, match=message) as err:
+        validate(cfg)
+    assert "\n" not in str(err.value)
