@@ -22,16 +22,19 @@ from titan_hydra.models.qwen3_5 import FAMILY as QWEN35  # noqa: E402
 from titan_hydra.models.qwen3_5 import Qwen35  # noqa: E402
 from titan_hydra.models.qwen3_5_moe import FAMILY as QWEN35_MOE  # noqa: E402
 from titan_hydra.models.qwen3_5_moe import Qwen35Moe  # noqa: E402
+from titan_hydra.models.qwen3_next import FAMILY as QWEN3_NEXT  # noqa: E402
 from titan_hydra.models.registry import args_of  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen3_5 import modeling_qwen3_5  # noqa: E402
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe  # noqa: E402
+from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
 
 VOCAB = 128
 TOKENS = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
-HF_CLASSES = {"qwen3_5_text": transformers.Qwen3_5ForCausalLM, "qwen3_5_moe_text": transformers.Qwen3_5MoeForCausalLM}
-FAMILIES = {"qwen3_5_text": QWEN35, "qwen3_5_moe_text": QWEN35_MOE}
+HF_CLASSES = {"qwen3_5_text": transformers.Qwen3_5ForCausalLM, "qwen3_5_moe_text": transformers.Qwen3_5MoeForCausalLM,
+              "qwen3_next": transformers.Qwen3NextForCausalLM}
+FAMILIES = {"qwen3_5_text": QWEN35, "qwen3_5_moe_text": QWEN35_MOE, "qwen3_next": QWEN3_NEXT}
 # 4 layers: linear, full, linear, full (both mixers twice); GQA 4/2 x 32 with a quarter rotating
 # (8 channels), DeltaNet 2 key / 4 value heads x 16, 4 experts of width 48 top-2 + a gated shared one.
 LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
@@ -43,6 +46,7 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attenti
 HF_EXTRA = {"qwen3_5_text": dict(intermediate_size=96),
             "qwen3_5_moe_text": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                      shared_expert_intermediate_size=48)}
+HF_EXTRA["qwen3_next"] = HF_EXTRA["qwen3_5_moe_text"]
 OURS = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=VOCAB, max_seq_len=64,
             rope_theta=10000.0, layer_types=LAYERS, linear_num_key_heads=2, linear_num_value_heads=4,
             linear_key_head_dim=16, linear_value_head_dim=16, linear_chunk_size=8)
@@ -55,7 +59,7 @@ LOGIT_BAR = 1e-4
 @pytest.fixture(autouse=True)
 def torch_path(monkeypatch):
     """transformers' torch forms of the DeltaNet even where flash-linear-attention is installed."""
-    for module in (modeling_qwen3_5, modeling_qwen3_5_moe):
+    for module in (modeling_qwen3_5, modeling_qwen3_5_moe, modeling_qwen3_next):
         for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn"):
             if hasattr(module, name):
                 fn = getattr(module, name)

@@ -50,7 +50,6 @@ class Qwen35MoeHFAdapter(DecoderHFAdapter):
         self.check_export(args)
         moe = args.moe
         cfg = hybrid_hf_config(args, architecture="Qwen3_5MoeForCausalLM", model_type=self.model_type, dtype=dtype)
-        del cfg["intermediate_size"]  # every layer is MoE: HF's class has no dense width
         return {**cfg, "num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
                 "moe_intermediate_size": moe.expert_dim, "shared_expert_intermediate_size": moe.shared_dim,
                 "router_aux_loss_coef": float(moe.aux_loss_coeff), "output_router_logits": False}
@@ -61,7 +60,7 @@ class Qwen35MoeHFAdapter(DecoderHFAdapter):
         if shared < expert or shared % expert:
             raise HFConversionError(f"config.json has shared_expert_intermediate_size={shared}, not a multiple of "
                                     f"moe_intermediate_size={expert}; the shared expert here is k experts wide")
-        return Qwen35MoeArgs(**fields, moe=MoEArgs(
+        return Qwen35MoeArgs(**fields, ffn_hidden_dim=int(cfg.get("intermediate_size") or 0), moe=MoEArgs(
             num_experts=int(cfg.get("num_experts", 256)), top_k=int(cfg.get("num_experts_per_tok", 8)),
             expert_dim=expert, num_shared_experts=shared // expert, route_norm=True, load_balance_coeff=0.0,
             aux_loss_coeff=float(cfg.get("router_aux_loss_coef", 0.001))))

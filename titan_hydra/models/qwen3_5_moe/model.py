@@ -21,7 +21,8 @@ from titan_hydra.models.qwen3_5.model import HybridDecoder, Qwen35Args
 
 @dataclass(kw_only=True)
 class Qwen35MoeArgs(Qwen35Args):
-    """Qwen3.5's fields plus the experts (``ffn_hidden_dim`` is unused: every layer is MoE)."""
+    """Qwen3.5's fields plus the experts. ``ffn_hidden_dim`` builds nothing (every layer is MoE); it
+    only carries HF's ``intermediate_size`` through a conversion (Qwen3-Next's config sets one)."""
 
     ffn_hidden_dim: int = 0
     moe: MoEArgs | dict
