@@ -193,3 +193,19 @@ def test_tp_and_cp_refused_in_one_line(name, override, message):
     with pytest.raises(ConfigError, match=message) as err:
         validate(cfg)
     assert "\n" not in str(err.value)
+
+
+def test_run_header_names_the_delta_kernel_and_why(tmp_path, capsys):
+    """A hybrid run's header says what runs the Gated DeltaNet layers and why (auto on CPU: torch)."""
+    from titan_hydra.spec import spec_of
+    from titan_hydra.train.pretrain import run
+
+    cfg = compose_cfg(["model=qwen3_5_debug", "model.dim=64", "model.n_layers=2", "model.full_attention_interval=2",
+                       "training.seq_len=32", "training.local_batch_size=2", "training.steps=2", "training.val_freq=0",
+                       "data.max_documents=40", "logger=minimal", "cluster.threads_per_proc=1"])
+    capsys.readouterr()
+    losses = run(spec_of(cfg), str(tmp_path / "run"))["losses"]
+    header = capsys.readouterr().out
+    assert len(losses) == 2 and all(l == l for l in losses)
+    assert ("linear attn  gated delta rule: torch (auto: flash-linear-attention does not apply (its kernels are "
+            "Triton on CUDA and this run is on cpu))") in header, header[:2000]

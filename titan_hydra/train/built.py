@@ -39,6 +39,8 @@ class BuiltModel:
     attention_dtype: Any = None  # the dtype SDPA runs in (None: the compute dtype)
     # what runs plain causal attention, and why (kernels/attention_policy.py)
     attention_kernel: KernelChoice = KernelChoice("sdpa", "set explicitly")
+    # what runs Gated DeltaNet layers, and why (kernels/gated_delta_policy.py); None: the model has none
+    delta_kernel: KernelChoice | None = None
 
     @property
     def objective(self):
