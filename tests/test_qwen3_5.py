@@ -18,6 +18,7 @@ import convert  # noqa: E402
 from titan_hydra.checkpoint.state import FORMAT_VERSION  # noqa: E402
 from titan_hydra.checkpoint.storage import save_plain  # noqa: E402
 from titan_hydra.errors import ConfigError  # noqa: E402
+from titan_hydra.models.common.hf_decoder import HFConversionError  # noqa: E402
 from titan_hydra.models.qwen3_5 import FAMILY as QWEN35  # noqa: E402
 from titan_hydra.models.qwen3_5 import Qwen35  # noqa: E402
 from titan_hydra.models.qwen3_5_moe import FAMILY as QWEN35_MOE  # noqa: E402
@@ -209,3 +210,30 @@ def test_run_header_names_the_delta_kernel_and_why(tmp_path, capsys):
     assert len(losses) == 2 and all(l == l for l in losses)
     assert ("linear attn  gated delta rule: torch (auto: flash-linear-attention does not apply (its kernels are "
             "Triton on CUDA and this run is on cpu))") in header, header[:2000]
+
+
+def test_conversions_refuse_what_the_other_side_cannot_express():
+    """One line each: the multimodal checkpoint, attention biases, Qwen3-Next dense layers, and an MoE
+    export whose routing HF's class would compute differently."""
+    hf_cfg = {**COMMON, **HF_EXTRA["qwen3_5_moe_text"], "model_type": "qwen3_5_moe_text"}
+    moe = debug("qwen3_5_moe_debug")[1]
+    cases = [
+        (lambda: QWEN35.hf.args_from_hf_config({"model_type": "qwen3_5", "text_config": {}}),
+         r"config.json is the multimodal Qwen3.5 \(qwen3_5\); save its text model"),
+        (lambda: QWEN35_MOE.hf.args_from_hf_config({**hf_cfg, "attention_bias": True}), "attention_bias=true"),
+        (lambda: QWEN3_NEXT.hf.args_from_hf_config({**hf_cfg, "model_type": "qwen3_next", "mlp_only_layers": [0]}),
+         "makes some Qwen3-Next layers dense"),
+        (lambda: QWEN35_MOE.hf.args_from_hf_config({**hf_cfg, "shared_expert_intermediate_size": 72}),
+         "not a multiple of moe_intermediate_size=48"),
+        (lambda: QWEN35_MOE.hf.hf_config(debug("qwen3_5_moe_debug", "moe.num_shared_experts=0")[1]),
+         "num_shared_experts=0"),
+    ]
+    with torch.device("meta"):
+        sd = QWEN35_MOE.build(moe).state_dict()
+    sd["layers.0.feed_forward.expert_bias"] = torch.ones(8)
+    cases.append((lambda: QWEN35_MOE.hf.to_hf_state({k: v for k, v in sd.items() if "expert_bias" in k}, moe),
+                  "load_balance_coeff=0"))
+    for call, message in cases:
+        with pytest.raises(HFConversionError, match=message) as err:
+            call()
+        assert "\n" not in str(err.value)
