@@ -179,6 +179,16 @@ _LLAMA4 = {"architectures": ["Llama4ForCausalLM"], "vocab_size": 202048, "rms_no
            "attention_chunk_size": 8192, "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
            "attention_bias": False, "tie_word_embeddings": False, "rope_theta": 500000.0}
 
+# Qwen3.5 / Qwen3-Next (text models): the defaults of transformers' Qwen3_5TextConfig (Qwen3.5-9B),
+# Qwen3_5MoeTextConfig (Qwen3.5-35B-A3B) and Qwen3NextConfig (Qwen3-Next-80B-A3B), which their
+# docstrings name; theta 1e7 and a 262,144-token context as released. intermediate_size of the MoE
+# models builds nothing (every layer is MoE).
+_QWEN35 = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "head_dim": 256, "max_position_embeddings": 262144,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+           "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+           "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
+_QWEN35_MOE = {**_QWEN35, "shared_expert_intermediate_size": 512, "moe_intermediate_size": 512}
+
 
 def _hf(base, hidden, inter, layers, heads, kv=None, **extra):
     cfg = {**base, "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
@@ -230,6 +240,13 @@ PUBLISHED_HF = {
     "llama4_maverick": ("llama4_text", _hf(_LLAMA4, 5120, 8192, 48, 40, num_local_experts=128,  # -Maverick-17B-128E
                                            interleave_moe_layer_step=2, use_qk_norm=False,
                                            max_position_embeddings=1048576, rope_scaling=None)),
+    "qwen3_5_9b": ("qwen3_5_text", _hf({**_QWEN35, "architectures": ["Qwen3_5ForCausalLM"]}, 4096, 12288, 32, 16, 4,
+                                       vocab_size=248320)),
+    "qwen3_5_35b_a3b": ("qwen3_5_moe_text", _hf({**_QWEN35_MOE, "architectures": ["Qwen3_5MoeForCausalLM"]}, 2048, 0,
+                                                40, 16, 2, vocab_size=248320, num_experts=256, num_experts_per_tok=8)),
+    "qwen3_next_80b_a3b": ("qwen3_next", _hf({**_QWEN35_MOE, "architectures": ["Qwen3NextForCausalLM"]}, 2048, 5632,
+                                             48, 16, 2, vocab_size=151936, num_experts=512, num_experts_per_tok=10,
+                                             norm_topk_prob=True)),
 }
 # Flavors whose max_seq_len (rotary table size, one fp32 [max_seq_len, head_dim/2] pair per rank)
 # is deliberately below the published context: raise model.max_seq_len to train longer.
@@ -237,7 +254,8 @@ CONTEXT_CAPPED = {"llama4_scout": 131072, "llama4_maverick": 131072}
 HF_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings",
                  "max_position_embeddings", "rms_norm_eps")
-HF_MOE_KEYS = ("num_experts", "num_experts_per_tok", "num_local_experts", "intermediate_size_mlp",
+HF_MOE_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+               "linear_conv_kernel_dim", "shared_expert_intermediate_size", "num_experts", "num_experts_per_tok", "num_local_experts", "intermediate_size_mlp",
                "attention_chunk_size", "use_qk_norm", "floor_scale", "attn_scale", "attn_temperature_tuning", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers",
                "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
                "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",

@@ -22,7 +22,7 @@ from titan_hydra.validate import validate
 
 EOS = 7
 DEBUG_MODELS = ["llama3_debug", "qwen3_debug", "qwen3_moe_debug", "deepseek_v3_debug", "gpt_oss_debug",
-                "llama4_debug"]
+                "llama4_debug", "qwen3_5_debug", "qwen3_5_moe_debug"]  # qwen3_5: the DeltaNet state resets too
 
 
 def test_document_ids_and_positions_follow_eos():

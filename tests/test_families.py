@@ -28,7 +28,8 @@ def debug(name: str, *overrides: str):
 
 
 def test_registry_resolves_builtin_names_and_dotted_paths():
-    assert set(BUILTIN) == {"llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4", "flux"}
+    assert set(BUILTIN) == {"llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4", "qwen3_5", "qwen3_5_moe",
+                            "qwen3_next", "flux"}
     assert get_family("llama3") is LLAMA and get_family("qwen3") is QWEN3
     assert get_family("titan_hydra.models.qwen3.FAMILY") is QWEN3
     made = get_family("titan_hydra.models.qwen3.Qwen3Family")  # a class is instantiated
@@ -39,7 +40,7 @@ def test_registry_resolves_builtin_names_and_dotted_paths():
         assert "\n" not in str(err.value)
     assert family_for_hf_type("llama") is LLAMA and family_for_hf_type("qwen3") is QWEN3
     assert family_for_hf_type("FluxTransformer2DModel").name == "flux"  # diffusers names it in _class_name
-    with pytest.raises(HFConversionError, match=r"model_type='gemma' is not supported \(known: llama, qwen3, qwen3_moe, deepseek_v3, gpt_oss, llama4_text, FluxTransformer2DModel\)"):
+    with pytest.raises(HFConversionError, match=r"model_type='gemma' is not supported \(known: llama, qwen3, qwen3_moe, deepseek_v3, gpt_oss, llama4_text, qwen3_5_text, qwen3_5_moe_text, qwen3_next, FluxTransformer2DModel\)"):
         family_for_hf_type("gemma")
 
 

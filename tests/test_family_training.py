@@ -1,4 +1,4 @@
-"""The attention-variant MoE families (GPT-OSS, Llama 4) trained end to end: the debug flavor's loss
+"""The attention-variant families (GPT-OSS, Llama 4, the Qwen3.5 hybrids) trained end to end: the debug flavor's loss
 falls and its expert load is logged per MoE layer; every supported layout on 2 ranks equals the
 single-process losses (fp32, <= 1e-5); a run resumed from its step-5 checkpoint reproduces the
 uninterrupted one bit for bit. One parametrized set of tests per family, so a new family adds a row.
@@ -14,6 +14,9 @@ import pytest
 from titan_hydra.spec import spec_of
 from helpers import BASE, GLOBAL_BATCH, assert_parity, compose_cfg, read_metrics, run_layout, run_single
 
+QWEN35_HYBRID = ["model.head_dim=16", "model.full_attention_interval=2", "model.linear_num_key_heads=2",
+                 "model.linear_num_value_heads=4", "model.linear_key_head_dim=16", "model.linear_value_head_dim=16",
+                 "model.linear_chunk_size=16"]
 # family -> (parity overrides after helpers.BASE: dim 64, 4 layers, 4/2 heads, seq 64, 10 steps, fp32;
 #            the layouts it runs on 2 ranks; its debug flavor's MoE layers)
 FAMILIES = {
@@ -25,7 +28,25 @@ FAMILIES = {
     "llama4": (["model=llama4_debug", "model.head_dim=16", "model.ffn_hidden_dim=96", "model.attention_chunk_size=16",
                 "model.floor_scale=16", "model.moe.num_experts=4", "model.moe.expert_dim=32"], ["ep", "pp"],
                [1, 3]),
+    # Qwen3.5 hybrids: layers linear / full / linear / full (both mixers on each pipeline stage), head_dim 16,
+    # Gated DeltaNet 2 key / 4 value heads x 16 in chunks of 16 (4 per sequence: the chunk-to-chunk state
+    # acts); the MoE flavor with 4 experts of width 32 plus the gated shared expert. TP and CP are refused
+    # in one line (tests/test_qwen3_5.py).
+    "qwen3_5": (["model=qwen3_5_debug", "model.ffn_hidden_dim=96", *QWEN35_HYBRID], ["fsdp", "pp", "fsdp_compile_ac"],
+                []),
+    "qwen3_5_moe": (["model=qwen3_5_moe_debug", *QWEN35_HYBRID, "model.moe.num_experts=4", "model.moe.expert_dim=32"],
+                    ["ep", "pp"], [0, 1, 2, 3]),
 }
+# Layouts that are more than a parallelism option: per-block compile with selective (per-op) activation
+# checkpointing on fsdp(2), as tests/test_perf_layouts.py runs them (its COMPILE_ATOL: inductor may fuse
+# other kernels than eager; measured for qwen3_5: 9.5e-7).
+LAYOUTS = {"fsdp_compile_ac": ["parallelism=fsdp", "compile=model", "activation_checkpoint=selective_op"]}
+ATOL = {"fsdp_compile_ac": 5e-5}
+# How far the mean loss of the last 3 of 12 steps falls below the first 3 at least (measured: gpt_oss 1.1;
+# qwen3_5_moe 8.04 -> 7.54, its 8 experts per layer see a quarter of the tokens each)
+MIN_DROP = {"qwen3_5_moe": 0.4}
+# Runs that take over ~10 s here (a hybrid's chunked DeltaNet in plain torch on CPU)
+SLOW_TRAINING = {"qwen3_5", "qwen3_5_moe"}
 # Layouts are chosen to bound CI time: ep on 2 ranks also FSDP-shards every non-expert weight
 # (dp_shard=2), and the masks live inside the attention module, which pp does not touch (GPT-OSS
 # under pp passed the same 1e-5 bar when it landed).
@@ -51,7 +72,11 @@ def singles(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+def by_cost(families):
+    return [pytest.param(f, marks=pytest.mark.slow) if f in SLOW_TRAINING else f for f in families]
+
+
+@pytest.mark.parametrize("family", by_cost(FAMILIES))
 def test_debug_flavor_trains_with_falling_loss(tmp_path, family):
     from titan_hydra.train.pretrain import run
 
@@ -64,7 +89,7 @@ def test_debug_flavor_trains_with_falling_loss(tmp_path, family):
     assert len(losses) == steps and all(math.isfinite(x) for x in losses), losses
     assert math.log(2048) - 0.2 < losses[0] < math.log(2048) + 1.0, losses[0]
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
-    assert last < first - 0.7, (first, last)
+    assert last < first - MIN_DROP.get(family, 0.7), (first, last)
     rows = read_metrics(tmp_path / "run")
     expected = {f"moe/layer{i}/max_over_mean" for i in FAMILIES[family][2]}
     assert {k for k in rows[-1] if k.startswith("moe/layer")} == expected
@@ -75,11 +100,11 @@ def test_debug_flavor_trains_with_falling_loss(tmp_path, family):
 def test_layout_loss_parity(tmp_path, singles, family, layout, record_property):
     _, reference = singles(family)
     dp = 1 if layout == "pp" else 2
-    losses = run_layout(tmp_path, [*overrides(family), f"parallelism={layout}"], nproc=2, dp=dp)
-    assert_parity(losses, reference, 1e-5, f"{family} {layout}", record_property)
+    losses = run_layout(tmp_path, [*overrides(family), *LAYOUTS.get(layout, [f"parallelism={layout}"])], nproc=2, dp=dp)
+    assert_parity(losses, reference, ATOL.get(layout, 1e-5), f"{family} {layout}", record_property)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", by_cost(FAMILIES))
 def test_exact_resume(singles, tmp_path, capsys, family):
     """Steps 1-5, checkpoint, resume, 6-10 == the uninterrupted 10 steps, bit for bit."""
     from titan_hydra.train.pretrain import run

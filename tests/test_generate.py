@@ -115,7 +115,9 @@ def test_cli_samples_from_a_training_checkpoint_and_refuses_bad_input(tmp_path, 
 
 CACHE_CASES = {"llama3_debug": [], "qwen3_debug": [], "qwen3_moe_debug": [], "deepseek_v3_debug": [],
                "gpt_oss_debug": ["model.sliding_window=8"],  # windows, sinks
-               "llama4_debug": ["model.attention_chunk_size=8", "model.floor_scale=4"]}  # chunks, NoPE temperature
+               "llama4_debug": ["model.attention_chunk_size=8", "model.floor_scale=4"],  # chunks, NoPE temperature
+               # Gated DeltaNet state + conv window: the prompt in chunks of 8 (prefill), then one token at a time
+               "qwen3_5_debug": ["model.linear_chunk_size=8"], "qwen3_5_moe_debug": ["model.linear_chunk_size=8"]}
 
 
 @pytest.mark.parametrize("name", list(CACHE_CASES))

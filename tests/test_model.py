@@ -60,6 +60,11 @@ EXPECTED_PARAMS = {
     "llama4_debug": 6_166_784,  # 3,414,272 active
     "llama4_scout": 107_769_861_120,  # 17,172,894,720 active (tests/test_llama4.py)
     "llama4_maverick": 400_711_848_960,  # 17,184,691,200 active
+    "qwen3_5_debug": 7_906_080,
+    "qwen3_5_moe_debug": 5_666_320,  # 3,307,024 active
+    "qwen3_5_9b": 8_953_803_264,
+    "qwen3_5_35b_a3b": 34_660_610_688,  # 3,454,988,928 active
+    "qwen3_next_80b_a3b": 79_674_391_296,  # 3,874,929,408 active
 }
 EXPECTED_FFN = {"llama3_1b": 8192, "llama3_3b": 8192, "llama3_8b": 14336, "llama3_70b": 28672,
                 "llama3_405b": 53248, "llama2_7b": 11008, "llama2_13b": 13824, "llama2_70b": 28672,

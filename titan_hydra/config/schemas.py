@@ -25,6 +25,7 @@ Launcher = choice("Launcher", "local slurm", __name__)
 StartMethod = choice("StartMethod", "spawn fork forkserver", __name__)
 AttentionPrecision = choice("AttentionPrecision", "auto compute fp32", __name__)
 AttentionKernel = choice("AttentionKernel", "auto sdpa small_head scores", __name__)
+GatedDeltaKernel = choice("GatedDeltaKernel", "auto torch fla", __name__)
 InitMode = choice("InitMode", "auto full sharded", __name__)
 
 
@@ -91,6 +92,9 @@ class TrainingConfig:
     # bf16 (titan_hydra.kernels.attention_precision), compute everywhere else.
     attention_precision: AttentionPrecision = AttentionPrecision["auto"]
     attention_kernel: AttentionKernel = AttentionKernel["auto"]
+    # Gated DeltaNet layers (Qwen3.5): flash-linear-attention's kernels on CUDA when installed,
+    # the plain torch forms elsewhere (titan_hydra.kernels.gated_delta_policy)
+    gated_delta_kernel: GatedDeltaKernel = GatedDeltaKernel["auto"]
     deterministic: bool = False
     log_freq: int = 1
     val_freq: int = 25  # 0 disables validation

@@ -113,9 +113,14 @@ def choose(choice: str, device: torch.device) -> KernelChoice:
     return KernelChoice(FLA, "auto: CUDA and flash-linear-attention are present")
 
 
+def delta_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The Gated DeltaNet layers of ``model`` (what has the ``kernel`` hook and a decay ``A_log``)."""
+    return [m for m in model.modules() if hasattr(m, "kernel") and hasattr(m, "A_log")]
+
+
 def apply_gated_delta_kernel(model: torch.nn.Module, choice: str, device: torch.device) -> KernelChoice:
     """Install the chosen kernels on every Gated DeltaNet layer of ``model`` (their ``kernel`` hook)."""
-    layers = [m for m in model.modules() if hasattr(m, "kernel") and hasattr(m, "A_log")]
+    layers = delta_layers(model)
     if not layers:
         return KernelChoice(TORCH, "the model has no Gated DeltaNet layer")
     picked = choose(choice, device)

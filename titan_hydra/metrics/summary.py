@@ -27,12 +27,13 @@ def run_header(*, flavor: str, family: str, shape, dims, world_size: int, precis
                attention_kernel: tuple[str, str] = ("sdpa", "set explicitly"),
                data_summary: str | None = None, fault_tolerance: str | None = None,
                threads: tuple[int, str] | None = None, health: str | None = None,
-               fault_injection: str | None = None) -> str:
+               fault_injection: str | None = None, delta_kernel: tuple[str, str] | None = None) -> str:
     """``precision`` and ``attention_kernel``: (what was chosen, why), e.g. ("fp32", "auto: this
     CPU has no native bf16 matmuls"); the header prints both, so an ``auto`` choice is never silent.
     ``data_summary``: a dataset that is not token sequences describes itself (its samples are then
     counted as images, not as tokens of ``seq_len``). ``threads``: (CPU threads of each process,
-    why that many), e.g. (1, "2 cores / 2 processes on this host")."""
+    why that many), e.g. (1, "2 cores / 2 processes on this host"). ``delta_kernel``: (what runs the
+    Gated DeltaNet layers, why); None for a model without them."""
     active = "" if shape.active_params == shape.params else f", {shape.active_params:,} active per token"
     tied = ", tied embeddings" if shape.tied_embeddings else ""
     degrees = [(n, getattr(dims, n)) for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")]
@@ -51,6 +52,7 @@ def run_header(*, flavor: str, family: str, shape, dims, world_size: int, precis
         ("layout", f"{world_size} rank(s): {mesh}"),
         ("precision", f"{mixed_precision} ({precision_reason}): {params}"),
         ("attention", f"{kernel} kernel ({kernel_reason}), in {attention}"),
+        *([("linear attn", f"gated delta rule: {delta_kernel[0]} ({delta_kernel[1]})")] if delta_kernel else []),
         ("features", f"activation checkpointing {ac}, compile {compile}, float8 {float8}"),
         ("data", f"{data_name}: {_fmt_tokens(data_stats)}; seq_len {seq_len}" if data_summary is None
                  else f"{data_name}: {data_summary}"),

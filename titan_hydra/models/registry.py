@@ -27,6 +27,9 @@ BUILTIN: dict[str, tuple[str, str, str]] = {
     "deepseek_v3": ("titan_hydra.models.deepseek_v3", "titan_hydra.models.deepseek_v3.config", "DeepSeekV3Config"),
     "gpt_oss": ("titan_hydra.models.gpt_oss", "titan_hydra.models.gpt_oss.config", "GptOssConfig"),
     "llama4": ("titan_hydra.models.llama4", "titan_hydra.models.llama4.config", "Llama4Config"),
+    "qwen3_5": ("titan_hydra.models.qwen3_5", "titan_hydra.models.qwen3_5.config", "Qwen35Config"),
+    "qwen3_5_moe": ("titan_hydra.models.qwen3_5_moe", "titan_hydra.models.qwen3_5_moe.config", "Qwen35MoeConfig"),
+    "qwen3_next": ("titan_hydra.models.qwen3_next", "titan_hydra.models.qwen3_5_moe.config", "Qwen35MoeConfig"),
     "flux": ("titan_hydra.models.flux", "titan_hydra.models.flux.config", "FluxConfig"),
 }
 LABELS = ("_target_", "family", "flavor")

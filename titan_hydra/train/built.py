@@ -41,6 +41,8 @@ class BuiltModel:
     attention_kernel: KernelChoice = KernelChoice("sdpa", "set explicitly")
     # per-step metrics of the training loss's own terms (``mtp/loss``; train/mtp_metrics.py)
     loss_hooks: list = field(default_factory=list)
+    # what runs Gated DeltaNet layers, and why (kernels/gated_delta_policy.py); None: the model has none
+    delta_kernel: KernelChoice | None = None
 
     @property
     def objective(self):

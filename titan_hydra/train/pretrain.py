@@ -28,6 +28,7 @@ from titan_hydra.errors import UserError
 from titan_hydra.errors import instantiate_checked as instantiate
 from titan_hydra.kernels.attention_policy import apply_attention_kernel
 from titan_hydra.kernels.attention_precision import apply_attention_precision
+from titan_hydra.kernels.gated_delta_policy import apply_gated_delta_kernel, delta_layers
 from titan_hydra.logger.metric_logger import MetricLogger
 from titan_hydra.metrics.memory import MemoryMonitor
 from titan_hydra.metrics.summary import run_footer, run_header
@@ -226,6 +227,8 @@ def build_parallel_model(spec: RunSpec, device: torch.device, rank: int, dataset
                                               seq_len=seq_len // dims.cp, dtype=sdpa_dtype)
     if attention_kernel.name == "small_head":
         attention_dtype = torch.float32  # the kernel computes in fp32 whatever q/k/v arrive in
+    delta_kernel = (apply_gated_delta_kernel(model, str(cfg.training.gated_delta_kernel), device)
+                    if delta_layers(model) else None)
     float8 = instantiate(cfg.float8, _convert_="all")
     model = float8.convert(model)
     loss_fn = family.training_loss(spec.model_args)
@@ -238,7 +241,8 @@ def build_parallel_model(spec: RunSpec, device: torch.device, rank: int, dataset
     init_weights(spec, pm.model_parts, device, rank)
     return BuiltModel(family, spec.model_args, pm.model_parts, pm.runner, float8,
                       family.flops_per_unit(spec.model_args, dataset), attention_dtype, attention_kernel,
-                      loss_hooks=mtp_loss_hooks(loss_fn, dims, pm.runner.loss_scale, device))
+                      loss_hooks=mtp_loss_hooks(loss_fn, dims, pm.runner.loss_scale, device),
+                      delta_kernel=delta_kernel)
 
 
 def optimizer_and_schedule(spec: RunSpec, built: BuiltModel):
@@ -286,7 +290,7 @@ def header_of(spec: RunSpec, data: DataPlan, built: BuiltModel, run_dir: str,
     return run_header(
         flavor=spec.flavor, family=built.family.name, shape=spec.shape, dims=spec.dims, world_size=spec.world_size,
         precision=spec.precision, attention_dtype=built.attention_dtype, attention_kernel=built.attention_kernel,
-        ac=str(cfg.activation_checkpoint.mode), compile=str(cfg.compile.mode), float8=str(cfg.float8.recipe),
+        delta_kernel=built.delta_kernel, ac=str(cfg.activation_checkpoint.mode), compile=str(cfg.compile.mode), float8=str(cfg.float8.recipe),
         data_name=str(cfg.data.name)
         + (" (document mask)" if getattr(data.dataset, "document_eos_id", None) is not None else ""),
         data_stats=getattr(data.dataset, "stats", {}),

@@ -75,6 +75,13 @@ class Attention(nn.Module):
                 doc_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        return self.wo(self.attend(q, x, cos, sin, doc_ids, cache))
+
+    def attend(self, q: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               doc_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """Projected queries q [B, S, H, D] and the input x -> attention output [B, S, H * D] before
+        ``wo`` (a variant that projects q its own way, or gates the output, calls this)."""
+        bsz, seqlen, _ = x.shape
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         # The tables arrive whole: only here is the true sequence length known (a pipeline
@@ -89,7 +96,7 @@ class Attention(nn.Module):
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
         out = self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), doc_ids, offset)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+        return out.transpose(1, 2).reshape(bsz, seqlen, -1)
 
     def position(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  doc_ids: torch.Tensor | None, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,12 +65,16 @@ def _decays(g: torch.Tensor, seg: torch.Tensor | None):
     else 0; into [.., C] = a_(start..i] from the previous chunk's state; out [.., C] = a_(i..end];
     whole [.., N] = the chunk's total decay of the incoming state)."""
     c = g.shape[-1]
-    cum = g.cumsum(dim=-1)
     causal = torch.ones(c, c, dtype=torch.bool, device=g.device).tril()
     if seg is None:
+        cum = g.cumsum(dim=-1)
         keep, into_ok, out_ok, whole_ok = causal, None, None, None
     else:
         keep = causal & (seg.unsqueeze(-1) == seg.unsqueeze(-2))
+        # the running sum within each document only: with a plain cumsum, a later document's decay
+        # differences would cancel an earlier one's g only up to rounding, in backward too (its
+        # gradient would reach across the boundary at ~1e-8 instead of exactly 0)
+        cum = (keep.to(g.dtype) @ g.unsqueeze(-1)).squeeze(-1)
         before = F.pad(seg[..., :-1, -1], (1, 0))  # counter of the token before each chunk
         into_ok = seg == before.unsqueeze(-1)
         out_ok = seg == seg[..., -1:]

@@ -16,11 +16,14 @@ import torch
 
 
 class LayerCache:
-    """One attention layer's keys and values, [B, T, H_kv, D] each (the projection layout)."""
+    """One attention layer's keys and values, [B, T, H_kv, D] each (the projection layout), or a
+    recurrent layer's ``state``."""
 
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        # a recurrent layer's state instead (Gated DeltaNet: GatedDeltaNetState), None before its first call
+        self.state = None
 
     @property
     def length(self) -> int:

@@ -1,0 +1,21 @@
+"""Qwen3.5-MoE family (text model): model.py, hf.py, config.py; the layout rules are the dense
+family's (``qwen3_5/family.py``) with expert parallelism added; flavors in
+conf/model/qwen3_5_moe_debug.yaml and the published sizes."""
+
+from __future__ import annotations
+
+from titan_hydra.models.qwen3_5.family import HybridFamily
+from titan_hydra.models.qwen3_5_moe.hf import Qwen35MoeHFAdapter
+from titan_hydra.models.qwen3_5_moe.model import Qwen35Moe, Qwen35MoeArgs
+
+
+class Qwen35MoeFamily(HybridFamily):
+    name = "qwen3_5_moe"
+    args_cls = Qwen35MoeArgs
+    model_cls = Qwen35Moe
+    hf = Qwen35MoeHFAdapter()
+
+
+FAMILY = Qwen35MoeFamily()
+
+__all__ = ["FAMILY", "Qwen35Moe", "Qwen35MoeArgs"]
