@@ -39,6 +39,8 @@ class BuiltModel:
     attention_dtype: Any = None  # the dtype SDPA runs in (None: the compute dtype)
     # what runs plain causal attention, and why (kernels/attention_policy.py)
     attention_kernel: KernelChoice = KernelChoice("sdpa", "set explicitly")
+    # {parameter FQN: Geometry} of the width parametrization (models/parametrization.py); {} = sp
+    geometry: dict = field(default_factory=dict)
 
     @property
     def objective(self):
