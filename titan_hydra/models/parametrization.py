@@ -17,7 +17,7 @@ and a dimension of a parameter that differs between the two grows with width. Th
 role       which parameters                             init std    Adam LR / decay
 =========  ==========================================  ==========  ================
 embedding  the token embedding tables                     x 1         x 1 / x 1
-input      fan-in fixed (norms, biases, sinks, latent     x 1         x 1 / x 1
+input      fan-in fixed, biases (norms, sinks, latent     x 1         x 1 / x 1
            up-projections of a fixed rank)
 hidden     both fans grow (attention, FFN, experts)       / sqrt(m)   / m / x m
 readout    fan-in grows, fan-out fixed (MoE routers)      / m         / m / x m
@@ -85,7 +85,7 @@ def role_of(name: str, shape: tuple[int, ...], base: tuple[int, ...], embeddings
         return "output"
     if name in embeddings:
         return "embedding"
-    if len(shape) < 2 or shape[-1] == base[-1]:
+    if len(shape) < 2 or shape[-1] == base[-1] or name.endswith("bias"):  # biases: stacked per expert too
         return "input"
     return "hidden" if shape[-2] != base[-2] else "readout"
 
