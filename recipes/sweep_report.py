@@ -5,7 +5,9 @@
 Writes into that dir: ``report.md`` and ``report.csv`` (overrides, final loss, validation loss,
 tok/s, MFU, peak memory, status) and ``loss_curves.png`` / ``throughput.png`` (matplotlib); a
 sweep over a data mixture's weights adds each source's validation loss (``val/<name>/loss``) as
-columns and as ``source_val_curves.png``.
+columns and as ``source_val_curves.png``. A sweep over ``optimizer.lr`` and other keys (e.g.
+``experiment=mup_transfer``: widths x learning rates) adds the loss against the LR, one curve per
+value of the other keys, with each curve's best LR: a table and ``loss_vs_lr.png``.
 Jobs come from the numbered run dirs and from ``jobs.json`` (written by the SLURM launcher
 before submission), so a job that failed, or never started, is a ``failed`` row rather than
 missing. A job's status is its ``status.json`` (titan_hydra.launch.sweep), else inferred from
@@ -120,6 +122,15 @@ def collect(sweep_dir: Path) -> list[JobRow]:
     return [job_row(n, sweep_dir / str(n), manifest.get(n)) for n in sorted(nums)]
 
 
+def parsed_overrides(row: JobRow) -> dict[str, str]:
+    return dict(o.split("=", 1) if "=" in o else (o, "") for o in row.overrides.split())
+
+
+def varying_keys(parsed: list[dict[str, str]]) -> list[str]:
+    keys = sorted({k for p in parsed for k in p})
+    return [k for k in keys if len({p.get(k) for p in parsed}) > 1]
+
+
 def label_rows(rows: list[JobRow]) -> None:
     """Label each job by the override keys whose values differ across the sweep.
 
@@ -127,11 +138,71 @@ def label_rows(rows: list[JobRow]) -> None:
     full they push the one that varies (``optimizer.lr``) off a table cell or a legend entry.
     The full overrides stay in report.csv.
     """
-    parsed = [dict(o.split("=", 1) if "=" in o else (o, "") for o in r.overrides.split()) for r in rows]
-    keys = sorted({k for p in parsed for k in p})
-    varying = [k for k in keys if len({p.get(k) for p in parsed}) > 1]
+    parsed = [parsed_overrides(r) for r in rows]
+    varying = varying_keys(parsed)
     for r, p in zip(rows, parsed):
         r.label = " ".join(f"{k}={p[k]}" if k in p else f"~{k}" for k in varying) or f"#{r.job}"
+
+
+LR = "optimizer.lr"
+
+
+def _number_first(text: str) -> tuple:
+    """Sort key: ``model.dim=64`` before ``model.dim=128`` (numbers compared as numbers)."""
+    parts = []
+    for item in text.split():
+        value = item.split("=", 1)[-1]
+        try:
+            parts.append((0, float(value), item))
+        except ValueError:
+            parts.append((1, 0.0, item))
+    return tuple(parts)
+
+
+def lr_curves(rows: list[JobRow]) -> dict[str, list[tuple[float, float]]]:
+    """{the other varying overrides (e.g. ``model.dim=256``): [(lr, loss)] by lr} over the completed
+    jobs of a sweep that varies ``optimizer.lr``; the loss is the validation loss where the job
+    logged one, else its final training loss. Empty when the LR does not vary."""
+    parsed = [parsed_overrides(r) for r in rows]
+    varying = varying_keys(parsed)
+    if LR not in varying:
+        return {}
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for r, p in zip(rows, parsed):
+        loss = r.val_loss if r.val_loss is not None else r.final_loss
+        if r.status != "completed" or loss is None or LR not in p:
+            continue
+        group = " ".join(f"{k}={p[k]}" for k in varying if k != LR and k in p) or "all"
+        curves.setdefault(group, []).append((float(p[LR]), float(loss)))
+    return {g: sorted(curves[g]) for g in sorted(curves, key=_number_first)}
+
+
+def lr_table(curves: dict[str, list[tuple[float, float]]]) -> list[str]:
+    """Markdown: one row per curve, its loss at every LR of the sweep and its best LR."""
+    lrs = sorted({lr for c in curves.values() for lr, _ in c})
+    lines = [f"## Loss vs {LR}", "", "| | " + " | ".join(f"{lr:g}" for lr in lrs) + " | best lr |",
+             "|---|" + "---:|" * (len(lrs) + 1)]
+    for group, curve in curves.items():
+        at = dict(curve)
+        best = min(curve, key=lambda c: c[1])[0]
+        cells = [f"**{at[lr]:.4f}**" if lr == best else _fmt(at.get(lr), ".4f") for lr in lrs]
+        lines.append(f"| `{group}` | " + " | ".join(cells) + f" | {best:g} |")
+    return lines + ["", "![loss vs learning rate](loss_vs_lr.png)", ""]
+
+
+def plot_lr_curves(curves: dict[str, list[tuple[float, float]]], path: Path, plt) -> None:
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for i, (group, curve) in enumerate(curves.items()):
+        ax.plot(*zip(*curve), marker="o", color=f"C{i}", label=group[:60])
+        ax.plot(*min(curve, key=lambda c: c[1]), marker="*", markersize=14, color=f"C{i}")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"{LR} (star: each curve's best)")
+    ax.set_ylabel("validation loss (else final training loss)")
+    ax.set_title("Loss vs learning rate")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -176,6 +247,9 @@ def write_tables(rows: list[JobRow], sweep_dir: Path) -> None:
     lines += ["", "![loss curves](loss_curves.png)", "", "![throughput](throughput.png)", ""]
     if sources:
         lines += ["![validation loss per data source](source_val_curves.png)", ""]
+    curves = lr_curves(rows)
+    if curves:
+        lines += lr_table(curves)
     (sweep_dir / "report.md").write_text("\n".join(lines))
 
 
@@ -212,6 +286,10 @@ def write_plots(rows: list[JobRow], sweep_dir: Path) -> None:
         fig.tight_layout()
         fig.savefig(sweep_dir / "source_val_curves.png", dpi=100)
         plt.close(fig)
+
+    curves = lr_curves(rows)
+    if curves:
+        plot_lr_curves(curves, sweep_dir / "loss_vs_lr.png", plt)
 
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = [f"#{r.job}" for r in rows]

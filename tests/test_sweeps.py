@@ -182,3 +182,27 @@ def test_crashed_job_reports_its_exception_line(tmp_path):
     result, line = failure_of(job)
     assert result is None and line == "ValueError: invalid literal for int() with base 10: 'not a number'", line
     assert failure_of(executor.submit(int, "42")) == (42, None)
+
+
+def test_report_draws_loss_against_the_learning_rate_per_width(tmp_path):
+    """A widths x learning-rates sweep (experiment=mup_transfer): one curve per width, its best LR
+    in the table (the validation loss, else the final training loss; failed jobs left out)."""
+    sweep = tmp_path / "sweep"
+    grid = [(64, "1e-3", 6.0), (64, "4e-3", 5.5), (128, "1e-3", 5.9), (128, "4e-3", 6.1), (128, "1.6e-2", None)]
+    for job, (dim, lr, val) in enumerate(grid):
+        run = sweep / str(job)
+        (run / ".hydra").mkdir(parents=True)
+        (run / ".hydra" / "config.yaml").write_text("training:\n  steps: 2\n")
+        (run / ".hydra" / "overrides.yaml").write_text(f"- model.dim={dim}\n- optimizer.lr={lr}\n- experiment=x\n")
+        rows = [{"step": s, "loss": 7.0 - s} for s in (1, 2)] + ([{"step": 2, "val/loss": val}] if val else [])
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[: 3 if val else 1]))
+    sys.path.insert(0, str(REPO / "recipes"))
+    import sweep_report
+
+    rows = sweep_report.report(sweep)
+    assert sweep_report.lr_curves(rows) == {"model.dim=64": [(1e-3, 6.0), (4e-3, 5.5)],
+                                            "model.dim=128": [(1e-3, 5.9), (4e-3, 6.1)]}
+    table = (sweep / "report.md").read_text()
+    assert "| `model.dim=64` | 6.0000 | **5.5000** | 0.004 |" in table
+    assert "| `model.dim=128` | **5.9000** | 6.1000 | 0.001 |" in table
+    assert (sweep / "loss_vs_lr.png").stat().st_size > 0

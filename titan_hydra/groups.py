@@ -26,6 +26,7 @@ from titan_hydra.data import dataset as token_data
 from titan_hydra.data import image_caption
 from titan_hydra.data.mixture import MixtureDataset
 from titan_hydra.logger.backends import WANDB_MODES, ConsoleBackend, JsonlBackend, TensorBoardBackend, WandbBackend
+from titan_hydra.models.parametrization import KINDS as PARAMETRIZATIONS, Parametrization
 from titan_hydra.parallel import ac, compile as compiling
 from titan_hydra.parallel.dims import CP_ROTATE_METHODS, PP_SCHEDULES, RESHARD_POLICIES, ParallelDims
 from titan_hydra.profiling import build_profiler
@@ -51,6 +52,7 @@ CompileMode = choice("CompileMode", compiling.MODES, __name__)
 WandbMode = choice("WandbMode", WANDB_MODES, __name__)
 SpikeAction = choice("SpikeAction", SPIKE_ACTIONS, __name__)
 ChecksumAction = choice("ChecksumAction", CHECKSUM_ACTIONS, __name__)
+ParametrizationName = choice("ParametrizationName", PARAMETRIZATIONS, __name__)
 
 # Settings that follow another key rather than the owner's default (which serves direct callers).
 SEQ_LEN, SEED = "${training.seq_len}", "${training.seed}"
@@ -77,6 +79,8 @@ CheckpointConfig = schema_from(CheckpointSettings, target="titan_hydra.checkpoin
 ActivationCheckpointConfig = schema_from(ac.ActivationCheckpointing, name="ActivationCheckpointConfig", module=__name__,
                                          choices={"mode": ACMode, "selective_op_policy": SACPolicy})
 CompileConfig = schema_from(compiling.Compiler, name="CompileConfig", module=__name__, choices={"mode": CompileMode})
+ParametrizationConfig = schema_from(Parametrization, name="ParametrizationConfig", module=__name__,
+                                    choices={"name": ParametrizationName})
 FaultToleranceConfig = schema_from(FaultTolerance, name="FaultToleranceConfig", module=__name__)
 HealthConfig = schema_from(Health, name="HealthConfig", module=__name__,
                            choices={"spike_action": SpikeAction, "checksum_action": ChecksumAction})
@@ -109,6 +113,7 @@ class LoggerConfig:
 SCHEMAS = {
     "parallelism": ParallelismConfig,
     "optimizer": OptimizerConfig,
+    "parametrization": ParametrizationConfig,
     "lr_scheduler": LRSchedulerConfig,
     "float8": Float8Config,
     "data": DataConfig,

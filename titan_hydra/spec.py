@@ -23,6 +23,7 @@ from titan_hydra.config import precision_choice_of
 from titan_hydra.errors import ConfigError
 from titan_hydra.errors import instantiate_checked as instantiate
 from titan_hydra.hardware import Resolved
+from titan_hydra.models.parametrization import with_multipliers
 from titan_hydra.models.protocol import ModelFamily
 from titan_hydra.models.registry import args_of, get_family
 from titan_hydra.parallel.dims import ParallelDims
@@ -100,13 +101,27 @@ def dims_of(cfg: DictConfig, world_size: int) -> ParallelDims:
     return dims
 
 
+def parametrized(cfg: DictConfig, family: ModelFamily, args: Any) -> tuple[ModelFamily, Any]:
+    """(family, args) with the ``parametrization`` group's model multipliers (muP's logit and
+    attention scales, CompleteP's residual scale), written into ``cfg.model`` as well: every
+    model built from the node or from the args (the run, its evaluation, a checkpoint's marker,
+    an export) computes the same function. sp sets nothing. Idempotent."""
+    node = OmegaConf.select(cfg, "parametrization", default=None)
+    if node is None:
+        return family, args
+    values = instantiate(node, _convert_="all").model_multipliers(family, args)
+    for key, value in values.items():
+        cfg.model[key] = value
+    return family, with_multipliers(args, values)
+
+
 def spec_of(cfg: DictConfig) -> RunSpec:
     """The RunSpec of a composed config: its structural errors (degrees that do not multiply to the
     world size, a model node its family rejects) as one-line ConfigErrors; the cross-field rules
     are ``validate``'s, which calls this."""
     world_size = world_size_of(cfg)
     dims = dims_of(cfg, world_size)
-    family, args = args_of(cfg.model)
+    family, args = parametrized(cfg, *args_of(cfg.model))
     t = cfg.training
     global_batch, grad_accum = dims.batch_plan(int(t.local_batch_size), int(t.global_batch_size))
     return RunSpec(

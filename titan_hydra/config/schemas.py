@@ -117,6 +117,7 @@ class TitanConfig:
     model: Any = MISSING
     parallelism: Any = MISSING
     optimizer: Any = MISSING
+    parametrization: Any = MISSING  # sp / mup / completep (titan_hydra.models.parametrization)
     lr_scheduler: Any = MISSING
     float8: Any = MISSING
     cluster: ClusterConfig = MISSING

@@ -43,6 +43,8 @@ class BuiltModel:
     loss_hooks: list = field(default_factory=list)
     # what runs Gated DeltaNet layers, and why (kernels/gated_delta_policy.py); None: the model has none
     delta_kernel: KernelChoice | None = None
+    # {parameter FQN: Geometry} of the width parametrization (models/parametrization.py); {} = sp
+    geometry: dict = field(default_factory=dict)
 
     @property
     def objective(self):

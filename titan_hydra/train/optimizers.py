@@ -45,6 +45,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from titan_hydra.errors import ConfigError
+from titan_hydra.models.parametrization import Geometry
+from titan_hydra.train.width_scaling import split_group
 
 SELECTORS = ("name", "match", "ndim")
 
@@ -140,13 +142,14 @@ def _optimizer_class(target: str, where: str) -> type:
 
 
 def assign_groups(node: Mapping[str, Any], named_params: list[tuple[str, torch.Tensor]]
-                  ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[dict, list[torch.Tensor]]]]:
-    """(parameters no group selects, [(group spec, its parameters)]) with the one-line checks."""
+                  ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[dict, list[tuple[str, torch.Tensor]]]]]:
+    """(parameters no group selects, [(group spec, its parameters)]), each parameter with its
+    name (wrappers removed), with the one-line checks."""
     specs = [_plain(g) for g in (node.get("param_groups") or [])]
     for i, spec in enumerate(specs):
         if not spec.get("name"):
             raise ConfigError(f"optimizer.param_groups[{i}] needs a name (and match / ndim to select parameters)")
-    chosen: list[list[torch.Tensor]] = [[] for _ in specs]
+    chosen: list[list[tuple[str, torch.Tensor]]] = [[] for _ in specs]
     owner: dict[int, str] = {}
     rest: list[tuple[str, torch.Tensor]] = []
     for fqn, p in named_params:
@@ -157,7 +160,7 @@ def assign_groups(node: Mapping[str, Any], named_params: list[tuple[str, torch.T
             raise ConfigError(f"optimizer.param_groups {a!r} and {b!r} both select parameter {name!r}; "
                               "narrow their match / ndim so that each parameter has one group")
         if hits:
-            chosen[hits[0]].append(p)
+            chosen[hits[0]].append((name, p))
             owner[id(p)] = specs[hits[0]]["name"]
         else:
             rest.append((name, p))
@@ -168,32 +171,40 @@ def assign_groups(node: Mapping[str, Any], named_params: list[tuple[str, torch.T
     return rest, list(zip(specs, chosen))
 
 
-def build_optimizer(node: Any, named_params: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
-    """The optimizer(s) the ``optimizer`` node describes, over ``named_params`` (FQN, parameter)."""
+def build_optimizer(node: Any, named_params: list[tuple[str, torch.Tensor]],
+                    geometry: Mapping[str, Geometry] | None = None) -> torch.optim.Optimizer:
+    """The optimizer(s) the ``optimizer`` node describes, over ``named_params`` (FQN, parameter).
+    ``geometry`` (a width parametrization's, ``models/parametrization.py``): each group is split
+    by its parameters' muP LR / decay multipliers (``width_scaling.py``); None or empty (sp):
+    the groups exactly as configured."""
     node = _plain(node)
+    geometry = geometry or {}
     default_cls = _optimizer_class(str(node.get("_target_")), "optimizer")
     default_kwargs = _kwargs(node)
     rest, groups = assign_groups(node, named_params)
-    own: list[dict[str, Any]] = [{"params": [p for _, p in rest]}] if rest else []
+    own: list[tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]] = [({}, rest)] if rest else []
     others: list[torch.optim.Optimizer] = []
-    for spec, params in groups:
+    for spec, named in groups:
         target = spec.get("_target_")
         if target is None or get_class(str(target)) is default_cls:
-            own.append({"params": params, **_kwargs(spec), "group_name": spec["name"]})
+            own.append(({**_kwargs(spec), "group_name": spec["name"]}, named))
         else:
             cls = _optimizer_class(str(target), f"optimizer.param_groups {spec['name']!r}")
+            params = [p for _, p in named]
             try:
-                others.append(cls([{"params": params, "group_name": spec["name"]}],
+                others.append(cls(split_group({"group_name": spec["name"]}, named, cls, _kwargs(spec), geometry),
                                   **with_implementation(cls, _kwargs(spec), params)))
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"optimizer.param_groups {spec['name']!r}: {e}") from None
     optimizers = []
     if own:
-        if rest and any("group_name" in g for g in own):
-            own[0]["group_name"] = "default"
+        if rest and len(own) > 1:
+            own[0][0]["group_name"] = "default"
+        param_groups = [g for group, named in own
+                        for g in split_group(group, named, default_cls, {**default_kwargs, **group}, geometry)]
         try:
-            all_params = [p for g in own for p in g["params"]]
-            optimizers.append(default_cls(own, **with_implementation(default_cls, default_kwargs, all_params)))
+            all_params = [p for g in param_groups for p in g["params"]]
+            optimizers.append(default_cls(param_groups, **with_implementation(default_cls, default_kwargs, all_params)))
         except (TypeError, ValueError) as e:
             raise ConfigError(f"optimizer ({node.get('_target_')}): {e}") from None
     optimizers.extend(others)

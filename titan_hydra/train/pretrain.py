@@ -33,6 +33,7 @@ from titan_hydra.logger.metric_logger import MetricLogger
 from titan_hydra.metrics.memory import MemoryMonitor
 from titan_hydra.metrics.summary import run_footer, run_header
 from titan_hydra.metrics.throughput import ThroughputMeter, cpu_bf16_slower_than_fp32, device_peak_tflops
+from titan_hydra.models.parametrization import Geometry, rescale_init
 from titan_hydra.models.registry import build_model
 from titan_hydra.parallel.apply import parallelize
 from titan_hydra.parallel.compile import compiled_graphs
@@ -46,7 +47,7 @@ from titan_hydra.train.health.monitor import HealthMonitor
 from titan_hydra.train.health.watchdog import enable_flight_recorder
 from titan_hydra.train.moe_balance import moe_balance_hooks
 from titan_hydra.train.mtp_metrics import mtp_loss_hooks
-from titan_hydra.train.optimizers import build_optimizer
+from titan_hydra.train.optimizers import build_optimizer, clean_name
 from titan_hydra.train.trainer import Trainer, TrainState
 
 log = logging.getLogger("titan_hydra")
@@ -95,8 +96,23 @@ def init_distributed(cluster: DictConfig, world_size: int) -> None:
 FULL_INIT_MAX_PARAMS = 1.5e9
 
 
-def init_weights(spec: RunSpec, parts: list[torch.nn.Module], device: torch.device, rank: int) -> None:
-    """Materialize the meta-device parts and give them their initial weights.
+def geometry_of(spec: RunSpec) -> dict[str, Geometry]:
+    """The ``parametrization`` group's per-parameter geometry (muP roles and width multipliers;
+    empty under sp): what the init and the optimizer's LR multipliers read."""
+    node = OmegaConf.select(spec.config, "parametrization", default=None)
+    return {} if node is None else instantiate(node, _convert_="all").geometry(spec.family, spec.model_args)
+
+
+def rescaled(part: torch.nn.Module, geometry: dict[str, Geometry]) -> None:
+    """``part``'s fresh init at its parametrization's std (nothing under sp)."""
+    if geometry:
+        rescale_init([(clean_name(n), p) for n, p in part.named_parameters()], geometry)
+
+
+def init_weights(spec: RunSpec, parts: list[torch.nn.Module], device: torch.device, rank: int,
+                 geometry: dict[str, Geometry] | None = None) -> None:
+    """Materialize the meta-device parts and give them their initial weights (rescaled by the
+    width parametrization's ``geometry``, per parameter FQN, on every layout).
 
     With ``init_mode=full`` (auto below 1.5B parameters) rank 0 builds the whole model on CPU
     from the seed and its full state dict is broadcast into every rank's shards, so every
@@ -113,6 +129,7 @@ def init_weights(spec: RunSpec, parts: list[torch.nn.Module], device: torch.devi
             # README documents (init_mode=full then overwrites them with rank 0's full init).
             warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
             part.init_weights(buffer_device=device)
+        rescaled(part, geometry or {})
     mode = spec.config.training.init_mode
     if mode == "auto":
         mode = "full" if spec.shape.params <= FULL_INIT_MAX_PARAMS else "sharded"
@@ -127,6 +144,7 @@ def init_weights(spec: RunSpec, parts: list[torch.nn.Module], device: torch.devi
             _, full = build_model(spec.config.model)
             torch.manual_seed(seed)  # after construction: same RNG stream as the meta path above
             full.init_weights()
+            rescaled(full, geometry or {})
         full_sd = full.state_dict()
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=spec.world_size > 1, strict=False)
     for part in parts:
@@ -238,17 +256,18 @@ def build_parallel_model(spec: RunSpec, device: torch.device, rank: int, dataset
         compiler=instantiate(cfg.compile), document_eos_id=getattr(dataset, "document_eos_id", None),
     )
     family.set_loss_scale(pm.model_parts, pm.runner.loss_scale)  # model-internal losses weigh like the main one
-    init_weights(spec, pm.model_parts, device, rank)
+    geometry = geometry_of(spec)
+    init_weights(spec, pm.model_parts, device, rank, geometry)
     return BuiltModel(family, spec.model_args, pm.model_parts, pm.runner, float8,
                       family.flops_per_unit(spec.model_args, dataset), attention_dtype, attention_kernel,
                       loss_hooks=mtp_loss_hooks(loss_fn, dims, pm.runner.loss_scale, device),
-                      delta_kernel=delta_kernel)
+                      delta_kernel=delta_kernel, geometry=geometry)
 
 
 def optimizer_and_schedule(spec: RunSpec, built: BuiltModel):
     """Optimizer over this rank's parameters (``_partial_``) and its LR schedule."""
     named = [(name, p) for part in built.parts for name, p in part.named_parameters()]
-    optimizer = build_optimizer(spec.config.optimizer, named)
+    optimizer = build_optimizer(spec.config.optimizer, named, built.geometry)
     built.float8.register(optimizer, built.parts)  # float8 scale precompute after each optimizer step
     return optimizer, instantiate(spec.config.lr_scheduler)(optimizer, spec.config.training.steps)
 

@@ -63,6 +63,8 @@ class Attention(nn.Module):
         self.sdpa_dtype: torch.dtype | None = None
         # replacement for the plain causal SDPA call (None = SDPA), installed by a training policy
         self.causal_kernel = None
+        # scores = score_mult * q.k / sqrt(head_dim): muP's 1/head_dim scaling (the Decoder sets it)
+        self.score_mult = 1.0
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
@@ -89,6 +91,8 @@ class Attention(nn.Module):
         # With a KV cache (decoding) they arrive starting at the cache's position.
         offset = 0 if cache is None else cache.length
         q, k = self.position(q, k, *fit_tables(cos, sin, seqlen), doc_ids, offset)
+        if self.score_mult != 1.0:  # on q: every kernel below keeps its own 1/sqrt(head_dim)
+            q = q * self.score_mult
         if cache is not None:
             k, v = cache.update(k, v)
         n_rep = q.shape[2] // k.shape[2]

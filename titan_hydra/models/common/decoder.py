@@ -19,6 +19,7 @@ the embedding at the output weight after every such step.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -28,8 +29,23 @@ from titan_hydra.models.common.masking import positions_in_documents
 from titan_hydra.models.common.rotary import tables_from_frequencies
 
 
+@dataclass(kw_only=True)
+class Multipliers:
+    """Forward multipliers a width / depth parametrization sets (``models/parametrization.py``):
+    every family's args inherit them. 1.0 is the standard parametrization, which multiplies
+    nothing, so its models compute exactly what they did before these fields existed."""
+
+    logit_mult: float = 1.0  # logits = logit_mult * output(norm(h)) (muP: base_width / dim)
+    attn_mult: float = 1.0  # attention scores = attn_mult * q.k / sqrt(head_dim) (muP: ~1/head_dim)
+    residual_mult: float = 1.0  # each branch adds residual_mult * f(norm(x)) (CompleteP: base_depth / n_layers)
+
+
+MULTIPLIERS = ("logit_mult", "attn_mult", "residual_mult")
+
+
 class TransformerBlock(nn.Module):
-    """Pre-norm block: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
+    """Pre-norm block: h = x + attn(norm(x)); out = h + ffn(norm(h)), each branch times
+    ``residual_mult`` when that is not 1."""
 
     def __init__(self, layer_id: int, attention: nn.Module, feed_forward: nn.Module, dim: int,
                  norm_eps: float, out_std: float):
@@ -40,13 +56,17 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(dim, norm_eps)
         self.ffn_norm = RMSNorm(dim, norm_eps)
         self.out_std = out_std
+        self.residual_mult = 1.0  # the Decoder sets it from its args
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 doc_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         # doc_ids / cache travel as keywords: TP's PrepareModuleInput lays out the positional inputs only
         extra = {k: v for k, v in (("doc_ids", doc_ids), ("cache", cache)) if v is not None}
-        h = x + self.attention(self.attention_norm(x), cos, sin, **extra)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self._scaled(self.attention(self.attention_norm(x), cos, sin, **extra))
+        return h + self._scaled(self.feed_forward(self.ffn_norm(h)))
+
+    def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
+        return branch if self.residual_mult == 1.0 else branch * self.residual_mult
 
     def init_weights(self) -> None:
         self.attention.init_weights(self.out_std)
@@ -74,6 +94,8 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleDict({str(i): self.make_block(i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.logit_mult = float(getattr(args, "logit_mult", 1.0))
+        self.apply_multipliers()
         self.tie_weights()
         cos, sin = self.rope_tables()
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -88,6 +110,16 @@ class Decoder(nn.Module):
         raise NotImplementedError
 
     # --- shared behaviour ----------------------------------------------------------------
+    def apply_multipliers(self) -> None:
+        """Hand the args' residual and attention multipliers to the blocks and their attention
+        modules (an args class without ``Multipliers`` fields keeps 1.0)."""
+        residual, attn = (float(getattr(self.args, k, 1.0)) for k in ("residual_mult", "attn_mult"))
+        for block in self.layers.values():
+            block.residual_mult = residual
+            for m in block.modules():
+                if hasattr(m, "score_mult"):
+                    m.score_mult = attn
+
     def rope_magnitude(self) -> float:
         """Multiplier of the cos/sin tables (YaRN's attention temperature); 1.0 = none."""
         return 1.0
@@ -120,8 +152,13 @@ class Decoder(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
-            h = self.output(h)
+            h = self.logits(h)
         return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The output head on normed hidden states, times the parametrization's logit multiplier."""
+        h = self.output(h)
+        return h * self.logit_mult if self.logit_mult != 1.0 else h
 
     def rope_for(self, doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The cos/sin tables every block of a training forward uses: per position, or per

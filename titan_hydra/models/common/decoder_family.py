@@ -39,6 +39,7 @@ from torch import nn
 
 from titan_hydra.errors import ConfigError
 from titan_hydra.models.common import moe
+from titan_hydra.models.common.decoder import MULTIPLIERS
 from titan_hydra.models.mtp_loss import MultiTokenLoss
 from titan_hydra.models.protocol import ModelFamily, ModelShape
 
@@ -88,6 +89,9 @@ class DecoderFamily(ModelFamily):
                "kv_heads": s.n_kv_heads, "head_dim": s.head_dim, "vocab_size": s.vocab_size,
                "ffn_hidden_dim": s.ffn_dim, "tie_word_embeddings": s.tied_embeddings}
         sig.update({k: getattr(args, k) for k in SEMANTIC_FIELDS if hasattr(args, k)})
+        # muP / CompleteP multipliers change what the weights compute; only when set, so that
+        # markers written before the fields existed (and every sp run) stay valid
+        sig.update({k: getattr(args, k) for k in MULTIPLIERS if getattr(args, k, 1.0) != 1.0})
         moe = getattr(args, "moe", None)
         if moe is not None:  # expert count/width, routing function, which layers are dense
             n_dense = int(getattr(args, "n_dense_layers", 0))

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Iterable, Mapping
 
 import torch
 
+from titan_hydra.models.common.decoder import MULTIPLIERS
 from titan_hydra.models.protocol import HFAdapter
 
 # our suffix within a block -> HF suffix within model.layers.<i>.
@@ -47,6 +48,36 @@ _HF_EXPERT_RE = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 class HFConversionError(ValueError):
     """A tensor or config that has no counterpart on the other side."""
+
+
+# Where a layer's attention multiplier folds, first present wins: a weighted norm on the query
+# path (Qwen3's QK-norm, MLA's latent norm: nothing after it rescales q), else the projection.
+QUERY_FOLDS = ("attention.q_norm.weight", "attention.wq_b.weight", "attention.wq.weight")
+
+
+def fold_multipliers(sd: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
+    """``sd`` with a width parametrization's forward multipliers (``decoder.Multipliers``) folded
+    into weights HF's classes have, whose configs hold no multipliers: the logit multiplier into
+    ``lm_head``, the attention one into each layer's queries (q, hence every score, scales with
+    it; rotary and the softmax scale are linear in q). CompleteP's residual multiplier is refused."""
+    logit, attn, residual = (float(getattr(args, k, 1.0)) for k in MULTIPLIERS)
+    if residual != 1.0:
+        raise HFConversionError(f"model.residual_mult={residual:g} (parametrization=completep) has no counterpart "
+                                "in transformers' decoders: export a parametrization=sp or mup model")
+    if logit != 1.0 and args.tie_word_embeddings:
+        raise HFConversionError("model.logit_mult cannot fold into a tied lm_head (it would scale the embeddings)")
+    out = dict(sd)
+    if logit != 1.0:
+        out["output.weight"] = sd["output.weight"] * logit
+    for i in range(args.n_layers) if attn != 1.0 else ():
+        name = next((f"layers.{i}.{s}" for s in QUERY_FOLDS if f"layers.{i}.{s}" in sd), None)
+        if name is None:
+            raise HFConversionError(f"model.attn_mult={attn:g}: layer {i} has no query weight to fold it into")
+        out[name] = sd[name] * attn
+        bias = name.removesuffix("weight") + "bias"
+        if name.endswith("wq.weight") and bias in sd:
+            out[bias] = sd[bias] * attn
+    return out
 
 
 def refuse_moved_expert_bias(fqn: str, bias: torch.Tensor, no_bias: str) -> None:
@@ -178,6 +209,7 @@ class DecoderHFAdapter(HFAdapter):
     # --- the loops ----------------------------------------------------------------------------
     def to_hf_state(self, sd: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
         self.check_export(args)
+        sd = fold_multipliers(sd, args)
         out: dict[str, torch.Tensor] = {}
         for fqn, t in sd.items():
             if fqn == "output.weight" and args.tie_word_embeddings:

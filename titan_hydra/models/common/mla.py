@@ -50,6 +50,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_lora_rank = kv_lora_rank
         self.head_dim = qk_nope_head_dim + qk_rope_head_dim  # query/key width per head (precision policy reads it)
         self.softmax_scale = softmax_scale
+        self.score_mult = 1.0  # times softmax_scale: muP's attention scaling (the Decoder sets it)
         self.rope_interleaved = rope_interleaved
         self.sdpa_dtype: torch.dtype | None = None  # None = the compute dtype (see attention.Attention)
         # plain causal attention ``(q, k, v, scale=) -> out`` set by the kernel policy
@@ -108,12 +109,13 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None,
                 offset: int = 0) -> torch.Tensor:
+        scale = self.softmax_scale * self.score_mult
         if self._kernel_applies(doc_ids, offset):
-            return self.causal_kernel(q, k, v, scale=self.softmax_scale)
+            return self.causal_kernel(q, k, v, scale=scale)
         if doc_ids is None and offset == 0:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         mask = visible_keys(q.shape[2], device=q.device, doc_ids=doc_ids, q_offset=offset, kv_len=k.shape[2])
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
     def _kernel_applies(self, doc_ids: torch.Tensor | None, offset: int) -> bool:
         return self.causal_kernel is not None and doc_ids is None and offset == 0

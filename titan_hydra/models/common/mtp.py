@@ -95,12 +95,12 @@ class MultiTokenDecoder(Decoder):
         if self.norm is None:  # not the last pipeline stage
             return h, emb
         h = self.norm(h)
-        outputs, valid = [self.output(h)], []
+        outputs, valid = [self.logits(h)], []
         cos, sin = self.rope_for(doc_ids)
         for k, layer in enumerate(self.mtp_layers, start=1):
             valid.append(future_valid(h.shape[0], h.shape[1], k, doc_ids, h.device))
             h = layer(h, shift_left(emb, k), valid[-1], cos, sin, doc_ids)
-            outputs.append(self.output(h))
+            outputs.append(self.logits(h))
         return (outputs[0], torch.stack(valid), *outputs[1:])
 
     @torch.no_grad()

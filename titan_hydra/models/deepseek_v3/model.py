@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_hydra.models.common.decoder import TransformerBlock, residual_out_std
+from titan_hydra.models.common.decoder import Multipliers, TransformerBlock, residual_out_std
 from titan_hydra.models.common.layers import FeedForward
 from titan_hydra.models.common.mla import MultiHeadLatentAttention
 from titan_hydra.models.common.moe import MoE, MoEArgs
@@ -30,7 +30,7 @@ ROPE_TYPES = ("default", "yarn")
 
 
 @dataclass(kw_only=True)
-class DeepSeekV3Args:
+class DeepSeekV3Args(Multipliers):
     """DeepSeek-V2/V3 hyper-parameters. Shape fields have no default: each flavor's shape lives in
     conf/model/deepseek_v3_*.yaml only."""
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from titan_hydra.kernels.grouped_mm import grouped_mm_works
 from titan_hydra.models.common.attention import Attention
-from titan_hydra.models.common.decoder import Decoder, TransformerBlock, residual_out_std
+from titan_hydra.models.common.decoder import Decoder, Multipliers, TransformerBlock, residual_out_std
 from titan_hydra.models.common.moe import GroupedExperts, MoE, MoEArgs, TokenChoiceRouter
 from titan_hydra.models.common.rotary import inverse_frequencies, yarn_frequencies
 
@@ -40,7 +40,7 @@ def alternating_layer_types(n_layers: int) -> list[str]:
 
 
 @dataclass(kw_only=True)
-class GptOssArgs:
+class GptOssArgs(Multipliers):
     """gpt-oss hyper-parameters. Shape fields have no default (each flavor's shape lives in
     conf/model/gpt_oss_*.yaml only); the rest default to gpt-oss-20b's conventions."""
 

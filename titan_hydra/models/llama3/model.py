@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import torch
 
 from titan_hydra.models.common.attention import Attention
-from titan_hydra.models.common.decoder import Decoder, TransformerBlock, residual_out_std
+from titan_hydra.models.common.decoder import Decoder, Multipliers, TransformerBlock, residual_out_std
 from titan_hydra.models.common.layers import FeedForward
 from titan_hydra.models.common.rotary import inverse_frequencies, llama3_scaled
 
 
 @dataclass(kw_only=True)
-class LlamaArgs:
+class LlamaArgs(Multipliers):
     """Shape and init hyper-parameters of a Llama model (Meta's field names). The shape fields
     have no default: a flavor's shape lives in its conf/model/*.yaml only, so code and config
     cannot drift apart."""

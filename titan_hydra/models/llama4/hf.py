@@ -62,6 +62,9 @@ class Llama4HFAdapter(DecoderHFAdapter):
                 f"score_func={moe.score_func}, route_norm={moe.route_norm}, route_scale={moe.route_scale}, "
                 f"num_shared_experts={moe.num_shared_experts}, num_expert_groups={moe.num_expert_groups}, "
                 f"score_before_experts={moe.score_before_experts}")
+        if args.attn_mult != 1.0 and args.use_qk_norm:
+            raise HFConversionError(f"model.attn_mult={args.attn_mult:g} (parametrization=mup) cannot fold into Llama 4's "
+                                    "queries: its weightless QK-norm undoes any scale; export needs use_qk_norm=false")
 
     def moe_layer_ids(self, args: Llama4Args) -> list[int]:
         return args.moe_layer_ids

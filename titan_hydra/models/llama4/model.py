@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from titan_hydra.models.common.attention import Attention
-from titan_hydra.models.common.decoder import Decoder, TransformerBlock, residual_out_std
+from titan_hydra.models.common.decoder import Decoder, Multipliers, TransformerBlock, residual_out_std
 from titan_hydra.models.common.layers import FeedForward
 from titan_hydra.models.common.masking import positions_in_documents
 from titan_hydra.models.common.moe import MoE, MoEArgs
@@ -37,7 +37,7 @@ ROPE_SCALINGS = ("none", "llama3")
 
 
 @dataclass(kw_only=True)
-class Llama4Args:
+class Llama4Args(Multipliers):
     """Llama 4 text-decoder hyper-parameters. Shape fields have no default (each flavor's shape
     lives in conf/model/llama4_*.yaml only); the rest default to Llama-4-Scout's conventions."""
 

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from titan_hydra.models.common.attention import Attention
-from titan_hydra.models.common.decoder import Decoder, TransformerBlock, residual_out_std
+from titan_hydra.models.common.decoder import Decoder, Multipliers, TransformerBlock, residual_out_std
 from titan_hydra.models.common.layers import FeedForward
 from titan_hydra.models.common.rotary import inverse_frequencies
 
 
 @dataclass(kw_only=True)
-class Qwen3Args:
+class Qwen3Args(Multipliers):
     """Qwen3 hyper-parameters (HF field meanings). Shape fields have no default: each flavor's shape
     lives in conf/model/qwen3_*.yaml only."""
 

@@ -63,9 +63,20 @@ def hybrid_args_of(cfg: dict[str, Any], model_type: str, family: str) -> dict[st
             "linear_num_value_heads": int(cfg.get("linear_num_value_heads", 32))}
 
 
+def refuse_attention_multiplier(args: Qwen35Args) -> None:
+    """muP's attention multiplier cannot fold into a Qwen3.5 checkpoint: the query projection also
+    holds the output gate and the QK-norm scales by (1 + w), so no weight scales the scores alone."""
+    if float(getattr(args, "attn_mult", 1.0)) != 1.0:
+        raise HFConversionError(f"model.attn_mult={args.attn_mult:g} (parametrization=mup) has no counterpart in "
+                                "transformers' Qwen3.5 (gated queries, (1 + w) QK-norm): keep this checkpoint in DCP")
+
+
 class Qwen35HFAdapter(DecoderHFAdapter):
     model_type = "qwen3_5_text"
     extra_names = LINEAR_NAMES
+
+    def check_export(self, args: Qwen35Args) -> None:
+        refuse_attention_multiplier(args)
 
     def hf_config(self, args: Qwen35Args, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         return hybrid_hf_config(args, architecture="Qwen3_5ForCausalLM", model_type=self.model_type, dtype=dtype)

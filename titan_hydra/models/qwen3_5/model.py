@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_hydra.models.common.attention import Attention
-from titan_hydra.models.common.decoder import Decoder, residual_out_std
+from titan_hydra.models.common.decoder import Decoder, Multipliers, residual_out_std
 from titan_hydra.models.common.gated_deltanet import GatedDeltaNet
 from titan_hydra.models.common.layers import FeedForward
 from titan_hydra.models.common.rotary import apply_rope, inverse_frequencies
@@ -31,7 +31,7 @@ from titan_hydra.models.qwen3_5.layer_pattern import FULL, LINEAR, resolve_layer
 
 
 @dataclass(kw_only=True)
-class Qwen35Args:
+class Qwen35Args(Multipliers):
     """Qwen3.5 hyper-parameters (HF field meanings in comments). Shape fields have no default: each
     flavor's shape lives in conf/model/qwen3_5_*.yaml only."""
 
@@ -139,6 +139,7 @@ class HybridBlock(nn.Module):
         self.feed_forward = feed_forward
         self.attention_norm = OffsetRMSNorm(dim, norm_eps)
         self.ffn_norm = OffsetRMSNorm(dim, norm_eps)
+        self.residual_mult = 1.0  # CompleteP's branch multiplier (the Decoder sets it from its args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 doc_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
@@ -151,8 +152,11 @@ class HybridBlock(nn.Module):
         else:  # decoding: the chunked form for a prompt, the recurrent one token by token
             run = self.linear_attn.step if cache.state is not None and x.shape[1] == 1 else self.linear_attn.prefill
             mixed, cache.state = run(normed, cache.state)
+        if self.residual_mult != 1.0:
+            mixed = mixed * self.residual_mult
         h = x + mixed
-        return h + self.feed_forward(self.ffn_norm(h))
+        out = self.feed_forward(self.ffn_norm(h))
+        return h + (out if self.residual_mult == 1.0 else out * self.residual_mult)
 
     def init_weights(self) -> None:
         mixer = self.attention if self.layer_type == FULL else self.linear_attn

@@ -20,7 +20,7 @@ import torch
 
 from titan_hydra.models.common.hf_decoder import DecoderHFAdapter, ExpertLayout, HFConversionError
 from titan_hydra.models.common.moe import MoEArgs
-from titan_hydra.models.qwen3_5.hf import LINEAR_NAMES, hybrid_args_of, hybrid_hf_config
+from titan_hydra.models.qwen3_5.hf import LINEAR_NAMES, hybrid_args_of, hybrid_hf_config, refuse_attention_multiplier
 from titan_hydra.models.qwen3_5_moe.model import Qwen35MoeArgs
 
 
@@ -38,6 +38,7 @@ class Qwen35MoeHFAdapter(DecoderHFAdapter):
     no_routing_bias = "HF Qwen3.5-MoE has no routing bias"
 
     def check_export(self, args: Qwen35MoeArgs) -> None:
+        refuse_attention_multiplier(args)
         moe = args.moe
         if (moe.score_func != "softmax" or not moe.route_norm or moe.route_scale != 1.0 or moe.num_shared_experts < 1
                 or moe.num_expert_groups > 1 or moe.score_before_experts):
