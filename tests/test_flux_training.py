@@ -39,6 +39,7 @@ FLUX = [
     "cluster.threads_per_proc=1",
     "checkpoint.enable=false",
     "eval.sample_every=0",  # pictures are tested on their own (flux_debug draws them every 100 steps and at the end)
+    "eval.fidelity_every=0",  # so is fidelity (flux_debug scores held-out captions every 500 steps and at the end)
 ]
 
 
@@ -201,6 +202,22 @@ def test_sample_pictures_during_training_leave_the_run_unchanged(tmp_path, singl
             assert grid.size == (2 * 64, 64)
             pictures.append(np.asarray(grid))
     assert not np.array_equal(*pictures)  # drawn by the weights of their own step
+
+
+def test_fidelity_during_training_is_logged_beside_val_loss_and_leaves_the_run_unchanged(tmp_path, single):
+    """eval.fidelity_every draws one picture per held-out caption (data.holdout) from an unsharded
+    copy at steps 4 and 8 and logs what it reads back as val/fidelity/*; training goes on exactly
+    as without it."""
+    from titan_hydra.data.shapes_reader import METRICS
+
+    rows = run_in_process(tmp_path, ["eval.fidelity_every=4", "eval.fidelity_prompts=4", "eval.sample_steps=2"])
+    assert series(rows, "loss") == series(single, "loss") and series(rows, "val/loss") == series(single, "val/loss")
+    scored = {r["step"]: r for r in rows if "val/fidelity/background" in r}
+    assert sorted(scored) == [4, 8]
+    for row in scored.values():
+        assert all(0.0 <= row[f"val/fidelity/{k}"] <= 1.0 for k in METRICS)
+        assert row["val/fidelity/background_and_colour"] <= min(row["val/fidelity/background"],
+                                                                row["val/fidelity/colour"])
 
 
 def test_guidance_distilled_flavor_trains_and_draws(tmp_path):
