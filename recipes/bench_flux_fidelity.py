@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     step, fidelity = last_fidelity(metrics)
     result = {"date": datetime.date.today().isoformat(), "cpu": cpu_name(), "threads": a.threads, "steps": step,
-              "wall_s": round(wall, 1), "overrides": a.overrides, "fidelity": fidelity, "chance": CHANCE,
-              "run_dir": str(run_dir)}
+              "wall_s": round(wall, 1), "overrides": a.overrides, "fidelity": fidelity, "chance": CHANCE}
     print(row_table(result))
+    print(f"run: {run_dir}")
     if a.grid:
         from flux_fidelity import main as fidelity_main
 

@@ -31,6 +31,7 @@ FLUX = [
     "data.examples.tokenizer=bytes",
     "data.examples.timestep_shift=1.0",
     "optimizer.lr=1e-3",
+    "data.holdout=0.0",
     f"training.steps={STEPS}",
     "training.global_batch_size=8",
     "training.mixed_precision=fp32",
@@ -208,14 +209,17 @@ def test_sample_pictures_during_training_leave_the_run_unchanged(tmp_path, singl
     assert not np.array_equal(*pictures)  # drawn by the weights of their own step
 
 
-def test_fidelity_during_training_is_logged_beside_val_loss_and_leaves_the_run_unchanged(tmp_path, single):
+def test_fidelity_during_training_is_logged_beside_val_loss_and_leaves_the_run_unchanged(tmp_path):
     """eval.fidelity_every draws one picture per held-out caption (data.holdout) from an unsharded
     copy at steps 4 and 8 and logs what it reads back as val/fidelity/*; training goes on exactly
     as without it."""
     from titan_hydra.data.shapes_reader import METRICS
 
-    rows = run_in_process(tmp_path, ["eval.fidelity_every=4", "eval.fidelity_prompts=4", "eval.sample_steps=2"])
-    assert series(rows, "loss") == series(single, "loss") and series(rows, "val/loss") == series(single, "val/loss")
+    held_out = ["data.holdout=0.1"]
+    plain = run_in_process(tmp_path / "plain", held_out)
+    rows = run_in_process(tmp_path / "scored", [*held_out, "eval.fidelity_every=4", "eval.fidelity_prompts=4",
+                                                "eval.sample_steps=2"])
+    assert series(rows, "loss") == series(plain, "loss") and series(rows, "val/loss") == series(plain, "val/loss")
     scored = {r["step"]: r for r in rows if "val/fidelity/background" in r}
     assert sorted(scored) == [4, 8]
     for row in scored.values():
