@@ -36,6 +36,30 @@ def locate(path: Path) -> tuple[Path, Path]:
     return path, best.path
 
 
+def load_run(path: Path):
+    """(checkpoint step dir, the run's resolved config, the model in eval mode, its example builder)
+    of a Flux run directory or step directory; UserError (one line) for anything else."""
+    import torch
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from convert import read_model
+
+    run_dir, step = locate(path)
+    config = run_dir / ".hydra" / "config.yaml"
+    if not config.exists():
+        raise UserError(f"{run_dir} has no .hydra/config.yaml (a run directory launch.py wrote)")
+    cfg = OmegaConf.to_container(OmegaConf.load(config), resolve=True)
+    if cfg.get("model", {}).get("family") != "flux" or "examples" not in cfg.get("data", {}):
+        raise UserError(f"{run_dir} is not a Flux run (model.family={cfg.get('model', {}).get('family')!r})")
+    family, args, sd = read_model(step)
+    with torch.device("meta"):
+        model = family.build(args)
+    model.to_empty(device="cpu")
+    model.load_state_dict(sd)
+    return step, cfg, model.eval(), instantiate(cfg["data"]["examples"])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run", help="run directory or checkpoint/step-N directory")
@@ -47,28 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="grid.png")
     a = p.parse_args(argv)
     try:
-        import torch
-        from hydra.utils import instantiate
-        from omegaconf import OmegaConf
-
-        from convert import read_model
         from titan_hydra.models.flux.sampling import sample_images
 
-        run_dir, step = locate(Path(a.run))
-        config = run_dir / ".hydra" / "config.yaml"
-        if not config.exists():
-            raise UserError(f"{run_dir} has no .hydra/config.yaml (a run directory launch.py wrote)")
-        cfg = OmegaConf.to_container(OmegaConf.load(config), resolve=True)
-        if cfg.get("model", {}).get("family") != "flux" or "examples" not in cfg.get("data", {}):
-            raise UserError(f"{run_dir} is not a Flux run (model.family={cfg.get('model', {}).get('family')!r})")
-        family, args, sd = read_model(step)
-        with torch.device("meta"):
-            model = family.build(args)
-        model.to_empty(device="cpu")
-        model.load_state_dict(sd)
-        examples = instantiate(cfg["data"]["examples"])
+        step, cfg, model, examples = load_run(Path(a.run))
         prompts = [prompt for prompt in a.prompt for _ in range(a.per_prompt)]
-        images = sample_images(model.eval(), examples, prompts, int(cfg["data"]["image_size"]), steps=a.steps,
+        images = sample_images(model, examples, prompts, int(cfg["data"]["image_size"]), steps=a.steps,
                                guidance=a.guidance, seed=a.seed)
         save_grid(images.numpy(), a.out, rows=len(a.prompt))
     except UserError as e:

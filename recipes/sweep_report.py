@@ -7,7 +7,9 @@ tok/s, MFU, peak memory, status) and ``loss_curves.png`` / ``throughput.png`` (m
 sweep over a data mixture's weights adds each source's validation loss (``val/<name>/loss``) as
 columns and as ``source_val_curves.png``. A sweep over ``optimizer.lr`` and other keys (e.g.
 ``experiment=mup_transfer``: widths x learning rates) adds the loss against the LR, one curve per
-value of the other keys, with each curve's best LR: a table and ``loss_vs_lr.png``.
+value of the other keys, with each curve's best LR: a table and ``loss_vs_lr.png``. A run that
+scores its pictures (``eval=fidelity``) adds each ``val/fidelity/<what>`` (fraction of held-out
+captions drawn right) as columns and as ``fidelity_curves.png``.
 Jobs come from the numbered run dirs and from ``jobs.json`` (written by the SLURM launcher
 before submission), so a job that failed, or never started, is a ``failed`` row rather than
 missing. A job's status is its ``status.json`` (titan_hydra.launch.sweep), else inferred from
@@ -47,6 +49,8 @@ class JobRow:
     tps_curve: list[float] = field(default_factory=list)
     # a data mixture's sources: name -> [(step, val/<name>/loss)]
     source_curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    # text-to-image fidelity: what -> [(step, val/fidelity/<what>)]
+    fidelity_curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
 
 def _read_yaml(path: Path) -> Any:
@@ -88,6 +92,7 @@ def job_row(num: int, run_dir: Path, manifest_overrides: list[str] | None) -> Jo
     names = sorted({k[4:-5] for r in val for k in r if k.startswith("val/") and k.endswith("/loss") and k != "val/loss"})
     row.source_curves = {n: [(int(r["step"]), float(r[f"val/{n}/loss"])) for r in val if f"val/{n}/loss" in r]
                          for n in names}
+    row.fidelity_curves = metric_curves(metrics, FIDELITY)
     steady = train[1:] or train  # the first step includes warm-up
     row.tok_per_s = _mean([r["tps"] for r in steady if r.get("tps") is not None])
     row.mfu_pct = _mean([r["mfu"] for r in steady if r.get("mfu") is not None])
@@ -97,6 +102,19 @@ def job_row(num: int, run_dir: Path, manifest_overrides: list[str] | None) -> Jo
     row.rollbacks = int(max((r["health/rollbacks"] for r in metrics if "health/rollbacks" in r), default=0))
     row.status, row.error = job_status(run_dir, row.steps)
     return row
+
+
+FIDELITY = "val/fidelity/"
+
+
+def metric_curves(metrics: list[dict], prefix: str) -> dict[str, list[tuple[int, float]]]:
+    """{name: [(step, value)]} of every logged key ``<prefix><name>``."""
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for r in metrics:
+        for key, value in r.items():
+            if key.startswith(prefix) and isinstance(value, (int, float)):
+                curves.setdefault(key[len(prefix):], []).append((int(r["step"]), float(value)))
+    return curves
 
 
 def job_status(run_dir: Path, steps_done: int) -> tuple[str, str]:
@@ -219,28 +237,40 @@ def last_source_val(row: JobRow, name: str) -> float | None:
     return curve[-1][1] if curve else None
 
 
+def fidelity_names(rows: list[JobRow]) -> list[str]:
+    return sorted({n for r in rows for n in r.fidelity_curves})
+
+
+def last_fidelity(row: JobRow, name: str) -> float | None:
+    curve = row.fidelity_curves.get(name)
+    return curve[-1][1] if curve else None
+
+
 def write_tables(rows: list[JobRow], sweep_dir: Path) -> None:
-    sources = source_names(rows)
+    sources, fidelity = source_names(rows), fidelity_names(rows)
     with open(sweep_dir / "report.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS + [f"val_loss/{n}" for n in sources])
+        writer = csv.DictWriter(f, fieldnames=COLUMNS + [f"val_loss/{n}" for n in sources]
+                                + [FIDELITY + n for n in fidelity])
         writer.writeheader()
         for r in rows:
             writer.writerow({**{k: v for k, v in asdict(r).items() if k in COLUMNS},
-                             **{f"val_loss/{n}": last_source_val(r, n) for n in sources}})
+                             **{f"val_loss/{n}": last_source_val(r, n) for n in sources},
+                             **{FIDELITY + n: last_fidelity(r, n) for n in fidelity}})
     lines = [
         f"# Sweep report: {sweep_dir}",
         "",
         f"{sum(r.status == 'completed' for r in rows)} of {len(rows)} jobs completed.",
         "",
         "| job | varies | status | final loss | val loss | " + "".join(f"val {n} | " for n in sources)
-        + "tok/s | MFU % | peak mem GiB | steps | skipped | rollbacks |",
-        "|---:|---|---|---:|---:|" + "---:|" * len(sources) + "---:|---:|---:|---:|---:|---:|",
+        + "".join(f"fidelity {n} | " for n in fidelity) + "tok/s | MFU % | peak mem GiB | steps | skipped | rollbacks |",
+        "|---:|---|---|---:|---:|" + "---:|" * (len(sources) + len(fidelity)) + "---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         status = r.status if not r.error else f"{r.status}: {r.error}".replace("|", "/")
         lines.append(
             f"| {r.job} | `{r.label}` | {status} | {_fmt(r.final_loss, '.4f')} | {_fmt(r.val_loss, '.4f')} | "
             + "".join(f"{_fmt(last_source_val(r, n), '.4f')} | " for n in sources)
+            + "".join(f"{_fmt(last_fidelity(r, n), '.3f')} | " for n in fidelity)
             + f"{_fmt(r.tok_per_s, ',.0f')} | {_fmt(r.mfu_pct, '.2f')} | {_fmt(r.peak_mem_gib, '.2f')} | {r.steps} | "
             f"{r.skipped} | {r.rollbacks} |"
         )
@@ -250,6 +280,8 @@ def write_tables(rows: list[JobRow], sweep_dir: Path) -> None:
     curves = lr_curves(rows)
     if curves:
         lines += lr_table(curves)
+    if fidelity:
+        lines += ["![held-out caption fidelity](fidelity_curves.png)", ""]
     (sweep_dir / "report.md").write_text("\n".join(lines))
 
 
@@ -290,6 +322,10 @@ def write_plots(rows: list[JobRow], sweep_dir: Path) -> None:
     curves = lr_curves(rows)
     if curves:
         plot_lr_curves(curves, sweep_dir / "loss_vs_lr.png", plt)
+    fidelity = fidelity_names(rows)
+    if fidelity:
+        curve_panels([{n: r.fidelity_curves.get(n, []) for n in fidelity} for r in rows], rows, FIDELITY,
+                     sweep_dir / "fidelity_curves.png")
 
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = [f"#{r.job}" for r in rows]
@@ -298,6 +334,25 @@ def write_plots(rows: list[JobRow], sweep_dir: Path) -> None:
     ax.set_title("Throughput per job (red: failed)")
     fig.tight_layout()
     fig.savefig(sweep_dir / "throughput.png", dpi=100)
+    plt.close(fig)
+
+
+def curve_panels(curves: list[dict[str, list[tuple[int, float]]]], rows: list[JobRow], prefix: str,
+                 path: Path) -> None:
+    """One panel per metric name, a line per job (``curves[i]`` is job ``rows[i]``'s)."""
+    import matplotlib.pyplot as plt
+
+    names = sorted({n for c in curves for n in c})
+    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.5), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        for r, c in zip(rows, curves):
+            if c.get(name):
+                ax.plot(*zip(*c[name]), marker="o", label=f"#{r.job} {r.label}"[:60])
+        ax.set_xlabel("step")
+        ax.set_title(f"{prefix}{name}", fontsize=9)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 

@@ -27,6 +27,11 @@ FLUX = [
     "experiment=flux_debug",
     "data.num_images=48",
     "data.examples.max_text_len=32",  # truncated captions: parity and resume do not need them whole
+    # the recipe's settings before its fidelity tuning, which these tests' tolerances were measured with
+    "data.examples.tokenizer=bytes",
+    "data.examples.timestep_shift=1.0",
+    "optimizer.lr=1e-3",
+    "data.holdout=0.0",
     f"training.steps={STEPS}",
     "training.global_batch_size=8",
     "training.mixed_precision=fp32",
@@ -39,6 +44,7 @@ FLUX = [
     "cluster.threads_per_proc=1",
     "checkpoint.enable=false",
     "eval.sample_every=0",  # pictures are tested on their own (flux_debug draws them every 100 steps and at the end)
+    "eval.fidelity_every=0",  # so is fidelity (flux_debug scores held-out captions every 500 steps and at the end)
 ]
 
 
@@ -201,6 +207,25 @@ def test_sample_pictures_during_training_leave_the_run_unchanged(tmp_path, singl
             assert grid.size == (2 * 64, 64)
             pictures.append(np.asarray(grid))
     assert not np.array_equal(*pictures)  # drawn by the weights of their own step
+
+
+def test_fidelity_during_training_is_logged_beside_val_loss_and_leaves_the_run_unchanged(tmp_path):
+    """eval.fidelity_every draws one picture per held-out caption (data.holdout) from an unsharded
+    copy at steps 4 and 8 and logs what it reads back as val/fidelity/*; training goes on exactly
+    as without it."""
+    from titan_hydra.data.shapes_reader import METRICS
+
+    held_out = ["data.holdout=0.1"]
+    plain = run_in_process(tmp_path / "plain", held_out)
+    rows = run_in_process(tmp_path / "scored", [*held_out, "eval.fidelity_every=4", "eval.fidelity_prompts=4",
+                                                "eval.sample_steps=2"])
+    assert series(rows, "loss") == series(plain, "loss") and series(rows, "val/loss") == series(plain, "val/loss")
+    scored = {r["step"]: r for r in rows if "val/fidelity/background" in r}
+    assert sorted(scored) == [4, 8]
+    for row in scored.values():
+        assert all(0.0 <= row[f"val/fidelity/{k}"] <= 1.0 for k in METRICS)
+        assert row["val/fidelity/background_and_colour"] <= min(row["val/fidelity/background"],
+                                                                row["val/fidelity/colour"])
 
 
 def test_guidance_distilled_flavor_trains_and_draws(tmp_path):

@@ -127,7 +127,7 @@ def test_the_docs_show_the_commands_this_suite_runs():
     lines = {c.line.split("  #")[0].strip() for c in all_commands()}
     assert len(LAUNCH_LINES) >= 35, len(LAUNCH_LINES)  # distinct lines
     assert "python launch.py --cfg job" in lines
-    flux_dev = next(c for c in LAUNCH_LINES if "model=flux_dev" in c.line and c.where.startswith("README.md"))
+    flux_dev = next(c for c in LAUNCH_LINES if "model=flux_dev" in c.line and c.where.startswith("docs/families.md"))
     assert "cluster=slurm_h100 cluster.nnodes=2" in flux_dev.line and flux_dev.args[-1] == "dry_run=true"
     assert any(c.where.startswith("conf/") for c in LAUNCH_LINES) and any(c.where.startswith("docs/") for c in LAUNCH_LINES)
     assert len(SUBPROCESS_ONLY) <= 2

@@ -36,7 +36,7 @@ NOT_RUN = {
 # Recipes whose lines run minutes of training: their arguments are parsed (argparse refuses a
 # suite or a flag that no longer exists) and --help stops them before anything runs.
 # tests/test_benchmark.py runs the default suite end to end.
-ARGUMENTS_ONLY = {"recipes/benchmark.py", "recipes/bench_health.py"}
+ARGUMENTS_ONLY = {"recipes/benchmark.py", "recipes/bench_health.py", "recipes/bench_flux_fidelity.py"}
 # Third-party noise that must not reach stdout either.
 NOISE = re.compile(r"Warning:|warnings\.warn|it/s\]|^fatal: |\[Task: |^\s*\d+%\|", re.M)
 
@@ -89,7 +89,8 @@ def user(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     flux = work / "outputs" / "flux"
     proc = run_launch(["experiment=flux_debug", "data.num_images=16", "data.image_size=32", "training.steps=1",
                        "training.local_batch_size=4", "training.val_freq=0", "lr_scheduler.warmup_steps=1",
-                       "eval.sample_every=0", "logger=minimal", f"hydra.run.dir={flux}"], cwd=work, timeout=600)
+                       "eval.sample_every=0", "eval.fidelity_every=0", "logger=minimal", f"hydra.run.dir={flux}"],
+                      cwd=work, timeout=600)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
     paths = {"sweep": str(sweep), "llm_step": str(sweep / "0" / "checkpoint" / "step-1"),
              "flux_run": str(flux), "flux_step": str(flux / "checkpoint" / "step-1"),

@@ -47,7 +47,7 @@ def validate(cfg: DictConfig, environment: bool = True) -> RunSpec:
         _validate_environment(cfg)
     if spec.token_data:  # (image data checks itself on build)
         _validate_data(cfg, spec.shape.vocab_size)
-    if cfg.eval.freq or cfg.eval.sample_every:
+    if cfg.eval.freq or cfg.eval.sample_every or cfg.eval.get("fidelity_every"):
         instantiate(cfg.eval).check(spec.family)  # lm-eval installed, tasks known, pictures drawable: before any model
     _validate_ranges(cfg)
     _validate_checkpoint(cfg.checkpoint, spec.world_size, local_paths=here)

@@ -29,7 +29,8 @@ from PIL import Image
 
 from titan_hydra.data.dataset import default_cache_dir
 from titan_hydra.data.loader import SampleStream
-from titan_hydra.data.shapes import shapes_dataset
+from titan_hydra.data.shapes import heldout_captions, shapes_dataset
+from titan_hydra.data.shapes_reader import score_pictures
 from titan_hydra.errors import DataError
 
 SOURCES = ("shapes", "folder", "jsonl")
@@ -98,7 +99,8 @@ class ImageCaptionDataset:
 
     def __init__(self, source: str = "shapes", path: str | None = None, num_images: int = 256,
                  image_size: int = 64, val_fraction: float = 0.125, shuffle: bool = True, seed: int = 0,
-                 cache_dir: str | None = None, examples: Any = None):
+                 cache_dir: str | None = None, examples: Any = None,
+                 holdout: float = 0.0):  # shapes only: the grammar's captions never drawn (scored by fidelity)
         if source not in SOURCES:
             raise DataError(f"unknown data.source={source!r} for image data; choose one of {', '.join(SOURCES)}")
         if source != "shapes" and not path:
@@ -108,11 +110,14 @@ class ImageCaptionDataset:
                             "(8x autoencoder downsampling, then 2x2 patches)")
         if not 0.0 < val_fraction < 1.0:
             raise DataError(f"data.val_fraction={val_fraction} must be in (0, 1)")
+        if holdout and (source != "shapes" or not 0.0 < holdout < 1.0):
+            raise DataError(f"data.holdout={holdout} holds captions of the shapes grammar out of training: it "
+                            "needs data.source=shapes and a fraction in (0, 1) (or 0 for none)")
         if examples is None:
             raise DataError("image data needs data.examples: the model family's example builder (_target_)")
         self.source, self.path, self.num_images, self.image_size = source, path, int(num_images), int(image_size)
         self.val_fraction, self.shuffle, self.seed = float(val_fraction), bool(shuffle), int(seed)
-        self.examples = examples
+        self.examples, self.holdout = examples, float(holdout)
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
         self.document_eos_id = None  # token-data notion; never set for images
         self._encoded = self._load_or_encode()
@@ -135,14 +140,14 @@ class ImageCaptionDataset:
     # -- sourcing and caching --------------------------------------------------------------
     def _raw(self) -> tuple[np.ndarray, list[str]]:
         if self.source == "shapes":
-            return shapes_dataset(self.num_images, self.image_size, self.seed)
+            return shapes_dataset(self.num_images, self.image_size, self.seed, self.holdout)
         if self.source == "folder":
             return folder_dataset(str(self.path), self.image_size, self.num_images)
         return jsonl_dataset(str(self.path), self.image_size, self.num_images)
 
     def cache_key(self) -> str:
-        what = json.dumps([self.source, str(self.path), self.num_images, self.image_size, self.seed,
-                           self.examples.cache_key()])
+        what = [self.source, str(self.path), self.num_images, self.image_size, self.seed, self.examples.cache_key()]
+        what = json.dumps(what + [self.holdout] if self.holdout else what)  # keys of sets without holdout unchanged
         return hashlib.sha256(what.encode()).hexdigest()[:24]
 
     def _load_or_encode(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -166,6 +171,20 @@ class ImageCaptionDataset:
         except OSError:
             pass  # a read-only cache costs time, never the run
         return encoded
+
+    # -- fidelity: captions the training set never shows, and a reader of pictures drawn from them --
+    def heldout_prompts(self, count: int) -> list[str]:
+        """The first ``count`` held-out captions (all of them if fewer); DataError when this set
+        holds none out or has no grammar to read pictures against."""
+        if self.source != "shapes" or not self.holdout:
+            raise DataError("fidelity needs captions held out of a set whose pictures can be read back: "
+                            "data.source=shapes with data.holdout > 0 (e.g. data=flux_shapes data.holdout=0.1)")
+        return heldout_captions(self.holdout)[:count]
+
+    @staticmethod
+    def score_pictures(images: np.ndarray, prompts: list[str]) -> dict[str, float]:
+        """{what: fraction right} of pictures drawn from ``heldout_prompts`` (``shapes_reader``)."""
+        return score_pictures(images, prompts)
 
     # -- loaders -----------------------------------------------------------------------------
     def loader(self, split: str, local_batch_size: int, dp_rank: int = 0, dp_degree: int = 1,

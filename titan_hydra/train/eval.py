@@ -1,9 +1,12 @@
 """Evaluation during training: the ``eval`` config group's object.
 
-Two things, each on its own schedule: the lm-eval harness (``eval.freq`` steps apart; language
-families) and sample pictures (``eval.sample_every`` steps apart; families that draw them, e.g. a
+Three things, each on its own schedule: the lm-eval harness (``eval.freq`` steps apart; language
+families), sample pictures (``eval.sample_every`` steps apart; families that draw them, e.g. a
 text-to-image model: one picture per ``eval.sample_prompts`` entry, logged to TensorBoard and W&B
-and written as a PNG row under ``<run>/samples/``). Both run on one unsharded copy of the model: every rank
+and written as a PNG row under ``<run>/samples/``) and fidelity (``eval.fidelity_every`` steps
+apart: pictures drawn with the same sampler and fixed noise from captions the data holds out of
+training, read back by the data's own reader, logged as ``val/fidelity/<what>``: the fraction
+right). All run on one unsharded copy of the model: every rank
 contributes its weights as full tensors (``gather_full_state``: FSDP / TP / EP shards all-gathered
 inside their groups, each pipeline stage's blocks from its own ranks); rank 0 assembles the copy on
 CPU, runs the harness (``titan_hydra.evaluation``) and draws the pictures, and broadcasts the
@@ -41,21 +44,27 @@ class PeriodicEval:
                  sample_prompts: Sequence[str] = (),  # one picture each, in one row
                  sample_steps: int = 20,  # sampler steps per picture
                  sample_guidance: float = 3.0,  # guidance scale (classifier-free, or flux_dev's embedded one)
-                 sample_seed: int = 0):  # the pictures' noise: the same at every step, so rows compare
+                 sample_seed: int = 0,  # the pictures' noise: the same at every step, so rows compare
+                 fidelity_every: int = 0,  # steps between fidelity scores (and at the end); 0 = none
+                 fidelity_prompts: int = 64):  # held-out captions scored, one picture each
         if freq < 0:
             raise ConfigError(f"eval.freq={freq} must be >= 0 (0 = no evaluation during training)")
         if sample_every < 0:
             raise ConfigError(f"eval.sample_every={sample_every} must be >= 0 (0 = no sample pictures)")
+        if fidelity_every < 0 or fidelity_prompts <= 0:
+            raise ConfigError(f"eval.fidelity_every={fidelity_every} must be >= 0 (0 = none) and "
+                              f"eval.fidelity_prompts={fidelity_prompts} positive")
         if sample_steps <= 0:
             raise ConfigError(f"eval.sample_steps={sample_steps} must be positive (sampler steps per picture)")
         self.freq, self.tasks, self.limit = int(freq), [str(t) for t in tasks], limit
         self.batch_size, self.max_seq_len = int(batch_size), max_seq_len
         self.sample_every, self.sample_prompts = int(sample_every), [str(p) for p in sample_prompts]
         self.sample_steps, self.sample_guidance, self.sample_seed = int(sample_steps), float(sample_guidance), int(sample_seed)
+        self.fidelity_every, self.fidelity_prompts = int(fidelity_every), int(fidelity_prompts)
 
     @property
     def enabled(self) -> bool:
-        return self.freq > 0 or self.sample_every > 0
+        return self.freq > 0 or self.sample_every > 0 or self.fidelity_every > 0
 
     def check(self, family) -> None:
         """Before training (one line each): lm-eval importable and every task known; a family
@@ -63,6 +72,9 @@ class PeriodicEval:
         if self.enabled and not family.builds_models():
             raise ConfigError(f"eval: model family {family.name!r} has no build(args) to make the evaluation copy "
                               "from; define ModelFamily.build in it, or set eval.freq=0 eval.sample_every=0")
+        if self.fidelity_every > 0 and not isinstance(family, DrawsSamples):
+            raise ConfigError(f"eval.fidelity_every={self.fidelity_every}: model family {family.name!r} draws no "
+                              "pictures to score; set eval.fidelity_every=0")
         if self.sample_every > 0:
             if not isinstance(family, DrawsSamples):
                 raise ConfigError(f"eval.sample_every={self.sample_every}: model family {family.name!r} draws no "
@@ -83,6 +95,17 @@ class PeriodicEval:
         from titan_hydra.evaluation import check_tasks  # lm-eval: the optional eval extra, loaded only when asked for
         check_tasks(self.tasks)
 
+    def check_data(self, dataset) -> None:
+        """Fidelity needs held-out captions and a reader of pictures from the data (one line if not)."""
+        if self.fidelity_every > 0:
+            if not hasattr(dataset, "heldout_prompts"):
+                raise ConfigError(f"eval.fidelity_every={self.fidelity_every}: this data holds no captions out to "
+                                  "score pictures against; set eval.fidelity_every=0")
+            dataset.heldout_prompts(self.fidelity_prompts)
+
+    def _fidelity_due(self, step: int, last: bool) -> bool:
+        return self.fidelity_every > 0 and (step % self.fidelity_every == 0 or last)
+
     def _harness_due(self, step: int, last: bool) -> bool:
         return self.freq > 0 and (step % self.freq == 0 or last)
 
@@ -90,7 +113,7 @@ class PeriodicEval:
         return self.sample_every > 0 and (step % self.sample_every == 0 or last)
 
     def due(self, step: int, last: bool) -> bool:
-        return self._harness_due(step, last) or self._samples_due(step, last)
+        return self._harness_due(step, last) or self._samples_due(step, last) or self._fidelity_due(step, last)
 
     def run(self, parts: list[torch.nn.Module], family, args, dataset, step: int, last: bool
             ) -> tuple[dict[str, float], dict[str, tuple[np.ndarray, list[str]]]]:
@@ -110,6 +133,8 @@ class PeriodicEval:
             model = self._full_copy(state, family, args)
             if self._harness_due(step, last):
                 scores[0] = self._evaluate(model, args, dataset.tokenizer)
+            if self._fidelity_due(step, last):
+                scores[0].update(self.fidelity(model, family, dataset))
             if self._samples_due(step, last):
                 images = family.sample_images(model, dataset, self.sample_prompts, steps=self.sample_steps,
                                               guidance=self.sample_guidance, seed=self.sample_seed)
@@ -117,6 +142,14 @@ class PeriodicEval:
         if distributed:
             dist.broadcast_object_list(scores, src=0)
         return scores[0], pictures
+
+    def fidelity(self, model: torch.nn.Module, family, dataset) -> dict[str, float]:
+        """{val/fidelity/<what>: fraction right} of one picture per held-out caption, drawn with
+        the sample pictures' sampler (steps, guidance) and fixed noise (``sample_seed``)."""
+        prompts = dataset.heldout_prompts(self.fidelity_prompts)
+        images = family.sample_images(model, dataset, prompts, steps=self.sample_steps,
+                                      guidance=self.sample_guidance, seed=self.sample_seed)
+        return {f"val/fidelity/{k}": v for k, v in dataset.score_pictures(np.asarray(images), prompts).items()}
 
     @staticmethod
     def _full_copy(state: dict[str, torch.Tensor], family, args) -> torch.nn.Module:

@@ -274,8 +274,9 @@ def optimizer_and_schedule(spec: RunSpec, built: BuiltModel):
 
 def periodic_eval_of(spec: RunSpec, built: BuiltModel, data: DataPlan) -> BoundEval | None:
     """The ``eval`` group's evaluator bound to this rank's model, or None when it has nothing to do
-    (``eval.freq`` and ``eval.sample_every`` both 0)."""
+    (``eval.freq``, ``eval.sample_every`` and ``eval.fidelity_every`` all 0)."""
     evaluator = instantiate(spec.config.eval)
+    evaluator.check_data(data.dataset)
     return BoundEval(evaluator, built, data.dataset) if evaluator.enabled else None
 
 

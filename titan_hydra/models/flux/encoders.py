@@ -9,8 +9,8 @@ place for them to differ.
 ``FluxEncoders.pretrained(dir)`` loads a local FLUX.1 directory in the diffusers layout
 (``text_encoder/`` CLIP, ``text_encoder_2/`` T5, ``tokenizer/``, ``tokenizer_2/``, ``vae/``);
 ``FluxEncoders.tiny(...)`` builds small random ones from configs (tests and the debug flavor:
-no download), reading captions as UTF-8 bytes (``ByteTokenizer``), since no tokenizer file ships
-with random weights. A random ``AutoencoderKL`` decodes noise whatever the transformer learned, so
+no download), reading captions as UTF-8 bytes (``ByteTokenizer``) or as words (``WordTokenizer``),
+since no tokenizer file ships with random weights. A random ``AutoencoderKL`` decodes noise whatever the transformer learned, so
 the tiny set's default autoencoder is ``DCTAutoencoder``: fixed, not learned, and its decoded
 samples show colour and coarse shape, which is what the built-in shapes captions describe.
 """
@@ -18,6 +18,8 @@ samples show colour and coarse shape, which is what the built-in shapes captions
 from __future__ import annotations
 
 from pathlib import Path
+
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -105,6 +107,28 @@ class ByteTokenizer:
         return ids, mask
 
 
+class WordTokenizer(ByteTokenizer):
+    """Captions as whitespace-separated words, each hashed (CRC-32) to one of 4,094 ids (2..4095;
+    0 padding, 1 end of text). A word is one token, so a caption is about a fifth as many tokens
+    as its bytes (the debug recipe's text is most of its sequence) and a colour name is one token
+    whatever its length; no vocabulary file, so any text is read."""
+
+    vocab_size = 4096
+
+    def __call__(self, texts: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.zeros(len(texts), max_len, dtype=torch.long)
+        mask = torch.zeros(len(texts), max_len, dtype=torch.long)
+        for i, text in enumerate(texts):
+            row = [2 + zlib.crc32(w.encode("utf-8")) % (self.vocab_size - 2) for w in text.lower().split()]
+            row = row[: max_len - 1] + [self.eos_id]
+            ids[i, : len(row)] = torch.tensor(row)
+            mask[i, : len(row)] = 1
+        return ids, mask
+
+
+TOKENIZERS = {"bytes": ByteTokenizer, "words": WordTokenizer}
+
+
 class FluxEncoders:
     """The three frozen encoders and the tokenizers they read; ``encode_text`` and
     ``encode_images`` are what the example builder calls."""
@@ -118,16 +142,20 @@ class FluxEncoders:
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
-    def tiny(cls, context_dim: int, pooled_dim: int, seed: int = 0, autoencoder: str = "dct") -> "FluxEncoders":
+    def tiny(cls, context_dim: int, pooled_dim: int, seed: int = 0, autoencoder: str = "dct",
+             tokens: str = "bytes") -> "FluxEncoders":
         """Small random text encoders of the right widths (T5 ``context_dim``, CLIP ``pooled_dim``)
-        and ``autoencoder``: ``dct`` (fixed, see DCTAutoencoder) or ``kl`` (a small random
-        AutoencoderKL: the real architecture, for tests of that path)."""
+        reading ``tokens`` (``bytes`` or ``words``: ``TOKENIZERS``), and ``autoencoder``: ``dct``
+        (fixed, see DCTAutoencoder) or ``kl`` (a small random AutoencoderKL: the real
+        architecture, for tests of that path)."""
         if autoencoder not in ("dct", "kl"):
             raise ValueError(f"data.examples.autoencoder={autoencoder!r} must be dct or kl")
+        if tokens not in TOKENIZERS:
+            raise ValueError(f"data.examples.tokenizer={tokens!r} must be one of {', '.join(TOKENIZERS)}")
         AutoencoderKL = quiet_autoencoder_kl()
         from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-        tok = ByteTokenizer()
+        tok = TOKENIZERS[tokens]()
         torch.manual_seed(seed)
         t5 = T5EncoderModel(T5Config(vocab_size=tok.vocab_size, d_model=context_dim, d_kv=8, d_ff=2 * context_dim,
                                      num_layers=2, num_heads=4, pad_token_id=tok.pad_id, eos_token_id=tok.eos_id))
@@ -145,7 +173,8 @@ class FluxEncoders:
                 scaling_factor=LATENT_SCALE, shift_factor=LATENT_SHIFT))
         else:
             ae = DCTAutoencoder()
-        return cls(t5, clip, ae, tok, tok, identity=f"tiny:{context_dim}:{pooled_dim}:{seed}:{autoencoder}")
+        words = "" if tokens == "bytes" else f":{tokens}"  # the byte encoders' identity as before
+        return cls(t5, clip, ae, tok, tok, identity=f"tiny:{context_dim}:{pooled_dim}:{seed}:{autoencoder}{words}")
 
     @classmethod
     def pretrained(cls, directory: str) -> "FluxEncoders":

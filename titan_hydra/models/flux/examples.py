@@ -38,7 +38,7 @@ class FluxExamples:
 
     def __init__(self, context_dim: int, pooled_dim: int, pretrained: str | None = None, max_text_len: int = 32,
                  caption_dropout: float = 0.1, timestep_shift: float = 1.0, guidance: float | None = None,
-                 encoder_seed: int = 0, autoencoder: str = "dct"):
+                 encoder_seed: int = 0, autoencoder: str = "dct", tokenizer: str = "bytes"):
         if not 0.0 <= caption_dropout < 1.0:
             raise ValueError(f"data.examples.caption_dropout={caption_dropout} must be in [0, 1)")
         if timestep_shift <= 0:
@@ -49,6 +49,7 @@ class FluxExamples:
         self.guidance = None if guidance is None else float(guidance)
         self.encoder_seed = int(encoder_seed)
         self.autoencoder = str(autoencoder)  # tiny encoders only: dct or kl (encoders.FluxEncoders.tiny)
+        self.tokenizer = str(tokenizer)  # tiny encoders only: bytes or words (encoders.TOKENIZERS)
         self._encoders: FluxEncoders | None = None
 
     @property
@@ -57,7 +58,7 @@ class FluxExamples:
         if self._encoders is None:
             self._encoders = (FluxEncoders.pretrained(self.pretrained) if self.pretrained
                               else FluxEncoders.tiny(self.context_dim, self.pooled_dim, self.encoder_seed,
-                                                     self.autoencoder))
+                                                     self.autoencoder, self.tokenizer))
         return self._encoders
 
     # -- geometry --------------------------------------------------------------------------------
@@ -70,7 +71,7 @@ class FluxExamples:
 
     def cache_key(self) -> str:
         return (f"flux:{self.pretrained or 'tiny'}:{self.context_dim}:{self.pooled_dim}:{self.max_text_len}:"
-                f"{self.encoder_seed}:{self.autoencoder}")
+                f"{self.encoder_seed}:{self.autoencoder}" + ("" if self.tokenizer == "bytes" else f":{self.tokenizer}"))
 
     # -- encoding ---------------------------------------------------------------------------------
     def encode(self, images: np.ndarray, captions: list[str], chunk: int = 32) -> dict[str, Any]:
