@@ -158,14 +158,14 @@ def test_sweep_points_are_hydras():
 # ----------------------------------------------------------------------------- as real processes
 
 
-def _readme_line(fragment: str) -> DocCommand:
-    return next(c for c in LAUNCH_LINES if fragment in c.line and c.where.startswith("README.md"))
+def _readme_line(fragment: str, doc: str = "README.md") -> DocCommand:
+    return next(c for c in LAUNCH_LINES if fragment in c.line and c.where.startswith(doc))
 
 
 @pytest.mark.slow
 def test_flux_dev_line_runs_as_printed(tmp_path):
-    """The README's FLUX.1 [dev] planning line, as a user pastes it: the plan of 16 H100s."""
-    cmd = _readme_line("model=flux_dev")
+    """The docs' FLUX.1 [dev] planning line, as a user pastes it: the plan of 16 H100s."""
+    cmd = _readme_line("model=flux_dev", "docs/families.md")
     proc = run_launch(cmd.args, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, f"{cmd.where}: `{cmd.line}`\n{proc.stderr[-2000:]}"
     assert proc.stderr.strip() == ""
