@@ -37,6 +37,9 @@ NOT_RUN = {
 # suite or a flag that no longer exists) and --help stops them before anything runs.
 # tests/test_benchmark.py runs the default suite end to end.
 ARGUMENTS_ONLY = {"recipes/benchmark.py", "recipes/bench_health.py", "recipes/bench_flux_fidelity.py"}
+# Benchmark lines that run as printed plus these arguments: the whole path (every implementation
+# timed, the table, the JSON) on one short shape, not ~20 CPU-s of timing the docs' three lengths.
+SHORTER = {"recipes/bench_gdn.py": ["--seqs", "256", "--reps", "1"]}
 # Third-party noise that must not reach stdout either.
 NOISE = re.compile(r"Warning:|warnings\.warn|it/s\]|^fatal: |\[Task: |^\s*\d+%\|", re.M)
 
@@ -105,13 +108,14 @@ def user(tmp_path_factory) -> tuple[Path, dict[str, str]]:
 
 
 def _filled(cmd: DocCommand, paths: dict[str, str]) -> list[str]:
-    """The line's argv with this interpreter, the recipe's path and each fixture's path."""
+    """The line's argv with this interpreter, the recipe's path and each fixture's path (and the
+    recipe's ``SHORTER`` arguments)."""
     args = []
     for word in cmd.args:
         for key, path in paths.items():
             word = word.replace(f"@{key}@", path)
         args.append(word)
-    return [sys.executable, str(ROOT / cmd.program), *args]
+    return [sys.executable, str(ROOT / cmd.program), *args, *SHORTER.get(cmd.program, [])]
 
 
 def test_the_docs_show_the_recipe_lines_this_module_runs():
