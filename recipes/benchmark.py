@@ -28,6 +28,9 @@ are comparable; absolute numbers on shared 2-core machines are noisy.
         # without bucketed expert rows, fp32, and expert parallel on 2 ranks
     python recipes/benchmark.py --suite mtp --steps 200 --threads 2 training.seq_len=128
         # DeepSeek-V3 debug with and without multi-token prediction: validation loss at equal tokens
+    python recipes/benchmark.py --suite hybrid --steps 200 --batch 4 --seq-len 512 training.seq_len=128
+        # Qwen3.5 debug against transformers' implementation, tokens/s against the sequence length
+        # and loss at equal tokens for full attention / hybrid 3:1 / all Gated DeltaNet
 """
 
 from __future__ import annotations
@@ -472,11 +475,11 @@ def moe_memory_suite(args, tmp: Path) -> tuple[list[str], dict]:
 
 
 # ------------------------------------------------------------------------------ the mtp suite
-def mtp_run(args, tmp: Path, name: str, overrides: tuple[str, ...]) -> dict:
-    """One deepseek_v3_debug run of the mtp suite: validation every steps/4, the next-token CE of
-    the training batches (the MTP run's loss minus its weighted MTP term) and tokens/s."""
+def mtp_run(args, tmp: Path, name: str, overrides: tuple[str, ...], model: str = "deepseek_v3_debug") -> dict:
+    """One run of the mtp (or hybrid) suite: validation every steps/4, the next-token CE of the
+    training batches (an MTP run's loss minus its weighted MTP term) and tokens/s."""
     run_dir = tmp / "".join(c if c.isalnum() else "_" for c in name)
-    cmd = [sys.executable, str(REPO / "launch.py"), "model=deepseek_v3_debug", *overrides,
+    cmd = [sys.executable, str(REPO / "launch.py"), f"model={model}", *overrides,
            f"training.steps={args.steps}", f"training.val_freq={max(1, args.steps // 4)}", "training.val_steps=8",
            "logger=minimal", "checkpoint=none", "cluster.nproc_per_node=1",
            f"cluster.threads_per_proc={args.threads}", f"hydra.run.dir={run_dir}", *args.extra]
@@ -522,7 +525,30 @@ def mtp_suite(args, tmp: Path) -> tuple[list[str], dict]:
     return lines, {"suite": "mtp", "steps": args.steps, "rows": rows}
 
 
-EXTRA_SUITES = {"data": data_suite, "ft": ft_suite, "moe_memory": moe_memory_suite, "mtp": mtp_suite}
+# ---------------------------------------------------------------------------- the hybrid suite
+def hybrid_suite(args, tmp: Path) -> tuple[list[str], dict]:
+    """Qwen3.5's hybrid (recipes/bench_hybrid.py): (a) tokens/s against transformers' implementation,
+    (b) tokens/s against the sequence length per layer pattern, (c) loss after equal tokens per
+    pattern (``--steps`` steps of launch.py; 0 skips it)."""
+    import torch
+
+    import bench_hybrid
+    from titan_hydra.hardware import cpu_isa, cpu_model
+
+    torch.set_num_threads(args.threads)
+    result = {"suite": "hybrid", "date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(), "threads": args.threads,
+              "torch": torch.__version__, "timed_steps": args.timed_steps,
+              "vs_transformers": bench_hybrid.versus_transformers(args),
+              "seq_sweep": bench_hybrid.seq_sweep(args), "loss_steps": args.steps}
+    result["loss"] = [mtp_run(args, tmp, name, (f"model.full_attention_interval={k}",), model="qwen3_5_debug")
+                      for name, k in bench_hybrid.PATTERNS.items()] if args.steps else []
+    heading = (f"suite `hybrid` — {result['date']}, {cpu_model()} ({cpu_isa()}), {os.cpu_count()} cores "
+               f"(shared), {args.threads} thread(s), torch {torch.__version__}, median of {args.timed_steps} timed steps")
+    return bench_hybrid.tables(result, heading), result
+
+
+EXTRA_SUITES = {"data": data_suite, "ft": ft_suite, "moe_memory": moe_memory_suite, "mtp": mtp_suite,
+                "hybrid": hybrid_suite}
 
 
 def parse_args() -> argparse.Namespace:
@@ -535,8 +561,11 @@ def parse_args() -> argparse.Namespace:
                         "its tokenization of the same corpus is timed beside prepare_data's")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="data suite: preparation workers")
     p.add_argument("--heap-cap-mb", type=int, default=None, help="data suite: RLIMIT_DATA per process")
-    p.add_argument("--seq-len", type=int, default=256, help="data suite: loader and training sequence length")
-    p.add_argument("--batch", type=int, default=8, help="data suite: loader and training batch")
+    p.add_argument("--seq-len", type=int, default=256, help="data suite: loader and training sequence length; hybrid: of table (a)")
+    p.add_argument("--batch", type=int, default=8, help="data suite: loader and training batch; hybrid: of table (a)")
+    p.add_argument("--seqs", type=int, nargs="+", default=[256, 1024, 4096, 8192],
+                   help="hybrid suite: sequence lengths of the layer-pattern sweep")
+    p.add_argument("--timed-steps", type=int, default=5, help="hybrid suite: timed steps per in-process point")
     p.add_argument("--variant", default=None, help="moe_memory suite: only the variants whose name contains this")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5, help="steps excluded from the medians")

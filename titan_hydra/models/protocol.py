@@ -67,6 +67,14 @@ class ModelShape:
     # through the output head; their non-expert parameters count in head_params (they sit with
     # the head on the last pipeline stage), their experts in expert_params / moe_layers.
     mtp_layers: int = 0
+    # Linear-attention (Gated DeltaNet) layers of a hybrid, of n_layers: their saved activations
+    # are linear in the sequence with a chunk and a per-chunk state term (planner/activations.py).
+    linear_layers: int = 0
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_head_dim: int = 0
+    linear_v_head_dim: int = 0
+    linear_chunk: int = 64
 
     @property
     def block_params(self) -> float:

@@ -107,6 +107,35 @@ def moe_activation_bytes(args: ModelShape, kind: str, mode: str, tokens: float) 
     return tokens * per_token
 
 
+# Gated DeltaNet layers of a hybrid (ModelShape.linear_*) save more per token than the attention
+# they replace, and all of it linear in the sequence: the convolution's input, output and SiLU,
+# the rule's per-value-head q/k/v copies, solution and outputs, the gated norm's inputs (widths);
+# the [C, C] intra-chunk scores, decays and triangular system per value head (chunk); the per-chunk
+# [dk, dk] transition and [dk, dv] state, scanned and stacked (state / C per token). Bytes per
+# element of that count, net of the attention tensors the block coefficients already hold, fitted
+# with MemTracker on qwen3_5_debug (4 layers, all-linear vs all-full vs 3:1, seq 256 -> 512:
+# 27.4 kB (fp32) and 22.7 kB (bf16) per token and layer over an attention layer, 2026-11-27). bf16
+# is close to fp32 because the rule runs in fp32 whatever the input. Selective AC is counted as
+# none (an upper bound: its policy saves the rule's matmul outputs); full AC keeps the input only.
+LINEAR_ATTN_COEF = {"fp32": 3.24, "bf16": 2.69, "bf16_params": 2.69}
+
+
+def linear_attention_elements(args: ModelShape) -> float:
+    """Elements per token one Gated DeltaNet layer saves for backward (torch chunked form)."""
+    hv, dk, c = args.linear_v_heads, args.linear_k_head_dim, args.linear_chunk
+    key, value = args.linear_k_heads * dk, hv * args.linear_v_head_dim
+    widths = 3 * (2 * key + value) + 6 * hv * dk + 9 * value
+    return widths + 5 * hv * c + 2 * hv * dk * (dk + args.linear_v_head_dim) / c
+
+
+def linear_attention_bytes(args: ModelShape, kind: str, mode: str, tokens: float) -> float:
+    """What one linear-attention layer saves beyond an attention block (0 for a model without
+    them, and under full AC: only the block input is kept)."""
+    if not args.linear_layers or mode == "full":
+        return 0.0
+    return tokens * LINEAR_ATTN_COEF[kind] * linear_attention_elements(args)
+
+
 # Loss backward, per logit element: the fp32 log-softmax output kept for backward, its incoming
 # gradient and the gradient it produces (4 B each, alive together inside log_softmax_backward).
 LOSS_BACKWARD_BYTES_PER_LOGIT = 12

@@ -19,6 +19,7 @@ from titan_hydra.models.protocol import ModelShape
 from titan_hydra.planner.activations import (
     activation_bytes,
     head_activation_bytes,
+    linear_attention_bytes,
     moe_activation_bytes,
     precision_kind,
 )
@@ -207,6 +208,7 @@ def rank_memory(spec: RunSpec, runtime: Runtime, seq: int) -> RankMemory:
         # CUDA: what the run holds (cuda_dynamic_peak) times the caching allocator's reserve.
         dyn, unsharded = cuda_dynamic_peak(spec, runtime, seq_len=seq)
         dyn += math.ceil(args.moe_layers / dims.pp) * moe_activation_bytes(args, kind, ac.mode, local_tokens)
+        dyn += math.ceil(args.linear_layers / dims.pp) * linear_attention_bytes(args, kind, ac.mode, local_tokens)
         act, transient = dyn - unsharded, unsharded
         compiled = str(cfg.compile.mode) != "none"
         reserve = ALLOCATOR_RESERVE_COMPILED if compiled else ALLOCATOR_RESERVE_EAGER
@@ -234,6 +236,7 @@ def saved_activation_bytes(spec: RunSpec, kind: str, local_tokens: float, params
     act = activation_bytes(args, kind, ac.mode, local_tokens, layers, int(ac.selective_layer_freq), dims.tp,
                            str(ac.selective_op_policy))
     act += math.ceil(args.moe_layers / dims.pp) * moe_activation_bytes(args, kind, ac.mode, local_tokens)
+    act += math.ceil(args.linear_layers / dims.pp) * linear_attention_bytes(args, kind, ac.mode, local_tokens)
     act += head_activation_bytes(args, local_tokens, dims, kind)
     act += fp32_attention_bytes(spec, local_tokens, layers)
     if kind == "bf16":  # autocast's bf16 copies of the weights live until backward ends

@@ -11,15 +11,19 @@ What differs from a plain decoder:
 * FLOPs: attention's quadratic term counts the full-attention layers only; a DeltaNet layer adds
   its chunked form's work per token (intra-chunk scores and outputs over ``linear_chunk_size``
   tokens, plus reading and writing the [dk, dv] state per value head), linear in the sequence.
+* Shape: the DeltaNet layers' count and widths ride on ``ModelShape`` (``linear_*``), so the
+  planner's activation model can count what they save.
 * Signature: the layer types and the rotary share change what the weights compute.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from titan_hydra.errors import ConfigError
 from titan_hydra.models.common.decoder_family import DecoderFamily
+from titan_hydra.models.protocol import ModelShape
 from titan_hydra.models.qwen3_5.layer_pattern import FULL, LINEAR
 
 _SEMANTIC = ("layer_kinds", "partial_rotary_factor", "linear_num_key_heads", "linear_num_value_heads",
@@ -36,6 +40,13 @@ class HybridFamily(DecoderFamily):
             raise ConfigError(f"parallelism.cp={dims.cp} is not supported for {self.name} with linear_attention "
                               "layers (the Gated DeltaNet state would pass between context ranks); use parallelism.cp=1")
         super().check(args, dims, seq_len)
+
+    def shape(self, args: Any) -> ModelShape:
+        return dataclasses.replace(
+            super().shape(args), linear_layers=args.layer_kinds.count(LINEAR),
+            linear_k_heads=args.linear_num_key_heads, linear_v_heads=args.linear_num_value_heads,
+            linear_k_head_dim=args.linear_key_head_dim, linear_v_head_dim=args.linear_value_head_dim,
+            linear_chunk=args.linear_chunk_size)
 
     def signature(self, args: Any) -> dict[str, Any]:
         sig = super().signature(args)
