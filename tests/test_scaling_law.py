@@ -41,17 +41,37 @@ def relative_errors(fitted: Law, true: Law) -> dict[str, float]:
     return {p: abs(getattr(fitted, p) / getattr(true, p) - 1) for p in PARAMS}
 
 
+def tokens_per_param_ladder(law: Law, noise: float, seed: int = 0):
+    """A Chinchilla-like design: 7 sizes over 3 decades (N = 1e7..1e10), each trained at 7 token budgets
+    of 1..300 tokens per parameter (2.5 decades of D per size, D = 1e7..3e12), loss = law x lognormal noise."""
+    n, tpp = (x.ravel() for x in np.meshgrid(np.geomspace(1e7, 1e10, 7), np.geomspace(1.0, 300.0, 7)))
+    d = n * tpp
+    return n, d, law.loss(n, d) * np.exp(np.random.default_rng(seed).normal(0.0, noise, n.shape))
+
+
 def test_fit_recovers_the_law_within_5_percent():
-    exact = fit_law(*ladder(CHINCHILLA, noise=0.0))
+    """All five parameters within 5% at 0.1% multiplicative loss noise, 3 seeds, on a design with
+    D spanning 2.5 decades per size. B = (B/D^beta) x D^beta is read off the data through beta: its
+    relative error is about |beta error| x ln D (~20 here). On a 7 x 7 grid with D over 2 decades for
+    every size (1e9..1e11, the ``ladder`` above), beta's error at this noise is up to 2.3% and B's
+    13% (10 seeds); per-size D ranges of 1..300 tokens per parameter pin beta to 0.3% and B to 1.2%."""
+    exact = fit_law(*tokens_per_param_ladder(CHINCHILLA, noise=0.0))
     assert max(relative_errors(exact, CHINCHILLA).values()) < 1e-6  # the optimizer finds the minimum
-    for seed in range(3):  # 0.1% loss noise
-        noisy = fit_law(*ladder(CHINCHILLA, noise=0.001, seed=seed))
+    for seed in range(3):
+        noisy = fit_law(*tokens_per_param_ladder(CHINCHILLA, noise=0.001, seed=seed))
         errors = relative_errors(noisy, CHINCHILLA)
-        # B is the weakly determined one (Besiroglu et al.): log B moves with beta x log D, ~23x
-        assert max(errors[p] for p in ("E", "A", "alpha", "beta")) < 0.05 and errors["B"] < 0.15, errors
+        assert max(errors.values()) < 0.05, errors
         # what a fit is for: the loss 4x beyond the largest run, and the optimal size at 1e24 FLOPs
-        assert noisy.loss(4e9, 4e11) == pytest.approx(CHINCHILLA.loss(4e9, 4e11), rel=0.01)
+        assert noisy.loss(4e10, 4e12) == pytest.approx(CHINCHILLA.loss(4e10, 4e12), rel=0.01)
         assert noisy.optimal(1e24)[0] == pytest.approx(CHINCHILLA.optimal(1e24)[0], rel=0.05)
+
+
+def test_a_narrow_token_range_leaves_b_loose():
+    """The contrast that motivates the design above: the same noise on D = 1e9..1e11 for every size
+    gets E, A, alpha, beta within 5% but B only within 15%, because beta is twice as loose there."""
+    noisy = fit_law(*ladder(CHINCHILLA, noise=0.001, seed=0))
+    errors = relative_errors(noisy, CHINCHILLA)
+    assert max(errors[p] for p in ("E", "A", "alpha", "beta")) < 0.05 and 0.05 < errors["B"] < 0.15, errors
 
 
 def test_bootstrap_intervals_cover_the_truth():
