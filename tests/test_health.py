@@ -18,6 +18,7 @@ from titan_hydra.errors import ConfigError, TrainingDiverged
 from titan_hydra.spec import spec_of
 from titan_hydra.train.health.guard import SpikeWindow, StepGuard
 from titan_hydra.train.health.monitor import HealthMonitor
+from titan_hydra.train.health.recheck import GradRecheck
 from titan_hydra.train.health.sdc import SilentCorruption
 from titan_hydra.train.health.settings import FaultInjection, Health
 from titan_hydra.train.health.watchdog import hang_line
@@ -229,3 +230,39 @@ def test_a_gradient_bit_flip_is_named_transient_or_persistent(tmp_path):
     assert out["losses"] == train(tmp_path, [], "clean")["losses"]  # the agreeing gradients were applied
     with pytest.raises(SilentCorruption, match=r"^step 2 recheck: .* on rank 0 \(persistent\); stopping"):
         train(tmp_path, flip + ["fault_injection.bitflip_target=grad_every_run"], "stop")
+
+
+
+class Counting(torch.nn.Linear):
+    """A layer whose forward also counts, as an MoE layer counts its experts' load."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 2)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("bad_run, kept_run", [(0, 1), (1, 0)])
+def test_the_recheck_keeps_the_agreeing_gradients_and_counts_the_forward_once(bad_run, kept_run):
+    """The run that erred (the step's own: 0, or the re-run: 1) is outvoted by the third."""
+    torch.manual_seed(0)
+    layer, x, grads = Counting(), torch.randn(4, 3), {}
+
+    def rerun():
+        layer(x).square().sum().backward()
+
+    def corrupt(step, run, local):
+        if run == bad_run:
+            local[0].view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 20)
+        grads[run] = local[0].clone()
+
+    check = GradRecheck(every=1, action="continue", device=torch.device("cpu"), corrupt=corrupt)
+    check.begin_step(1)
+    rerun()
+    metrics, line = check.check(1, list(layer.parameters()), rerun, list(layer.buffers()))
+    assert metrics == {"health/recheck_mismatch": 1.0} and "rank 0 (transient)" in line
+    assert not torch.equal(grads[0], grads[1]) and torch.equal(grads[2], grads[kept_run])
+    assert torch.equal(layer.weight.grad, grads[kept_run]) and layer.calls.item() == 1

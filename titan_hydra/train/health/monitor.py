@@ -80,7 +80,8 @@ class HealthMonitor:
 
     def recheck_step(self, step: int, params: list, rerun: Callable[[], object]) -> None:
         """A due step's gradients against a re-run of its micro-batches (``rerun``), before they are used."""
-        metrics, line = self.recheck.check(step, params, rerun)
+        buffers = [b for part in self.parts for b in part.buffers()]
+        metrics, line = self.recheck.check(step, params, rerun, buffers)
         self.metric_logger.log(metrics, step)
         if line:
             self.say(line)

@@ -100,9 +100,18 @@ class GradRecheck:
             if g is not None and p.grad is not None:
                 _local(p.grad).copy_(g)
 
-    def check(self, step: int, params: list, rerun: Callable[[], None]) -> tuple[dict[str, float], str | None]:
-        """Re-run the step (``rerun``: its micro-batches' forward/backward) and compare; (metrics, line)."""
+    @torch.no_grad()
+    def _restore_buffers(self, buffers: list, kept: list) -> None:
+        for b, k in zip(buffers, kept):
+            b.copy_(k)
+
+    def check(self, step: int, params: list, rerun: Callable[[], None],
+              buffers: list[torch.Tensor] = ()) -> tuple[dict[str, float], str | None]:
+        """Re-run the step (``rerun``: its micro-batches' forward/backward) and compare; (metrics, line).
+        ``buffers`` (state a forward updates, e.g. MoE expert load counters) are put back as the step's
+        own run left them, so the re-runs are not counted twice."""
         t0 = time.perf_counter()
+        kept_buffers = [b.detach().clone() for b in buffers]
         self.corrupt(step, 0, [g for g in (_local(p.grad) for p in params) if g is not None])
         first = [None if p.grad is None else _local(p.grad).clone() for p in params]
         second = self._run(step, 1, params, rerun)
@@ -119,6 +128,7 @@ class GradRecheck:
                 code = 2
             codes = self._gather(code)
         self._restore(params, keep)
+        self._restore_buffers(buffers, kept_buffers)
         self.seconds += time.perf_counter() - t0
         bad = {r: CLASSES[c] for r, c in enumerate(codes) if c}
         if not bad:
