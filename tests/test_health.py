@@ -22,7 +22,7 @@ from titan_hydra.train.health.recheck import GradRecheck
 from titan_hydra.train.health.sdc import SilentCorruption
 from titan_hydra.train.health.settings import FaultInjection, Health
 from titan_hydra.train.health.watchdog import hang_line
-from titan_hydra.train.pretrain import run
+from titan_hydra.train.pretrain import health_of, run
 
 FAST = TINY + ["logger=minimal", "training.val_freq=0", "cluster.threads_per_proc=1",
                "training.mixed_precision=fp32", "training.steps=4"]
@@ -266,3 +266,10 @@ def test_the_recheck_keeps_the_agreeing_gradients_and_counts_the_forward_once(ba
     assert metrics == {"health/recheck_mismatch": 1.0} and "rank 0 (transient)" in line
     assert not torch.equal(grads[0], grads[1]) and torch.equal(grads[2], grads[kept_run])
     assert torch.equal(layer.weight.grad, grads[kept_run]) and layer.calls.item() == 1
+
+
+def test_a_recheck_on_gpu_asks_for_deterministic_kernels():
+    spec = spec_of(compose_cfg(["health.recheck_every=10"]))
+    with pytest.raises(ConfigError, match=r"^health.recheck_every=10 compares gradients bit for bit.*"
+                                          r"set training.deterministic=true or health.recheck_every=0"):
+        health_of(spec, "", 0, torch.device("cuda"), None, None, None, None, None)
