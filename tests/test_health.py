@@ -1,6 +1,7 @@
 """The ``health`` group on one process: the skip decision's numbers, a skipped step that leaves
-weights, optimizer and schedule bit-equal, equal to a run whose data skipped that batch, and a
-rollback past the bad data window (see test_health_ranks.py for 2 ranks)."""
+weights, optimizer and schedule bit-equal, equal to a run whose data skipped that batch, a
+rollback past the bad data window, and the gradient recheck that finds an injected bit flip
+(see test_health_ranks.py for 2 ranks)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from titan_hydra.errors import ConfigError, TrainingDiverged
 from titan_hydra.spec import spec_of
 from titan_hydra.train.health.guard import SpikeWindow, StepGuard
 from titan_hydra.train.health.monitor import HealthMonitor
+from titan_hydra.train.health.recheck import GradRecheck
+from titan_hydra.train.health.sdc import SilentCorruption
 from titan_hydra.train.health.settings import FaultInjection, Health
 from titan_hydra.train.health.watchdog import hang_line
-from titan_hydra.train.pretrain import run
+from titan_hydra.train.pretrain import health_of, run
 
 FAST = TINY + ["logger=minimal", "training.val_freq=0", "cluster.threads_per_proc=1",
                "training.mixed_precision=fp32", "training.steps=4"]
@@ -66,11 +69,19 @@ def test_bad_settings_name_the_key():
         Health(spike_window=20, spike_min_history=30)
     with pytest.raises(ConfigError, match="fault_injection.delay_s=-1"):
         FaultInjection(delay_s=-1)
+    with pytest.raises(ConfigError, match="health.recheck_action='log' is not one of stop, continue"):
+        Health(recheck_action="log")
+    with pytest.raises(ConfigError, match="fault_injection.bitflip_target='act' is not one of weight, grad"):
+        FaultInjection(bitflip_target="act")
 
 
 def test_the_header_lines_state_the_cost_and_shout_when_faults_are_on():
     assert "no extra collective per step" in Health().describe()
     assert Health(enable=False).describe().startswith("off")
+    assert "no gradient recheck" in Health().describe()
+    assert "gradients recomputed and compared every 100 steps" in Health(recheck_every=100).describe()
+    assert FaultInjection(bitflip_rank=1, at_step=4, bitflip_target="grad").describe().endswith(
+        "rank 1 flips a gradient bit in the recheck of step 4")
     faults = FaultInjection(nan_at_step=5, slow_rank=1, delay_s=0.2)
     assert not FaultInjection().enabled and faults.enabled
     assert faults.describe() == ("!!! FAULT INJECTION ON (a drill, not a real run): NaN at step 5 on rank 0; "
@@ -197,3 +208,68 @@ def test_an_injected_spike_is_skipped_under_the_skip_action(tmp_path):
     report = json.loads((tmp_path / "spike/health/rank0.json").read_text())
     [line] = report["event_lines"]
     assert line.startswith("step 5 spike: loss is ") and line.endswith("skipped (optimizer and schedule untouched)")
+
+
+def test_a_recheck_that_finds_nothing_leaves_the_run_bit_identical(tmp_path):
+    accum = ["training.global_batch_size=8"]  # 2 micro-batches per step: both are run again
+    checked = train(tmp_path, accum + ["health.recheck_every=1"], "recheck")
+    clean = train(tmp_path, accum, "clean")
+    assert checked["losses"] == clean["losses"] and checked["health"]["recheck_mismatches"] == 0
+    assert_bit_equal(checked["full_state"], clean["full_state"])
+    rows = [r for r in read_metrics(tmp_path / "recheck") if "health/recheck_mismatch" in r]
+    assert [(r["step"], r["health/recheck_mismatch"]) for r in rows] == [(s, 0) for s in range(1, 5)]
+
+
+def test_a_gradient_bit_flip_is_named_transient_or_persistent(tmp_path):
+    flip = ["health.recheck_every=2", "fault_injection.bitflip_rank=0", "fault_injection.at_step=2"]
+    out = train(tmp_path, flip + ["health.recheck_action=continue", "fault_injection.bitflip_target=grad"], "flip")
+    [line] = json.loads((tmp_path / "flip/health/rank0.json").read_text())["event_lines"]
+    assert line == ("step 2 recheck: the same batch gave other gradients on rank 0 (transient); "
+                    "continuing with the agreeing gradients")
+    assert out["health"]["recheck_mismatches"] == 1 and out["steps"] == 4
+    assert out["losses"] == train(tmp_path, [], "clean")["losses"]  # the agreeing gradients were applied
+    with pytest.raises(SilentCorruption, match=r"^step 2 recheck: .* on rank 0 \(persistent\); stopping"):
+        train(tmp_path, flip + ["fault_injection.bitflip_target=grad_every_run"], "stop")
+
+
+
+class Counting(torch.nn.Linear):
+    """A layer whose forward also counts, as an MoE layer counts its experts' load."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 2)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("bad_run, kept_run", [(0, 1), (1, 0)])
+def test_the_recheck_keeps_the_agreeing_gradients_and_counts_the_forward_once(bad_run, kept_run):
+    """The run that erred (the step's own: 0, or the re-run: 1) is outvoted by the third."""
+    torch.manual_seed(0)
+    layer, x, grads = Counting(), torch.randn(4, 3), {}
+
+    def rerun():
+        layer(x).square().sum().backward()
+
+    def corrupt(step, run, local):
+        if run == bad_run:
+            local[0].view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 20)
+        grads[run] = local[0].clone()
+
+    check = GradRecheck(every=1, action="continue", device=torch.device("cpu"), corrupt=corrupt)
+    check.begin_step(1)
+    rerun()
+    metrics, line = check.check(1, list(layer.parameters()), rerun, list(layer.buffers()))
+    assert metrics == {"health/recheck_mismatch": 1.0} and "rank 0 (transient)" in line
+    assert not torch.equal(grads[0], grads[1]) and torch.equal(grads[2], grads[kept_run])
+    assert torch.equal(layer.weight.grad, grads[kept_run]) and layer.calls.item() == 1
+
+
+def test_a_recheck_on_gpu_asks_for_deterministic_kernels():
+    spec = spec_of(compose_cfg(["health.recheck_every=10"]))
+    with pytest.raises(ConfigError, match=r"^health.recheck_every=10 compares gradients bit for bit.*"
+                                          r"set training.deterministic=true or health.recheck_every=0"):
+        health_of(spec, "", 0, torch.device("cuda"), None, None, None, None, None)

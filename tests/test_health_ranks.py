@@ -1,6 +1,7 @@
 """The ``health`` group under fsdp(2), through launch.py: a NaN that only one rank sees is
 skipped by both ranks, a slow rank is named, a hung rank ends the run with both ranks' stacks and
-the launcher's restart finishes it from the last checkpoint."""
+the launcher's restart finishes it from the last checkpoint, a gradient bit flip on one rank is
+found by the recheck and named on both."""
 
 from __future__ import annotations
 
@@ -85,3 +86,15 @@ def test_a_flipped_weight_bit_on_one_replica_stops_the_run_naming_it(tmp_path):
     assert "silent corruption at step 2: rank(s) [0, 1] hold weights that differ from their replicas' " \
            "(first: tok_embeddings.weight)" in proc.stderr
     assert by_step(run_dir, "health/replicas_differ") == {1: 0.0}  # step 1 compared equal
+
+
+@pytest.mark.slow
+def test_a_gradient_bit_flip_on_one_rank_is_found_by_the_recheck_and_named(tmp_path):
+    proc, run_dir = launch(tmp_path, "recheck", [
+        "training.steps=4", "health.recheck_every=2", "health.recheck_action=continue",
+        "fault_injection.bitflip_rank=1", "fault_injection.at_step=2", "fault_injection.bitflip_target=grad"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("health: step 2 recheck: the same batch gave other gradients on rank 1 (transient); "
+                             "continuing with the agreeing gradients") == 1
+    assert [r["recheck_mismatches"] for r in rank_reports(run_dir)] == [1, 1]  # both ranks decided alike
+    assert by_step(run_dir, "health/recheck_mismatch") == {2: 1.0, 4: 0.0}

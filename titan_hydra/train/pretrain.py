@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from titan_hydra.checkpoint.live import live_state_fns
 from titan_hydra.config import to_container
 from titan_hydra.data.loader import joined_batches
-from titan_hydra.errors import UserError
+from titan_hydra.errors import ConfigError, UserError
 from titan_hydra.errors import instantiate_checked as instantiate
 from titan_hydra.kernels.attention_policy import apply_attention_kernel
 from titan_hydra.kernels.attention_precision import apply_attention_precision
@@ -331,6 +331,9 @@ def health_of(spec: RunSpec, run_dir: str, rank: int, device: torch.device, buil
     settings, faults = instantiate(spec.config.health), instantiate(spec.config.fault_injection)
     if not settings.enable and not faults.enabled:
         return None
+    if settings.enable and settings.recheck_every and device.type == "cuda" and not spec.config.training.deterministic:
+        raise ConfigError(f"health.recheck_every={settings.recheck_every} compares gradients bit for bit, which needs "
+                          "deterministic kernels on GPU: set training.deterministic=true or health.recheck_every=0")
     return HealthMonitor(settings, faults, run_dir=run_dir, rank=rank, world_size=spec.world_size, device=device,
                          parts=built.parts, checkpointer=checkpointer, loader=data.train_loader, state=state,
                          metric_logger=metric_logger, dims=spec.dims)

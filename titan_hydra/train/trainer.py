@@ -75,6 +75,24 @@ class Trainer:
         """Forward + backward of one microbatch; returns its (local) mean loss, detached."""
         return self.model.runner.forward_backward(to_device(inputs, self.device), to_device(labels, self.device))
 
+    def accumulate(self) -> tuple[list[torch.Tensor], int, float]:
+        """The step's micro-batches forward and backward: (their losses, units, data seconds). On a
+        recheck step the health monitor runs the same micro-batches again and compares the gradients."""
+        step = self.state.step + 1
+        recheck = self.health is not None and self.health.recheck.due(step)
+        losses, batches, tokens, data_time = [], [], 0, 0.0
+        for _ in range(self.schedule.grad_accum_steps):
+            t0 = time.perf_counter()
+            inputs, labels = next(self.data.train_loader)
+            data_time += time.perf_counter() - t0
+            tokens += self.model.objective.units(inputs)
+            losses.append(self.forward_backward(inputs, labels))
+            batches += [(inputs, labels)] if recheck else []  # kept on a recheck step only
+        if recheck:
+            params = [p for m in self.model.parts for p in m.parameters()]
+            self.health.recheck_step(step, params, lambda: [self.forward_backward(*b) for b in batches])
+        return losses, tokens, data_time
+
     # --- one optimizer step -----------------------------------------------------------
     def train_step(self) -> dict[str, float]:
         """One optimizer step; the metrics say ``committed: False`` when torchft dropped it."""
@@ -84,15 +102,7 @@ class Trainer:
         if self.health is not None:
             self.health.begin_step(self.state.step + 1)
         self.optimizer.zero_grad(set_to_none=True)
-        data_time = 0.0
-        losses = []
-        tokens = 0
-        for _ in range(self.schedule.grad_accum_steps):
-            t0 = time.perf_counter()
-            inputs, labels = next(self.data.train_loader)
-            data_time += time.perf_counter() - t0
-            tokens += self.model.objective.units(inputs)
-            losses.append(self.forward_backward(inputs, labels))
+        losses, tokens, data_time = self.accumulate()
         params = [p for m in self.model.parts for p in m.parameters()]
         local_loss = torch.stack(losses).mean()
         if ft is not None:  # the other replica groups' gradients (and losses, for the log)

@@ -9,7 +9,9 @@
   block in the step's first collective), which is what the watchdog must catch. Only the first
   attempt hangs: a restart finds the watchdog's reports in ``<run>/hang/`` and runs through.
 * bit flip: after the optimizer step of ``at_step`` one mantissa bit of this rank's first parameter
-  flips (fp32 weights), so this replica silently disagrees with the others.
+  flips (fp32 weights), so this replica silently disagrees with the others (``bitflip_target=weight``);
+  or one bit of its first gradient flips in the recheck's re-run of ``at_step`` (``grad``: a transient
+  fault), or a different bit in every run of that step (``grad_every_run``: a persistent one).
 """
 
 from __future__ import annotations
@@ -37,6 +39,14 @@ def busy_wait(seconds: float) -> None:
     end = time.thread_time() + seconds
     while time.thread_time() < end:
         pass
+
+
+@torch.no_grad()
+def _flip(t: torch.Tensor, bit: int) -> None:
+    """Flip ``bit`` of the first element of this rank's (local) fp32 tensor, in place."""
+    flat = (t.to_local() if isinstance(t, DTensor) else t).detach().view(-1)
+    if flat.element_size() == 4 and flat.numel():
+        flat[:1].view(torch.int32).bitwise_xor_(1 << bit)
 
 
 class Injector:
@@ -70,13 +80,21 @@ class Injector:
     @torch.no_grad()
     def after_step(self, step: int, parts: list[torch.nn.Module]) -> None:
         """After the optimizer step: the bit flip (a corrupted weight on one replica)."""
-        if self.faults.bitflip_rank != self.rank or step != self.faults.at_step or not parts:
+        if self.faults.bitflip_target != "weight" or self.faults.bitflip_rank != self.rank:
             return
-        p = next(parts[0].parameters())
-        local = p.to_local() if isinstance(p, DTensor) else p
-        flat = local.detach().view(-1)
-        if flat.element_size() == 4:
-            flat[:1].view(torch.int32).bitwise_xor_(1 << 20)  # a mantissa bit: a small, silent error
+        if step == self.faults.at_step and parts:
+            _flip(next(parts[0].parameters()), 20)  # a mantissa bit: a small, silent error
+
+    @torch.no_grad()
+    def corrupt_grads(self, step: int, run: int, grads: list[torch.Tensor]) -> None:
+        """After run ``run`` (0: the step's own) of a rechecked step's backward: the gradient bit flip."""
+        f = self.faults
+        if f.bitflip_rank != self.rank or step != f.at_step or not grads:
+            return
+        if f.bitflip_target == "grad" and run == 1:
+            _flip(grads[0], 20)
+        elif f.bitflip_target == "grad_every_run":
+            _flip(grads[0], 18 + run)  # another bit each run: no two runs agree
 
     def end_step(self) -> None:
         for hook in self._hooks:

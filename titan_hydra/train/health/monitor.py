@@ -3,7 +3,8 @@ watchdog and injected faults of one rank.
 
 The loop's calls, per step: ``begin_step`` (faults, watchdog beat, clock), ``judge`` (after the
 loss and gradient norm are reduced: apply the step or skip it; rolls back when too many were
-skipped in a row), ``end_step`` (after an applied step: straggler gather and replica comparison when due). Events print
+skipped in a row), ``recheck_step`` (on a recheck step, before the gradients are used: re-run and compare them),
+``end_step`` (after an applied step: straggler gather and replica comparison when due). Events print
 one ``health:`` line on rank 0 and log ``health/*`` metrics (files, TensorBoard, W&B); the run's
 summary counts them (``summary``).
 """
@@ -13,12 +14,13 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from titan_hydra.train.health.guard import StepGuard
 from titan_hydra.train.health.inject import Injector
+from titan_hydra.train.health.recheck import GradRecheck
 from titan_hydra.train.health.rollback import Rollback
 from titan_hydra.train.health.sdc import ReplicaCheck
 from titan_hydra.train.health.settings import FaultInjection, Health
@@ -43,6 +45,8 @@ class HealthMonitor:
         self.rollback = Rollback(checkpointer, loader, state, run_dir, rank, settings.max_rollbacks)
         self.replicas = ReplicaCheck(settings.checksum_every if settings.enable else 0, settings.checksum_action,
                                      dims, device)
+        self.recheck = GradRecheck(settings.recheck_every if settings.enable else 0, settings.recheck_action,
+                                   device, self.injector.corrupt_grads)
         self.stragglers = StragglerCheck(settings.straggler_every if settings.enable else 0, settings.straggler_ratio,
                                          rank, world_size, device)
         on = settings.enable and settings.hang_timeout_s > 0
@@ -69,9 +73,18 @@ class HealthMonitor:
 
     def begin_step(self, step: int) -> None:
         self.clock.start()
+        self.recheck.begin_step(step)
         self.injector.begin_step(step, self.parts)  # before the beat: a hung rank's last beat is the step before
         if self.watchdog is not None:
             self.watchdog.beat(step, "forward/backward")
+
+    def recheck_step(self, step: int, params: list, rerun: Callable[[], object]) -> None:
+        """A due step's gradients against a re-run of its micro-batches (``rerun``), before they are used."""
+        buffers = [b for part in self.parts for b in part.buffers()]
+        metrics, line = self.recheck.check(step, params, rerun, buffers)
+        self.metric_logger.log(metrics, step)
+        if line:
+            self.say(line)
 
     def judge(self, loss: float, grad_norm: float) -> bool:
         """Whether to apply this step (the same answer on every rank: both values are reduced)."""
@@ -115,4 +128,5 @@ class HealthMonitor:
     def summary(self) -> dict[str, Any]:
         """Counts for the run's end summary, and what the checks cost (seconds over the run)."""
         return {"skipped": self.guard.skipped, "spikes": self.guard.spikes, "rollbacks": self.rollback.done,
-                "events": len(self.events), "cost_s": self.own_s + self.stragglers.gather_s}
+                "events": len(self.events), "cost_s": self.own_s + self.stragglers.gather_s,
+                "recheck_mismatches": self.recheck.mismatches, "recheck_s": self.recheck.seconds}

@@ -14,6 +14,10 @@ from titan_hydra.errors import ConfigError
 
 SPIKE_ACTIONS = ("log", "skip")  # a spiking step is logged only, or logged and not applied
 CHECKSUM_ACTIONS = ("stop", "log")  # replicas whose weights differ: stop the run, or only report it
+RECHECK_ACTIONS = ("stop", "continue")  # a gradient that differs on a re-run: stop, or go on with the agreeing one
+# where an injected bit flip strikes: a weight after the step (replica comparison), a gradient in the
+# re-run of a rechecked step (transient), or a different bit in every run of that step (persistent)
+BITFLIP_TARGETS = ("weight", "grad", "grad_every_run")
 
 
 @dataclass
@@ -42,6 +46,11 @@ class Health:
     # without dp_replicate); a mismatch stops the run or is only logged (checksum_action)
     checksum_every: int = 100
     checksum_action: str = "stop"  # one of CHECKSUM_ACTIONS
+    # every N steps each rank runs the step's micro-batches forward and backward again and compares
+    # its gradients bitwise (0: never; needs training.deterministic=true on GPU); on a mismatch a
+    # third run tells transient from persistent, then recheck_action
+    recheck_every: int = 0
+    recheck_action: str = "stop"  # one of RECHECK_ACTIONS
 
     def __post_init__(self) -> None:
         if str(self.spike_action) not in SPIKE_ACTIONS:
@@ -49,8 +58,11 @@ class Health:
         if str(self.checksum_action) not in CHECKSUM_ACTIONS:
             raise ConfigError(f"health.checksum_action={self.checksum_action!r} is not one of "
                               f"{', '.join(CHECKSUM_ACTIONS)}")
+        if str(self.recheck_action) not in RECHECK_ACTIONS:
+            raise ConfigError(f"health.recheck_action={self.recheck_action!r} is not one of "
+                              f"{', '.join(RECHECK_ACTIONS)}")
         for key in ("spike_window", "spike_min_history", "max_skips_in_a_row", "max_rollbacks", "straggler_every",
-                    "checksum_every"):
+                    "checksum_every", "recheck_every"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"health.{key}={getattr(self, key)} must be >= 0")
         if self.spike_min_history > self.spike_window:
@@ -71,9 +83,11 @@ class Health:
         hang = f"hang watchdog {self.hang_timeout_s:g} s" if self.hang_timeout_s else "no hang watchdog"
         checksum = (f"replica weights compared every {self.checksum_every} steps (under dp_replicate)"
                     if self.checksum_every else "no replica comparison")
+        recheck = (f"gradients recomputed and compared every {self.recheck_every} steps (one extra forward/backward "
+                   f"per {self.recheck_every} steps)" if self.recheck_every else "no gradient recheck")
         cost = ("cost: no extra collective per step (decided from the reduced loss and grad norm), "
                 + (f"one small all-gather every {self.straggler_every} steps" if self.straggler_every else "no gather"))
-        return f"{nonfinite}; {spike}; {rollback}; {straggler}; {hang}; {checksum}; {cost}"
+        return f"{nonfinite}; {spike}; {rollback}; {straggler}; {hang}; {checksum}; {recheck}; {cost}"
 
 
 @dataclass
@@ -90,13 +104,17 @@ class FaultInjection:
     delay_s: float = 0.5
     hang_rank: Optional[int] = None  # this rank stops making progress at hang_at_step
     hang_at_step: int = 1
-    bitflip_rank: Optional[int] = None  # this rank flips one bit of its first parameter after step at_step
+    bitflip_rank: Optional[int] = None  # this rank flips one bit at step at_step, where bitflip_target says
     at_step: int = 1
+    bitflip_target: str = "weight"  # one of BITFLIP_TARGETS
 
     def __post_init__(self) -> None:
+        if str(self.bitflip_target) not in BITFLIP_TARGETS:
+            raise ConfigError(f"fault_injection.bitflip_target={self.bitflip_target!r} is not one of "
+                              f"{', '.join(BITFLIP_TARGETS)}")
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is not None and value < 0:
+            if isinstance(value, (int, float)) and value < 0:
                 raise ConfigError(f"fault_injection.{f.name}={value} must be >= 0")
 
     @property
@@ -117,5 +135,7 @@ class FaultInjection:
         if self.hang_rank is not None:
             faults.append(f"rank {self.hang_rank} hangs at step {self.hang_at_step}")
         if self.bitflip_rank is not None:
-            faults.append(f"rank {self.bitflip_rank} flips a weight bit after step {self.at_step}")
+            where = {"weight": "a weight bit after step", "grad": "a gradient bit in the recheck of step",
+                     "grad_every_run": "a different gradient bit in every run of step"}[self.bitflip_target]
+            faults.append(f"rank {self.bitflip_rank} flips {where} {self.at_step}")
         return "!!! FAULT INJECTION ON (a drill, not a real run): " + "; ".join(faults)
