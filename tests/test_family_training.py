@@ -32,16 +32,11 @@ FAMILIES = {
     # Gated DeltaNet 2 key / 4 value heads x 16 in chunks of 16 (4 per sequence: the chunk-to-chunk state
     # acts); the MoE flavor with 4 experts of width 32 plus the gated shared expert. TP and CP are refused
     # in one line (tests/test_qwen3_5.py).
-    "qwen3_5": (["model=qwen3_5_debug", "model.ffn_hidden_dim=96", *QWEN35_HYBRID], ["fsdp", "pp", "fsdp_compile_ac"],
+    "qwen3_5": (["model=qwen3_5_debug", "model.ffn_hidden_dim=96", *QWEN35_HYBRID], ["fsdp", "pp"],
                 []),
     "qwen3_5_moe": (["model=qwen3_5_moe_debug", *QWEN35_HYBRID, "model.moe.num_experts=4", "model.moe.expert_dim=32"],
                     ["ep", "pp"], [0, 1, 2, 3]),
 }
-# Layouts that are more than a parallelism option: per-block compile with selective (per-op) activation
-# checkpointing on fsdp(2), as tests/test_perf_layouts.py runs them (its COMPILE_ATOL: inductor may fuse
-# other kernels than eager; measured for qwen3_5: 9.5e-7).
-LAYOUTS = {"fsdp_compile_ac": ["parallelism=fsdp", "compile=model", "activation_checkpoint=selective_op"]}
-ATOL = {"fsdp_compile_ac": 5e-5}
 # How far the mean loss of the last 3 of 12 steps falls below the first 3 at least (measured: gpt_oss 1.1;
 # qwen3_5_moe 8.04 -> 7.54, its 8 experts per layer see a quarter of the tokens each)
 MIN_DROP = {"qwen3_5_moe": 0.4}
@@ -100,8 +95,8 @@ def test_debug_flavor_trains_with_falling_loss(tmp_path, family):
 def test_layout_loss_parity(tmp_path, singles, family, layout, record_property):
     _, reference = singles(family)
     dp = 1 if layout == "pp" else 2
-    losses = run_layout(tmp_path, [*overrides(family), *LAYOUTS.get(layout, [f"parallelism={layout}"])], nproc=2, dp=dp)
-    assert_parity(losses, reference, ATOL.get(layout, 1e-5), f"{family} {layout}", record_property)
+    losses = run_layout(tmp_path, [*overrides(family), f"parallelism={layout}"], nproc=2, dp=dp)
+    assert_parity(losses, reference, 1e-5, f"{family} {layout}", record_property)
 
 
 @pytest.mark.parametrize("family", by_cost(FAMILIES))
