@@ -247,3 +247,14 @@ def assert_parity(losses: list[float], reference: list[float], atol: float = 1e-
         record(f"{label} max |loss - single|".strip(), diff)
     assert diff <= atol, f"{label} max |loss - single| = {diff:.3g} > {atol}\nlayout: {losses}\nsingle: {reference}"
     return diff
+
+
+def model_logits(family: Any, args: Any, state: dict, tokens) -> Any:
+    """Logits of a family's model built from ``args`` with ``state`` loaded (what ``convert.read_model``
+    returns), in eval mode: the HF parity tests compare these with transformers'."""
+    import torch  # as above: torch only where a helper needs it
+
+    model = family.build(args).eval()
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model(tokens)

@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 
 import convert  # noqa: E402
+from helpers import model_logits
 from titan_hydra.spec import spec_of
 from titan_hydra.checkpoint import CheckpointError  # noqa: E402
 from titan_hydra.checkpoint.state import FORMAT_VERSION  # noqa: E402
@@ -151,11 +152,7 @@ def hf_logits(kind: str, path: Path) -> torch.Tensor:
 
 
 def our_logits(ckpt: Path) -> torch.Tensor:
-    family, args, sd = convert.read_model(ckpt)
-    model = family.build(args).eval()
-    model.load_state_dict(sd)
-    with torch.no_grad():
-        return model(TOKENS)
+    return model_logits(*convert.read_model(ckpt), TOKENS)
 
 
 def test_rotary_permutation_is_inverse():

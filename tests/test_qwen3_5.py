@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import compose_cfg
+from helpers import compose_cfg, model_logits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 
@@ -82,11 +82,7 @@ def hf_logits(kind: str, path: Path) -> torch.Tensor:
 
 
 def our_logits(ckpt: Path) -> torch.Tensor:
-    family, args, sd = convert.read_model(ckpt)
-    model = family.build(args).eval()
-    model.load_state_dict(sd)
-    with torch.no_grad():
-        return model(TOKENS)
+    return model_logits(*convert.read_model(ckpt), TOKENS)
 
 
 @pytest.mark.parametrize("kind", KINDS)
