@@ -4,6 +4,8 @@ isolated from each other, and the kernel policy (flash-linear-attention on CUDA)
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import Qwen3_5TextConfig
@@ -109,6 +111,21 @@ def test_packed_documents_equal_each_alone():
     # (up to rounding: the in-chunk decay sums still add the first document's g, then subtract it)
     (grad,) = torch.autograd.grad(packed[0, 37:].sum(), x)
     assert grad[0, :37].abs().max().item() < 1e-6 * grad[0, 37:].abs().max().item()
+
+
+def test_strong_decays_in_packed_documents_stay_finite():
+    """A_log at transformers' largest init (rate 16): an 11-token document's decay sum reaches ~-100, so
+    the later document's chunk-end decay measured from it would be exp(+100) = inf (then inf x 0 = nan)
+    unless masked first. Output and input gradient stay finite and equal each document alone."""
+    layer = _layer(chunk_size=16)
+    with torch.no_grad():
+        layer.A_log.fill_(math.log(16.0))
+    x = _x(2, 32).requires_grad_()
+    doc_ids = (torch.arange(32) >= 11).long().expand(2, 32)
+    packed = layer(x, document_ids=doc_ids)
+    (grad,) = torch.autograd.grad(packed.sum(), x)
+    assert torch.isfinite(grad).all()
+    torch.testing.assert_close(packed, torch.cat([layer(x[:, :11]), layer(x[:, 11:])], dim=1), **TOL)
 
 
 def test_document_of_one_token_and_reset_at_every_token():

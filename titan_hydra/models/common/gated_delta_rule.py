@@ -80,9 +80,14 @@ def _decays(g: torch.Tensor, seg: torch.Tensor | None):
         out_ok = seg == seg[..., -1:]
         whole_ok = seg[..., -1] == before
     pair = torch.where(keep, cum.unsqueeze(-1) - cum.unsqueeze(-2), float("-inf")).exp()
-    into, out, whole = cum.exp(), (cum[..., -1:] - cum).exp(), cum[..., -1].exp()
+    last = cum[..., -1:] - cum
     if seg is not None:
-        into, out, whole = into * into_ok, out * out_ok, whole * whole_ok
+        # masked before exp, as pair is: from an earlier document of the chunk, the later one's sum
+        # minus its own can exceed 88 (strong decays) and exp gives inf, which times 0 is nan
+        last = torch.where(out_ok, last, float("-inf"))
+    into, out, whole = cum.exp(), last.exp(), cum[..., -1].exp()
+    if seg is not None:
+        into, whole = into * into_ok, whole * whole_ok
     return pair, into, out, whole
 
 
