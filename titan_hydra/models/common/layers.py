@@ -1,15 +1,24 @@
-"""Small layers every decoder family uses: RMSNorm, SwiGLU feed-forward, truncated-normal init."""
+"""Small layers every decoder family uses: RMSNorm, SwiGLU feed-forward, truncated-normal init,
+and ``local_part`` for weights a module reads directly rather than through a module call."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def trunc_normal_(w: torch.Tensor, std: float) -> None:
     """Normal(0, std) truncated at +-3 std (keeps rare large weights out of the init)."""
     nn.init.trunc_normal_(w, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+def local_part(w: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a weight read directly (not through a module call): a DTensor sharded by
+    a parallel plan gives its local shard (differentiable), a plain tensor itself. The module then
+    reads its local sizes off the shapes and never knows the layout."""
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 class RMSNorm(nn.Module):

@@ -30,11 +30,10 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from titan_hydra.kernels.grouped_mm import grouped_mm_works, probe_grouped_mm
 from titan_hydra.models.common.cast_cache import WeightCastCache
-from titan_hydra.models.common.layers import FeedForward, trunc_normal_
+from titan_hydra.models.common.layers import FeedForward, local_part, trunc_normal_
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -198,11 +197,6 @@ def pad_to_buckets(x: torch.Tensor, counts: torch.Tensor
     return padded, padded_counts, rows
 
 
-def _local(w: torch.Tensor) -> torch.Tensor:
-    """This rank's experts of a weight (a DTensor sharded on dim 0 under expert parallel)."""
-    return w.to_local() if isinstance(w, DTensor) else w
-
-
 class GroupedExperts(nn.Module):
     """E SwiGLU experts with stacked weights: w2_e(silu(w1_e x) * w3_e x).
 
@@ -244,7 +238,7 @@ class GroupedExperts(nn.Module):
 
     def weights_in(self, dtype: torch.dtype, *params: torch.Tensor) -> list[torch.Tensor]:
         """This rank's part of each weight in ``dtype``, cast once per optimizer step (cast_cache)."""
-        return [self.cast_cache.cast(i, _local(p), dtype) for i, p in enumerate(params)]
+        return [self.cast_cache.cast(i, local_part(p), dtype) for i, p in enumerate(params)]
 
     def init_weights(self, out_std: float, in_std: float = 0.02) -> None:
         trunc_normal_(self.w1, in_std)
