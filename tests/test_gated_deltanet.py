@@ -14,7 +14,9 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
 from titan_hydra.errors import ConfigError
 from titan_hydra.kernels import gated_delta_policy as policy
-from titan_hydra.models.common.gated_deltanet import GatedDeltaNet
+from titan_hydra.models.common.gated_delta_rule import chunk_gated_delta_rule
+from titan_hydra.models.common.gated_deltanet import GatedDeltaNet, causal_conv, l2_normalize
+from titan_hydra.models.qwen3_5.hf import fuse_qkv, split_qkv
 
 DIM, HK, HV, DK, DV = 32, 2, 4, 12, 8  # grouped heads (each q/k head serves 2 value heads), dk not a power of 2
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -59,13 +61,23 @@ def test_matches_transformers_qwen3_5_layer_forward_and_gradients(monkeypatch):
                             num_hidden_layers=1, layer_types=["linear_attention"], rms_norm_eps=1e-6)
     ours = _layer()
     ref = Qwen3_5GatedDeltaNet(cfg, layer_idx=0)
-    ref.load_state_dict(ours.state_dict())  # strict: same names and shapes, 1:1
+    ref.load_state_dict(fuse_qkv(ours.state_dict()))  # strict: transformers' names once q | k | v are fused
     x = _x(2, 150).requires_grad_()  # three 64-token chunks, the last one partial
     out, expected = ours(x), ref(x)
     torch.testing.assert_close(out, expected, **TOL)
-    ours_g, ref_g = _grads(ours, x, out), _grads(ref, x, expected)
-    assert len(ours_g) == 10  # x and the nine parameters
+    ours_g, ref_g = _grads(ours, x, out), split_qkv(_grads(ref, x, expected), HK * DK)
+    assert len(ours_g) == 14  # x and the thirteen parameters (q, k, v projections and convolutions apart)
     _close(ours_g, ref_g)
+
+
+def test_split_and_fused_qkv_convert_both_ways_tensor_identical():
+    sd = _layer().state_dict()
+    fused = fuse_qkv(sd)
+    assert fused["in_proj_qkv.weight"].shape == (2 * HK * DK + HV * DV, DIM)
+    assert fused["conv1d.weight"].shape == (2 * HK * DK + HV * DV, 1, 4)
+    assert not any(k.startswith(("in_proj_q.", "conv_q.")) for k in fused)
+    back = split_qkv(fused, HK * DK)
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
 
 
 def test_chunked_equals_recurrent_step_by_step_and_prefill_then_step():
@@ -135,6 +147,32 @@ def test_document_of_one_token_and_reset_at_every_token():
         packed = layer(x, document_ids=torch.arange(20).unsqueeze(0))  # every token its own document
         alone = torch.cat([layer(x[:, t:t + 1]) for t in range(20)], dim=1)
     torch.testing.assert_close(packed, alone, **TOL)
+
+
+def test_kernel_hook_convolves_q_k_v_apart_in_one_call():
+    """The installed-kernel path (flash-linear-attention's on CUDA), with the torch forms standing in on
+    CPU: one conv call gets the q, k and v parts with their own weights, and the layer's output is
+    the torch path's, bit for bit (the same operations)."""
+    calls = []
+
+    def conv(xs, weights, starts):
+        calls.append([(tuple(x.shape), tuple(w.shape)) for x, w in zip(xs, weights)])
+        return [causal_conv(x, w, None, starts)[0] for x, w in zip(xs, weights)]
+
+    def rule(q, k, v, g, beta, scale, chunk_size, starts):
+        return chunk_gated_delta_rule(l2_normalize(q), l2_normalize(k), v, g, beta, scale=scale, starts=starts,
+                                      chunk_size=chunk_size)[0]
+
+    layer = _layer(chunk_size=16)
+    x = _x(2, 40)
+    doc_ids = (torch.arange(40) >= 17).long().expand(2, 40)
+    with torch.no_grad():
+        expected = layer(x, document_ids=doc_ids)
+        layer.kernel = policy.DeltaKernels(conv, rule)
+        got = layer(x, document_ids=doc_ids)
+    key, value = HK * DK, HV * DV
+    assert calls == [[((2, 40, key), (key, 4)), ((2, 40, key), (key, 4)), ((2, 40, value), (value, 4))]]
+    assert torch.equal(got, expected)
 
 
 def test_policy_on_cpu_picks_torch_with_the_reason_and_refuses_fla():

@@ -35,8 +35,10 @@ CHOICES = ("auto", TORCH, FLA)
 
 
 class DeltaKernels(NamedTuple):
-    """What ``GatedDeltaNet.kernel`` holds: ``conv(x [B,S,C], weight [C,W], starts) -> y`` (with SiLU)
-    and ``rule(q, k, v, g, beta, scale, chunk_size, starts) -> o`` (q/k not yet L2-normalized)."""
+    """What ``GatedDeltaNet.kernel`` holds: ``conv(xs, weights, starts) -> ys`` (with SiLU), the
+    layer's q, k and v parts each convolved on its own channels (x [B,S,C], weight [C,W], one call
+    so the document boundaries are found once), and ``rule(q, k, v, g, beta, scale, chunk_size,
+    starts) -> o`` (q/k not yet L2-normalized)."""
 
     conv: Callable
     rule: Callable
@@ -73,14 +75,14 @@ def cu_seqlens(starts: torch.Tensor) -> torch.Tensor:
     return torch.cat([idx, idx.new_tensor([bsz * s])])
 
 
-def _fla_conv(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
+def _fla_conv(xs: list[torch.Tensor], weights: list[torch.Tensor], starts: torch.Tensor | None) -> list[torch.Tensor]:
     from fla.modules.causal_conv1d import causal_conv1d
 
     if starts is None:
-        return causal_conv1d(x, weight.to(x.dtype), activation="silu")[0]
-    y = causal_conv1d(x.flatten(0, 1).unsqueeze(0), weight.to(x.dtype), activation="silu",
-                      cu_seqlens=cu_seqlens(starts))[0]
-    return y.view_as(x)
+        return [causal_conv1d(x, w.to(x.dtype), activation="silu")[0] for x, w in zip(xs, weights)]
+    bounds = cu_seqlens(starts)
+    return [causal_conv1d(x.flatten(0, 1).unsqueeze(0), w.to(x.dtype), activation="silu", cu_seqlens=bounds)[0]
+            .view_as(x) for x, w in zip(xs, weights)]
 
 
 def _fla_rule(q, k, v, g, beta, scale: float, chunk_size: int, starts: torch.Tensor | None) -> torch.Tensor:

@@ -1,12 +1,20 @@
 """Gated DeltaNet: the linear-attention token mixer of Qwen3.5 / Qwen3-Next, as a common layer.
 
-Per token: one projection gives q, k, v (concatenated, ``in_proj_qkv``), which pass a short
-causal depthwise convolution (``conv1d``, width 4) and SiLU; q and k are L2-normalized per head;
-``in_proj_b`` gives the write strength beta = sigmoid(b), ``in_proj_a`` the decay
-g = -exp(A_log) * softplus(a + dt_bias); the gated delta rule (``gated_delta_rule.py``) mixes
-the tokens; a gated RMSNorm (RMSNorm(o) * weight * SiLU(z), z from ``in_proj_z``) and
-``out_proj`` close it. Parameter names and shapes are transformers' ``Qwen3_5GatedDeltaNet``'s,
-so a checkpoint maps 1:1 (``conv1d.weight`` [C, 1, W] included).
+Per token: three projections give q, k, v (``in_proj_q`` / ``in_proj_k`` / ``in_proj_v``), each
+passing a short causal depthwise convolution of its own channels (``conv_q`` / ``conv_k`` /
+``conv_v``, width 4) and SiLU; q and k are L2-normalized per head; ``in_proj_b`` gives the write
+strength beta = sigmoid(b), ``in_proj_a`` the decay g = -exp(A_log) * softplus(a + dt_bias); the
+gated delta rule (``gated_delta_rule.py``) mixes the tokens, value head j reading key head
+j // (Hv / Hk); a gated RMSNorm (RMSNorm(o) * weight * SiLU(z), z from ``in_proj_z``) and
+``out_proj`` close it. transformers' ``Qwen3_5GatedDeltaNet`` fuses q | k | v into one
+``in_proj_qkv`` and one ``conv1d`` over the concatenation; the conversion (``qwen3_5/hf.py``)
+concatenates and splits the rows, so a checkpoint maps 1:1 otherwise.
+
+Why split: tensor parallel shards every part by whole heads (rank r keeps key heads
+r Hk/tp.. and the value heads that read them, so the grouping above holds locally). One
+contiguous column shard of the fused projection would give a rank some queries and no keys.
+The module knows nothing of parallelism: head counts are read off the projected shapes, and the
+weights it reads directly (convolutions, ``dt_bias``, ``A_log``) through ``layers.local_part``.
 
 Three ways to run it:
 
@@ -19,10 +27,7 @@ Three ways to run it:
 
 ``kernel`` is a hook, None = the plain torch forms here: a training policy may install faster
 kernels from outside (``titan_hydra.kernels.gated_delta_policy``: flash-linear-attention on
-CUDA), as ``Attention.causal_kernel`` is filled. Head counts are read off the projected shapes,
-and the module knows nothing of parallelism; a tensor-parallel plan would have to shard the q, k
-and v parts of ``in_proj_qkv`` and of the convolution each by heads (one contiguous column
-shard of the concatenation would mix them).
+CUDA), as ``Attention.causal_kernel`` is filled.
 """
 
 from __future__ import annotations
@@ -35,12 +40,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_hydra.models.common.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from titan_hydra.models.common.layers import trunc_normal_
+from titan_hydra.models.common.layers import local_part, trunc_normal_
 
 
 class GatedDeltaNetState(NamedTuple):
     """What decoding carries from token to token: the last W-1 convolution inputs [B, C, W-1]
-    and the recurrent state [B, Hv, dk, dv] (fp32)."""
+    (the q, k and v channels one after another) and the recurrent state [B, Hv, dk, dv] (fp32)."""
 
     conv: torch.Tensor
     recurrent: torch.Tensor
@@ -112,14 +117,17 @@ class GatedDeltaNet(nn.Module):
         self.k_head_dim, self.v_head_dim = k_head_dim, v_head_dim
         self.chunk_size = chunk_size
         key_dim, value_dim = n_k_heads * k_head_dim, n_v_heads * v_head_dim
-        conv_dim = 2 * key_dim + value_dim
-        self.in_proj_qkv = nn.Linear(dim, conv_dim, bias=False)
+        self.in_proj_q = nn.Linear(dim, key_dim, bias=False)
+        self.in_proj_k = nn.Linear(dim, key_dim, bias=False)
+        self.in_proj_v = nn.Linear(dim, value_dim, bias=False)
         self.in_proj_z = nn.Linear(dim, value_dim, bias=False)
         self.in_proj_b = nn.Linear(dim, n_v_heads, bias=False)
         self.in_proj_a = nn.Linear(dim, n_v_heads, bias=False)
-        # an nn.Conv1d only to hold the weight under transformers' name and shape [C, 1, W]
-        self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_width, groups=conv_dim, bias=False,
-                                padding=conv_width - 1)
+        # nn.Conv1d only to hold each depthwise weight [C, 1, W] (transformers' layout, and its init);
+        # causal_conv reads it
+        self.conv_q, self.conv_k, self.conv_v = (
+            nn.Conv1d(c, c, conv_width, groups=c, bias=False, padding=conv_width - 1)
+            for c in (key_dim, key_dim, value_dim))
         self.dt_bias = nn.Parameter(torch.ones(n_v_heads))
         self.A_log = nn.Parameter(torch.empty(n_v_heads).uniform_(0.01, 16).log())
         self.norm = GatedRMSNorm(v_head_dim, norm_eps)
@@ -129,7 +137,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         starts = None if document_ids is None else document_starts(document_ids)
-        return self._mix(x, starts, None, chunked=True, kernel=self.kernel)[0]
+        return self._mix(x, starts, None, chunked=True, kernel=self.kernel, keep_state=False)[0]
 
     def prefill(self, x: torch.Tensor, state: GatedDeltaNetState | None = None
                 ) -> tuple[torch.Tensor, GatedDeltaNetState]:
@@ -142,19 +150,16 @@ class GatedDeltaNet(nn.Module):
         return self._mix(x, None, state, chunked=False)
 
     def _mix(self, x: torch.Tensor, starts: torch.Tensor | None, state: GatedDeltaNetState | None,
-             *, chunked: bool, kernel=None) -> tuple[torch.Tensor, GatedDeltaNetState | None]:
+             *, chunked: bool, kernel=None, keep_state: bool = True
+             ) -> tuple[torch.Tensor, GatedDeltaNetState | None]:
         """``kernel``: the installed kernels, for training calls only (they take no state and
-        return none; a returned state is None then)."""
+        return none). The returned state is None with a kernel or without ``keep_state``."""
         bsz, s, _ = x.shape
-        weight = self.conv1d.weight.squeeze(1)
-        if kernel is not None:
-            mixed, history = kernel.conv(self.in_proj_qkv(x), weight, starts), None
-        else:
-            mixed, history = causal_conv(self.in_proj_qkv(x), weight, None if state is None else state.conv, starts)
-        q, k, v = self._heads(mixed)
+        (q, k, v), history = self._convolve(x, starts, state, kernel)
         beta = self.in_proj_b(x).sigmoid()
         wide = torch.promote_types(x.dtype, torch.float32)
-        g = -self.A_log.to(wide).exp() * F.softplus(self.in_proj_a(x).to(wide) + self.dt_bias)
+        decay = -local_part(self.A_log).to(wide).exp()
+        g = decay * F.softplus(self.in_proj_a(x).to(wide) + local_part(self.dt_bias))
         scale = self.k_head_dim**-0.5
         if kernel is not None:
             o, final = kernel.rule(q, k, v, g, beta, scale, self.chunk_size, starts), None
@@ -166,22 +171,31 @@ class GatedDeltaNet(nn.Module):
             o, final = rule(q, k, v, g, beta, scale=scale, starts=starts, initial_state=initial, **extra)
         z = self.in_proj_z(x).view(bsz, s, -1, self.v_head_dim)
         out = self.out_proj(self.norm(o.to(x.dtype), z).reshape(bsz, s, -1))
-        return out, (None if history is None else GatedDeltaNetState(history, final))
+        if kernel is not None or not keep_state:
+            return out, None
+        return out, GatedDeltaNetState(torch.cat(history, dim=1), final)
 
-    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Split the convolved q|k|v [B, S, C] into heads (widths read off the shapes)."""
-        bsz, s, ch = mixed.shape
-        value_dim = self.in_proj_z.weight.shape[0]
-        key_dim = (ch - value_dim) // 2
-        q, k, v = mixed.split([key_dim, key_dim, value_dim], dim=-1)
-        return (q.reshape(bsz, s, -1, self.k_head_dim), k.reshape(bsz, s, -1, self.k_head_dim),
-                v.reshape(bsz, s, -1, self.v_head_dim))
+    def _convolve(self, x: torch.Tensor, starts: torch.Tensor | None, state: GatedDeltaNetState | None, kernel
+                  ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[torch.Tensor] | None]:
+        """Project and convolve q, k and v, each on its own channels: ((q, k, v) split into heads
+        [B, S, H, d], each part's last W-1 inputs [B, C_part, W-1] or None with a kernel)."""
+        parts = [proj(x) for proj in (self.in_proj_q, self.in_proj_k, self.in_proj_v)]
+        weights = [local_part(c.weight).squeeze(1) for c in (self.conv_q, self.conv_k, self.conv_v)]
+        if kernel is not None:
+            mixed, history = kernel.conv(parts, weights, starts), None
+        else:
+            before = (None,) * 3 if state is None else state.conv.split([w.shape[0] for w in weights], dim=1)
+            mixed, history = zip(*(causal_conv(p, w, h, starts) for p, w, h in zip(parts, weights, before)))
+        bsz, s, _ = x.shape
+        dims = (self.k_head_dim, self.k_head_dim, self.v_head_dim)
+        return tuple(m.reshape(bsz, s, -1, d) for m, d in zip(mixed, dims)), history
 
     def init_weights(self, out_std: float, in_std: float = 0.02) -> None:
-        for proj in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a):
+        for proj in (self.in_proj_q, self.in_proj_k, self.in_proj_v, self.in_proj_z, self.in_proj_b, self.in_proj_a):
             trunc_normal_(proj.weight, in_std)
         trunc_normal_(self.out_proj.weight, out_std)
-        nn.init.kaiming_uniform_(self.conv1d.weight, a=math.sqrt(5))  # nn.Conv1d's own default
+        for conv in (self.conv_q, self.conv_k, self.conv_v):
+            nn.init.kaiming_uniform_(conv.weight, a=math.sqrt(5))  # nn.Conv1d's own default
         with torch.no_grad():
             nn.init.ones_(self.dt_bias)
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log())  # transformers' init

@@ -2,9 +2,12 @@
 
 Full-attention layers use Qwen3's names (``self_attn.q_proj`` holds each head's query and output
 gate side by side, as our ``wq`` does); Gated DeltaNet layers keep transformers' names under
-``linear_attn.`` (ours are the same, ``conv1d.weight`` [C, 1, W] included); the (1 + w) norms store
-the same w on both sides. Every tensor converts unchanged. config.json writes ``layer_types`` as
-an explicit list, and the rotary share as ``rope_parameters.partial_rotary_factor``.
+``linear_attn.``, except that transformers fuses q | k | v: its ``in_proj_qkv.weight`` and
+``conv1d.weight`` [C, 1, W] are the row concatenations of our ``in_proj_q`` / ``in_proj_k`` /
+``in_proj_v`` and ``conv_q`` / ``conv_k`` / ``conv_v`` weights (``fuse_qkv`` / ``split_qkv``; we keep
+them apart so tensor parallel can shard each by heads). The (1 + w) norms store the same w on
+both sides. Every other tensor converts unchanged. config.json writes ``layer_types`` as an
+explicit list, and the rotary share as ``rope_parameters.partial_rotary_factor``.
 
 The released checkpoints are multimodal (``Qwen3_5ForConditionalGeneration``, ``model_type:
 qwen3_5``, the text decoder under ``model.language_model.``): they are refused with one line;
@@ -25,6 +28,30 @@ from titan_hydra.models.qwen3_5.model import Qwen35Args
 LINEAR_PARAMS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight",
                  "dt_bias", "A_log", "norm.weight", "out_proj.weight")
 LINEAR_NAMES = {f"linear_attn.{p}": f"linear_attn.{p}" for p in LINEAR_PARAMS}
+# transformers' fused Gated DeltaNet weight -> our q, k, v parts of it (rows in that order)
+FUSED_QKV = {"in_proj_qkv.weight": ("in_proj_q.weight", "in_proj_k.weight", "in_proj_v.weight"),
+             "conv1d.weight": ("conv_q.weight", "conv_k.weight", "conv_v.weight")}
+
+
+def fuse_qkv(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sd`` with every Gated DeltaNet's q, k, v weights (ours) concatenated into transformers' fused ones."""
+    out = dict(sd)
+    for fused, parts in FUSED_QKV.items():
+        for prefix in [k.removesuffix(parts[0]) for k in sd if k.endswith(parts[0])]:
+            out[prefix + fused] = torch.cat([out.pop(prefix + p) for p in parts])
+    return out
+
+
+def split_qkv(sd: dict[str, torch.Tensor], key_dim: int) -> dict[str, torch.Tensor]:
+    """``sd`` with transformers' fused q | k | v weights split into ours (``key_dim`` rows of q, of k,
+    the rest v)."""
+    out = dict(sd)
+    for fused, parts in FUSED_QKV.items():
+        for prefix in [k.removesuffix(fused) for k in sd if k.endswith(fused)]:
+            t = out.pop(prefix + fused)
+            out.update({prefix + p: w.contiguous()
+                        for p, w in zip(parts, t.split([key_dim, key_dim, t.shape[0] - 2 * key_dim]))})
+    return out
 
 
 def hybrid_hf_config(args, *, architecture: str, model_type: str, dtype: torch.dtype) -> dict[str, Any]:
@@ -71,9 +98,20 @@ def refuse_attention_multiplier(args: Qwen35Args) -> None:
                                 "transformers' Qwen3.5 (gated queries, (1 + w) QK-norm): keep this checkpoint in DCP")
 
 
-class Qwen35HFAdapter(DecoderHFAdapter):
-    model_type = "qwen3_5_text"
+class HybridHFAdapter(DecoderHFAdapter):
+    """The decoder conversion with the Gated DeltaNet's q, k, v parts fused on export, split on import."""
+
     extra_names = LINEAR_NAMES
+
+    def to_hf_state(self, sd: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
+        return super().to_hf_state(fuse_qkv(sd), args)
+
+    def from_hf_state(self, sd: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
+        return split_qkv(super().from_hf_state(sd, args), args.linear_num_key_heads * args.linear_key_head_dim)
+
+
+class Qwen35HFAdapter(HybridHFAdapter):
+    model_type = "qwen3_5_text"
 
     def check_export(self, args: Qwen35Args) -> None:
         refuse_attention_multiplier(args)

@@ -18,13 +18,15 @@ from typing import Any
 
 import torch
 
-from titan_hydra.models.common.hf_decoder import DecoderHFAdapter, ExpertLayout, HFConversionError
+from titan_hydra.models.common.hf_decoder import ExpertLayout, HFConversionError
 from titan_hydra.models.common.moe import MoEArgs
-from titan_hydra.models.qwen3_5.hf import LINEAR_NAMES, hybrid_args_of, hybrid_hf_config, refuse_attention_multiplier
+from titan_hydra.models.qwen3_5.hf import (
+    LINEAR_NAMES, HybridHFAdapter, hybrid_args_of, hybrid_hf_config, refuse_attention_multiplier,
+)
 from titan_hydra.models.qwen3_5_moe.model import Qwen35MoeArgs
 
 
-class Qwen35MoeHFAdapter(DecoderHFAdapter):
+class Qwen35MoeHFAdapter(HybridHFAdapter):
     model_type = "qwen3_5_moe_text"
     extra_names = {
         **LINEAR_NAMES,

@@ -8,9 +8,10 @@ input projections are stored: fused and grouped by key head,
   the r = Hv / Hk value heads and output-gate heads it serves,
 * ``in_proj_ba`` [Hk x (r + r), dim]: for each key head g the r betas, then the r decays,
 
-against ours (Qwen3.5's) ``in_proj_qkv`` = [all queries | all keys | all values], ``in_proj_z``,
-``in_proj_b`` and ``in_proj_a``. Export regroups rows, import ungroups them (a permutation: the
-function is unchanged). Routing may leave the gates unnormalized (``norm_topk_prob``); layers
+against Qwen3.5's ``in_proj_qkv`` = [all queries | all keys | all values], ``in_proj_z``,
+``in_proj_b`` and ``in_proj_a`` (ours hold the q, k, v parts apart: ``qwen3_5/hf.py`` splits and
+fuses them around this). Export regroups rows, import ungroups them (a permutation: the function
+is unchanged). Routing may leave the gates unnormalized (``norm_topk_prob``); layers
 must all be MoE (``decoder_sparse_step`` 1, no ``mlp_only_layers``), as released.
 """
 
