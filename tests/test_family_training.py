@@ -1,7 +1,8 @@
 """The attention-variant families (GPT-OSS, Llama 4, the Qwen3.5 hybrids) trained end to end: the debug flavor's loss
 falls and its expert load is logged per MoE layer; every supported layout on 2 ranks equals the
 single-process losses (fp32, <= 1e-5); a run resumed from its step-5 checkpoint reproduces the
-uninterrupted one bit for bit. One parametrized set of tests per family, so a new family adds a row.
+uninterrupted one bit for bit (one process; and Qwen3.5 under tensor parallel, resumed by a second
+tp launch). One parametrized set of tests per family, so a new family adds a row.
 (Qwen3-MoE and DeepSeek-V3 run the same checks in test_parallel_ep.py / test_checkpoint_layouts.py.)"""
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import shutil
 import pytest
 
 from titan_hydra.spec import spec_of
-from helpers import BASE, GLOBAL_BATCH, assert_parity, compose_cfg, read_metrics, run_layout, run_single
+from helpers import (
+    BASE, GLOBAL_BATCH, assert_parity, by_step, compose_cfg, read_metrics, run_launch, run_layout, run_single,
+)
 
 QWEN35_HYBRID = ["model.head_dim=16", "model.full_attention_interval=2", "model.linear_num_key_heads=2",
                  "model.linear_num_value_heads=4", "model.linear_key_head_dim=16", "model.linear_value_head_dim=16",
@@ -30,9 +33,10 @@ FAMILIES = {
                [1, 3]),
     # Qwen3.5 hybrids: layers linear / full / linear / full (both mixers on each pipeline stage), head_dim 16,
     # Gated DeltaNet 2 key / 4 value heads x 16 in chunks of 16 (4 per sequence: the chunk-to-chunk state
-    # acts); the MoE flavor with 4 experts of width 32 plus the gated shared expert. TP and CP are refused
-    # in one line (tests/test_qwen3_5.py).
-    "qwen3_5": (["model=qwen3_5_debug", "model.ffn_hidden_dim=96", *QWEN35_HYBRID], ["fsdp", "pp"],
+    # acts); the MoE flavor with 4 experts of width 32 plus the gated shared expert. tp: tp(2) with
+    # sequence and loss parallel (the preset), each rank 1 key / 2 value heads of every DeltaNet. MoE TP
+    # and CP are refused in one line (tests/test_qwen3_5.py).
+    "qwen3_5": (["model=qwen3_5_debug", "model.ffn_hidden_dim=96", *QWEN35_HYBRID], ["fsdp", "pp", "tp"],
                 []),
     "qwen3_5_moe": (["model=qwen3_5_moe_debug", *QWEN35_HYBRID, "model.moe.num_experts=4", "model.moe.expert_dim=32"],
                     ["ep", "pp"], [0, 1, 2, 3]),
@@ -67,6 +71,23 @@ def singles(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """(family, layout) -> (run path, losses) of its 2-rank launch, computed on first use (the tp
+    run also serves the tp resume)."""
+    cache: dict[tuple[str, str], tuple] = {}
+
+    def get(family: str, layout: str):
+        if (family, layout) not in cache:
+            path = tmp_path_factory.mktemp(f"{family}_{layout}")
+            dp = 1 if layout in ("pp", "tp") else 2
+            losses = run_layout(path, [*overrides(family), f"parallelism={layout}"], nproc=2, dp=dp)
+            cache[family, layout] = (path, losses)
+        return cache[family, layout]
+
+    return get
+
+
 def by_cost(families):
     return [pytest.param(f, marks=pytest.mark.slow) if f in SLOW_TRAINING else f for f in families]
 
@@ -92,10 +113,9 @@ def test_debug_flavor_trains_with_falling_loss(tmp_path, family):
 
 @pytest.mark.parametrize("family,layout", PARITY, ids=[f"{f}-{layout}" for f, layout in PARITY])
 @pytest.mark.slow
-def test_layout_loss_parity(tmp_path, singles, family, layout, record_property):
+def test_layout_loss_parity(singles, launched, family, layout, record_property):
     _, reference = singles(family)
-    dp = 1 if layout == "pp" else 2
-    losses = run_layout(tmp_path, [*overrides(family), f"parallelism={layout}"], nproc=2, dp=dp)
+    _, losses = launched(family, layout)
     assert_parity(losses, reference, 1e-5, f"{family} {layout}", record_property)
 
 
@@ -113,3 +133,21 @@ def test_exact_resume(singles, tmp_path, capsys, family):
     losses = run(spec_of(cfg), str(tmp_path))["losses"]
     assert f"loaded {tmp_path / 'checkpoint' / 'step-5'}" in capsys.readouterr().out
     assert losses == reference
+
+
+@pytest.mark.slow
+def test_tp_exact_resume(launched, tmp_path):
+    """Qwen3.5 under tp(2): a second tp launch resumed from the first one's step-5 checkpoint (Shard(0)
+    convolutions and decays, column-wise projections) logs steps 6-10 with the same losses bit for bit."""
+    path, _ = launched("qwen3_5", "tp")
+    run_dir = tmp_path / "run"
+    shutil.copytree(path / "run" / "checkpoint", run_dir / "checkpoint")
+    shutil.rmtree(run_dir / "checkpoint" / "step-10")
+    args = BASE + overrides("qwen3_5") + ["parallelism=tp", "cluster.nproc_per_node=2",
+                                          f"training.local_batch_size={GLOBAL_BATCH}", f"hydra.run.dir={run_dir}"]
+    proc = run_launch(args, cwd=tmp_path)
+    assert proc.returncode == 0, f"tp resume failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert f"loaded {run_dir / 'checkpoint' / 'step-5'}" in proc.stdout
+    resumed, uninterrupted = by_step(run_dir, "loss"), by_step(path / "run", "loss")
+    assert sorted(resumed) == [6, 7, 8, 9, 10]
+    assert all(resumed[s] == uninterrupted[s] for s in resumed), (resumed, uninterrupted)

@@ -1,6 +1,7 @@
 """Qwen3.5 (dense and MoE, text model): logits equal transformers' Qwen3_5ForCausalLM /
 Qwen3_5MoeForCausalLM (its torch path) both ways through convert.py, the layer pattern as a config
-value, decoding with the Gated DeltaNet state, and the layout rules (TP and CP refused in one line)."""
+value, decoding with the Gated DeltaNet state, and the layout rules (CP, MoE TP and a TP that splits a
+Gated DeltaNet head refused in one line; the TP plan's keys)."""
 
 from __future__ import annotations
 
@@ -97,7 +98,9 @@ def test_hf_to_ours_to_hf(tmp_path, kind, record_property):
     convert.from_hf(tmp_path / "hf", tmp_path / "ckpt" / "step-0")
     family, args, sd = convert.read_model(tmp_path / "ckpt" / "step-0")
     assert family is FAMILIES[kind] and args.layer_types == LAYERS and args.rotary_dim == 8
-    assert sd["layers.0.linear_attn.conv1d.weight"].shape == (2 * 32 + 64, 1, 4)
+    # transformers' fused q | k | v (2 key heads x 16, twice, then 4 value heads x 16) split into parts
+    assert [sd[f"layers.0.linear_attn.conv_{p}.weight"].shape for p in "qkv"] == [(32, 1, 4), (32, 1, 4), (64, 1, 4)]
+    assert sd["layers.0.linear_attn.in_proj_v.weight"].shape == (64, 64)
     assert sd["layers.1.attention.wq.weight"].shape == (2 * 4 * 32, 64)  # query + gate per head
     convert.to_hf(tmp_path / "ckpt" / "step-0", tmp_path / "back")
     a, b = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
@@ -178,18 +181,44 @@ def test_flops_count_attention_only_in_full_layers():
     assert (flops[4] - flops[0]) / (short[4] - short[0]) > 20  # the full layers' term grows with the sequence
 
 
-@pytest.mark.parametrize("name,override,message", [
-    ("qwen3_5_debug", "parallelism.tp=2", r"parallelism.tp=2 is not supported for qwen3_5 \(a Gated DeltaNet's"),
-    ("qwen3_5_moe_debug", "parallelism.tp=2", r"parallelism.tp=2 is not supported for qwen3_5_moe"),
-    ("qwen3_5_debug", "parallelism.cp=2", r"parallelism.cp=2 is not supported for qwen3_5 with linear_attention"),
+@pytest.mark.parametrize("name,overrides,message", [
+    ("qwen3_5_debug", ["parallelism.tp=2", "model.linear_num_key_heads=1"],
+     r"parallelism.tp=2 must divide model.linear_num_key_heads=1 \(each rank keeps whole Gated DeltaNet heads\)"),
+    ("qwen3_5_moe_debug", ["parallelism.tp=2"], r"parallelism.tp=2 is not supported for Mixture-of-Experts models"),
+    ("qwen3_5_debug", ["parallelism.cp=2"], r"parallelism.cp=2 is not supported for qwen3_5 with linear_attention"),
 ])
-def test_tp_and_cp_refused_in_one_line(name, override, message):
+def test_layouts_refused_in_one_line(name, overrides, message):
     from titan_hydra.validate import validate
 
-    cfg = compose_cfg([f"model={name}", override, "cluster.nproc_per_node=2"])
+    cfg = compose_cfg([f"model={name}", *overrides, "cluster.nproc_per_node=2"])
     with pytest.raises(ConfigError, match=message) as err:
         validate(cfg)
     assert "\n" not in str(err.value)
+
+
+def test_tp_plan_shards_every_gated_deltanet_part():
+    """The hybrid's TP plan (built on meta, no process group): the DeltaNet block's input is gathered
+    and every one of its parameters is sharded by some entry (projections column-wise, out_proj
+    row-wise, the norm on the local heads, the directly read convolutions / decays by one input
+    style); the full-attention block keeps the decoder's entries. And tp=2 validates for the flavor."""
+    from titan_hydra.validate import validate
+
+    family, args = debug("qwen3_5_debug", "n_layers=2", "full_attention_interval=2")
+    with torch.device("meta"):
+        model = family.build(args)
+    plan = family.tp_plan(model, sequence_parallel=True, loss_parallel=True)
+    linear = {k.removeprefix("layers.0.linear_attn"): type(v).__name__ for k, v in plan.items()
+              if k.startswith("layers.0.linear_attn")}
+    assert linear == {"": "PrepareInputShardParams", ".norm": "HeadShardedNorm", ".out_proj": "RowwiseParallel",
+                      **{f".in_proj_{w}": "ColwiseParallel" for w in "qkvzab"}}
+    direct = set(plan["layers.0.linear_attn"].params)
+    assert direct == {"conv_q.weight", "conv_k.weight", "conv_v.weight", "dt_bias", "A_log"}
+    for name, _ in model.layers["0"].linear_attn.named_parameters():
+        assert name in direct or "." + name.rpartition(".")[0] in linear, name
+    assert {"layers.1.attention.wq", "layers.1.attention.q_norm", "layers.0.feed_forward.w1"} <= plan.keys()
+    assert "layers.0.attention" not in plan
+    assert not any(k.startswith(("layers.0.attention.", "layers.1.linear_attn")) for k in plan)
+    validate(compose_cfg(["model=qwen3_5_debug", "parallelism=tp", "cluster.nproc_per_node=2"]))
 
 
 def test_run_header_names_the_delta_kernel_and_why(tmp_path, capsys):

@@ -174,18 +174,19 @@ class DecoderFamily(ModelFamily):
             )
         for name, block in model.layers.items():
             p = f"layers.{name}."
-            # forward(x, cos, sin): x is gathered to the full sequence; cos/sin are replicated
-            # plain tensors, so their layout is None (left untouched).
-            plan[p + "attention"] = PrepareModuleInput(
-                input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None),
-                use_local_output=True,
-            )
-            for w in ("wq", "wk", "wv"):
-                plan[f"{p}attention.{w}"] = ColwiseParallel()
-            plan[p + "attention.wo"] = RowwiseParallel(output_layouts=seq)
-            if getattr(block.attention, "q_norm", None) is not None:
-                plan[p + "attention.q_norm"] = HeadShardedNorm()
-                plan[p + "attention.k_norm"] = HeadShardedNorm()
+            if getattr(block, "attention", None) is not None:  # a block of another mixer: its family's plan
+                # forward(x, cos, sin): x is gathered to the full sequence; cos/sin are replicated
+                # plain tensors, so their layout is None (left untouched).
+                plan[p + "attention"] = PrepareModuleInput(
+                    input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None),
+                    use_local_output=True,
+                )
+                for w in ("wq", "wk", "wv"):
+                    plan[f"{p}attention.{w}"] = ColwiseParallel()
+                plan[p + "attention.wo"] = RowwiseParallel(output_layouts=seq)
+                if getattr(block.attention, "q_norm", None) is not None:
+                    plan[p + "attention.q_norm"] = HeadShardedNorm()
+                    plan[p + "attention.k_norm"] = HeadShardedNorm()
             plan[p + "feed_forward"] = PrepareModuleInput(
                 input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
             )

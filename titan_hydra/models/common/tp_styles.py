@@ -12,14 +12,17 @@ here too. Importing this module imports ``torch.distributed.tensor``.
   ``Replicate``, so the weight's gradient, a sum over every head, is all-reduced across TP ranks
   by DTensor. Marking the input ``Replicate`` would compute the right forward but keep each rank's
   partial weight gradient, silently wrong.
+* ``PrepareInputShardParams``: ``PrepareModuleInput`` that also shards named parameters the module
+  reads directly (not through a submodule's call) on dim 0 (a Gated DeltaNet's per-channel
+  convolutions and per-head decays). The module reads their local part (``layers.local_part``).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel.style import ParallelStyle, PrepareModuleInput
 
 
 def _replicate_params(_name: str, module: nn.Module, mesh) -> None:
@@ -60,3 +63,22 @@ class HeadShardedNorm(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         return distribute_module(module, device_mesh, partition_fn=_replicate_params,
                                  input_fn=_inputs_as(Shard(2)), output_fn=_to_local)
+
+
+class PrepareInputShardParams(PrepareModuleInput):
+    """``PrepareModuleInput`` (same arguments) + ``params``: names under the module (dotted ones in
+    its submodules) whose tensors are split on dim 0 into Shard(0) DTensors. One plan key thus
+    gathers a mixer's input and shards what it reads directly."""
+
+    def __init__(self, *, params: tuple[str, ...], **kwargs):
+        super().__init__(**kwargs)
+        self.params = params
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        for name in self.params:
+            path, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(path)
+            param = getattr(owner, leaf)
+            dt = distribute_tensor(param, device_mesh, [Shard(0)])
+            owner.register_parameter(leaf, nn.Parameter(dt, requires_grad=param.requires_grad))
+        return super()._apply(module, device_mesh)
