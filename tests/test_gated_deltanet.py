@@ -16,6 +16,7 @@ from titan_hydra.errors import ConfigError
 from titan_hydra.kernels import gated_delta_policy as policy
 from titan_hydra.models.common.gated_delta_rule import chunk_gated_delta_rule
 from titan_hydra.models.common.gated_deltanet import GatedDeltaNet, causal_conv, l2_normalize
+from titan_hydra.models.common.layers import trunc_normal_
 from titan_hydra.models.qwen3_5.hf import fuse_qkv, split_qkv
 
 DIM, HK, HV, DK, DV = 32, 2, 4, 12, 8  # grouped heads (each q/k head serves 2 value heads), dk not a power of 2
@@ -147,6 +148,18 @@ def test_document_of_one_token_and_reset_at_every_token():
         packed = layer(x, document_ids=torch.arange(20).unsqueeze(0))  # every token its own document
         alone = torch.cat([layer(x[:, t:t + 1]) for t in range(20)], dim=1)
     torch.testing.assert_close(packed, alone, **TOL)
+
+
+def test_init_draws_q_k_v_as_one_fused_matrix():
+    """A seed gives the q, k, v projections what one truncated-normal draw on transformers' fused
+    [q; k; v] matrix gives (what this layer drew before the parts were split), not three other draws."""
+    layer = _layer()
+    torch.manual_seed(3)
+    layer.init_weights(out_std=0.01)
+    torch.manual_seed(3)
+    fused = torch.empty(2 * HK * DK + HV * DV, DIM)
+    trunc_normal_(fused, 0.02)
+    assert torch.equal(torch.cat([layer.in_proj_q.weight, layer.in_proj_k.weight, layer.in_proj_v.weight]), fused)
 
 
 def test_kernel_hook_convolves_q_k_v_apart_in_one_call():

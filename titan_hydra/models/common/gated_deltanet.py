@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_hydra.models.common.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from titan_hydra.models.common.layers import local_part, trunc_normal_
+from titan_hydra.models.common.layers import local_part, trunc_normal_, trunc_normal_stacked_
 
 
 class GatedDeltaNetState(NamedTuple):
@@ -191,7 +191,9 @@ class GatedDeltaNet(nn.Module):
         return tuple(m.reshape(bsz, s, -1, d) for m, d in zip(mixed, dims)), history
 
     def init_weights(self, out_std: float, in_std: float = 0.02) -> None:
-        for proj in (self.in_proj_q, self.in_proj_k, self.in_proj_v, self.in_proj_z, self.in_proj_b, self.in_proj_a):
+        # q, k, v drawn as transformers' one fused matrix: a seed gives the weights it gave before the split
+        trunc_normal_stacked_([self.in_proj_q.weight, self.in_proj_k.weight, self.in_proj_v.weight], in_std)
+        for proj in (self.in_proj_z, self.in_proj_b, self.in_proj_a):
             trunc_normal_(proj.weight, in_std)
         trunc_normal_(self.out_proj.weight, out_std)
         for conv in (self.conv_q, self.conv_k, self.conv_v):

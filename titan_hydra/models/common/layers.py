@@ -14,6 +14,23 @@ def trunc_normal_(w: torch.Tensor, std: float) -> None:
     nn.init.trunc_normal_(w, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
+def trunc_normal_stacked_(weights: list[torch.Tensor], std: float) -> None:
+    """``trunc_normal_`` drawn once on the row-wise stack of ``weights`` (the parts of what is one
+    fused matrix elsewhere) and copied back, so a seed gives the parts the numbers the fused matrix
+    would get (its rejection sampling redraws per call: separate calls give other numbers). Sharded
+    parts (DTensors) draw each their own, as any sharded init does."""
+    if any(isinstance(w, DTensor) for w in weights):
+        for w in weights:
+            trunc_normal_(w, std)
+        return
+    rows = [w.shape[0] for w in weights]
+    stacked = weights[0].new_empty(sum(rows), *weights[0].shape[1:])
+    trunc_normal_(stacked, std)
+    with torch.no_grad():
+        for w, part in zip(weights, stacked.split(rows)):
+            w.copy_(part)
+
+
 def local_part(w: torch.Tensor) -> torch.Tensor:
     """This rank's part of a weight read directly (not through a module call): a DTensor sharded by
     a parallel plan gives its local shard (differentiable), a plain tensor itself. The module then
