@@ -62,6 +62,15 @@ def test_linear_layers_activations_are_linear_in_the_sequence_and_ordered_by_pat
     assert activations(0, (1024,), "activation_checkpoint=full") == activations(1, (1024,), "activation_checkpoint=full")
 
 
+def test_tp_splits_the_deltanet_activations_by_heads():
+    """Under tp(2) a rank keeps whole DeltaNet heads, half of them: what an all-DeltaNet model saves
+    beyond an all-attention one halves per rank (both patterns' other terms split alike)."""
+    tp = ("parallelism=tp", "cluster.nproc_per_node=2")
+    gap = {name: activations(0, (1024,), *extra)[0] - activations(1, (1024,), *extra)[0]
+           for name, extra in (("one", ()), ("tp", tp))}
+    assert gap["one"] > 0 and gap["tp"] == pytest.approx(gap["one"] / 2, rel=1e-6)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("interval,precision", [(0, "fp32"), (4, "bf16")])
 def test_hybrid_estimate_within_15_percent_of_measured_peak(interval, precision):

@@ -128,12 +128,13 @@ def linear_attention_elements(args: ModelShape) -> float:
     return widths + 5 * hv * c + 2 * hv * dk * (dk + args.linear_v_head_dim) / c
 
 
-def linear_attention_bytes(args: ModelShape, kind: str, mode: str, tokens: float) -> float:
-    """What one linear-attention layer saves beyond an attention block (0 for a model without
-    them, and under full AC: only the block input is kept)."""
+def linear_attention_bytes(args: ModelShape, kind: str, mode: str, tokens: float, tp: int = 1) -> float:
+    """What one linear-attention layer saves beyond an attention block, per rank (0 for a model
+    without them, and under full AC: only the block input is kept). Tensor parallel keeps whole
+    heads per rank, so every term splits by tp, as the block's do."""
     if not args.linear_layers or mode == "full":
         return 0.0
-    return tokens * LINEAR_ATTN_COEF[kind] * linear_attention_elements(args)
+    return tokens * LINEAR_ATTN_COEF[kind] * linear_attention_elements(args) / tp
 
 
 # Loss backward, per logit element: the fp32 log-softmax output kept for backward, its incoming

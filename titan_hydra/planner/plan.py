@@ -208,7 +208,8 @@ def rank_memory(spec: RunSpec, runtime: Runtime, seq: int) -> RankMemory:
         # CUDA: what the run holds (cuda_dynamic_peak) times the caching allocator's reserve.
         dyn, unsharded = cuda_dynamic_peak(spec, runtime, seq_len=seq)
         dyn += math.ceil(args.moe_layers / dims.pp) * moe_activation_bytes(args, kind, ac.mode, local_tokens)
-        dyn += math.ceil(args.linear_layers / dims.pp) * linear_attention_bytes(args, kind, ac.mode, local_tokens)
+        dyn += math.ceil(args.linear_layers / dims.pp) * linear_attention_bytes(args, kind, ac.mode, local_tokens,
+                                                                                dims.tp)
         act, transient = dyn - unsharded, unsharded
         compiled = str(cfg.compile.mode) != "none"
         reserve = ALLOCATOR_RESERVE_COMPILED if compiled else ALLOCATOR_RESERVE_EAGER
@@ -236,7 +237,8 @@ def saved_activation_bytes(spec: RunSpec, kind: str, local_tokens: float, params
     act = activation_bytes(args, kind, ac.mode, local_tokens, layers, int(ac.selective_layer_freq), dims.tp,
                            str(ac.selective_op_policy))
     act += math.ceil(args.moe_layers / dims.pp) * moe_activation_bytes(args, kind, ac.mode, local_tokens)
-    act += math.ceil(args.linear_layers / dims.pp) * linear_attention_bytes(args, kind, ac.mode, local_tokens)
+    act += math.ceil(args.linear_layers / dims.pp) * linear_attention_bytes(args, kind, ac.mode, local_tokens,
+                                                                            dims.tp)
     act += head_activation_bytes(args, local_tokens, dims, kind)
     act += fp32_attention_bytes(spec, local_tokens, layers)
     if kind == "bf16":  # autocast's bf16 copies of the weights live until backward ends
