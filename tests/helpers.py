@@ -237,6 +237,40 @@ def reference_losses(run_cache: RunCache, extra: tuple[str, ...] = (), family: s
     return run_cache.once(("reference", family, *extra), lambda path: run_single(path, list(extra), family=family))
 
 
+FSDP2 = ["cluster.nproc_per_node=2", "parallelism=fsdp", f"training.local_batch_size={GLOBAL_BATCH // 2}"]
+
+
+def fsdp2_reference(run_cache: RunCache) -> tuple[Path, dict]:
+    """BASE under fsdp(2) through the local launcher, uninterrupted, its last step checkpointed:
+    (run dir, summary with ``losses`` and ``full_state``), once per session. The clean run that
+    the fsdp parity, SLURM requeue and hang-restart tests compare with."""
+    from titan_hydra.launch.local import run_local  # as run_single: the launcher only where a test needs it
+
+    def compute(path: Path) -> tuple[Path, dict]:
+        cfg = compose_cfg(BASE + FSDP2 + ["checkpoint=default"])
+        return path, run_local(spec_of(cfg), str(path), return_state=True)
+
+    return run_cache.once(("fsdp2_reference",), compute)
+
+
+def assert_same_checkpoint(run_dir: Path, clean_dir: Path, step: int) -> int:
+    """Every tensor of the two runs' step-``step`` checkpoints is equal, bit for bit: model,
+    optimizer, and the train state, schedule, loader position and each rank's RNG (stored as
+    tensors). Returns how many were compared."""
+    import torch  # as model_logits: torch only where a helper needs it
+
+    from titan_hydra.checkpoint.storage import load_plain, read_metadata, tensor_entries
+
+    a, b = (d / "checkpoint" / f"step-{step}" for d in (run_dir, clean_dir))
+    keys = list(tensor_entries(read_metadata(b)))
+    assert sorted(tensor_entries(read_metadata(a))) == sorted(keys)
+    assert {"extra", "rank_state.0"} <= set(keys) and any(k.startswith("optim.state.") for k in keys), keys
+    ours, clean = load_plain(a, keys), load_plain(b, keys)
+    differ = [k for k in keys if not torch.equal(ours[k], clean[k])]
+    assert not differ, f"{len(differ)} of {len(keys)} tensors of {a} differ from {b}'s, first {differ[0]}"
+    return len(keys)
+
+
 def assert_parity(losses: list[float], reference: list[float], atol: float = 1e-5, label: str = "",
                   record: Callable[[str, object], None] | None = None) -> float:
     """Assert max |loss - reference| <= atol and return it; ``record`` (pytest's record_property)

@@ -9,6 +9,7 @@ import copy
 import json
 import math
 import sys
+import threading
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from titan_hydra.train.health.monitor import HealthMonitor
 from titan_hydra.train.health.recheck import GradRecheck
 from titan_hydra.train.health.sdc import SilentCorruption
 from titan_hydra.train.health.settings import FaultInjection, Health
-from titan_hydra.train.health.watchdog import hang_line
+from titan_hydra.train.health.watchdog import DECISION, Watchdog, attempt_id, hang_line
 from titan_hydra.train.pretrain import health_of, run
 
 FAST = TINY + ["logger=minimal", "training.val_freq=0", "cluster.threads_per_proc=1",
@@ -94,6 +95,36 @@ def test_the_hang_line_names_the_rank_that_stopped_first(tmp_path):
     line = hang_line(reports, 5.0, tmp_path, world_size=3)
     assert line.startswith("hang: rank 1 (b) stopped first, in step 2 (done); no progress for 5 s")
     assert "(no report from rank(s) [2])" in line and line.endswith("exiting 75 so the run restarts from its last checkpoint")
+
+
+def test_only_this_attempts_hang_reports_count(tmp_path, monkeypatch, capsys):
+    """Ranks 0 and 1 of attempt 1 fire (threads here; ``_report`` without the exit): rank 0 alone
+    restarts the run and prints the line with what ``restart`` did; attempt 0's report of rank 2
+    and its decision, left in the same dir, are neither named nor taken for this attempt's."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "titan-1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    old = attempt_id()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    hang = tmp_path / "hang"
+    hang.mkdir()
+    (hang / "rank2.json").write_text(json.dumps({"rank": 2, "host": "old", "step": 1, "phase": "done",
+                                                 "last_beat_unix": 1.0, "attempt": old}))
+    (hang / DECISION).write_text(json.dumps({"attempt": old, "rank": 2, "line": "hang: ..."}))
+    restarts = []
+    dogs = [Watchdog(1.0, str(tmp_path), r, 3, restart=lambda r=r: restarts.append(r) or "requeued (test)")
+            for r in (0, 1)]
+    dogs[0].beat(3, "forward/backward")
+    dogs[1].beat(2, "done")
+    assert not dogs[1]._read(DECISION)  # attempt 0's decision does not release rank 1
+    rank1 = threading.Thread(target=dogs[1]._report)
+    rank1.start()
+    dogs[0]._report()
+    rank1.join(timeout=30)
+    assert not rank1.is_alive() and restarts == [0]
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hang: rank 1 (") and "in step 2 (done)" in lines[0]
+    assert lines[0].endswith("(no report from rank(s) [2]); requeued (test)")
+    assert json.loads((hang / DECISION).read_text())["line"] == lines[0]
 
 
 def test_the_composed_groups_default_to_on_and_off():

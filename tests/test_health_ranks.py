@@ -1,7 +1,8 @@
 """The ``health`` group under fsdp(2), through launch.py: a NaN that only one rank sees is
 skipped by both ranks, a slow rank is named, a hung rank ends the run with both ranks' stacks and
-the launcher's restart finishes it from the last checkpoint, a gradient bit flip on one rank is
-found by the recheck and named on both."""
+the launcher's restart finishes it from the last checkpoint with the final checkpoint of a run
+that never hung, bit for bit, a gradient bit flip on one rank is found by the recheck and named
+on both."""
 
 from __future__ import annotations
 
@@ -10,17 +11,16 @@ import time
 
 import pytest
 
-from helpers import BASE, by_step, run_launch
+from helpers import BASE, FSDP2, STEPS, assert_same_checkpoint, by_step, fsdp2_reference, run_launch
 from titan_hydra.train.health.monitor import HealthMonitor
 from titan_hydra.train.health.settings import FaultInjection, Health
 
-FSDP2 = [a for a in BASE if not a.startswith("training.steps=")] + [
-    "cluster.nproc_per_node=2", "parallelism=fsdp", "training.local_batch_size=4"]
+RUN = [a for a in BASE if not a.startswith("training.steps=")] + FSDP2  # each test sets its steps
 
 
 def launch(tmp_path, name: str, overrides: list[str], timeout: int = 300):
     run_dir = tmp_path / name
-    proc = run_launch(FSDP2 + [f"hydra.run.dir={run_dir}", *overrides], cwd=tmp_path, timeout=timeout)
+    proc = run_launch(RUN + [f"hydra.run.dir={run_dir}", *overrides], cwd=tmp_path, timeout=timeout)
     return proc, run_dir
 
 
@@ -59,22 +59,27 @@ def test_a_nan_on_one_rank_is_skipped_by_both_and_the_slow_rank_is_named(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_hung_rank_ends_the_attempt_and_the_restart_finishes_the_run(tmp_path):
+def test_a_hung_rank_ends_the_attempt_and_the_restart_finishes_the_run(tmp_path, run_cache):
     timeout_s = 8
     started = time.monotonic()
     proc, run_dir = launch(tmp_path, "hang", [
-        "training.steps=3", "checkpoint=default", "checkpoint.interval=1", "cluster.max_restarts=1",
+        f"training.steps={STEPS}", "checkpoint=default", "checkpoint.interval=1", "cluster.max_restarts=1",
         "fault_injection.hang_rank=1", "fault_injection.hang_at_step=2", f"health.hang_timeout_s={timeout_s}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert out.count("hang: rank 1 (") == 1 and "stopped first, in step 1 (done)" in out
+    assert out.count("exiting 75 so the run restarts from its last checkpoint") == 1
     stacks = {r: (run_dir / "hang" / f"rank{r}.stacks.txt").read_text() for r in (0, 1)}
     assert "inject.py" in stacks[1] and "begin_step" in stacks[1]  # the hung rank's own frame
     assert "inject.py" not in stacks[0]  # rank 0 waits in the step's collective
     report = json.loads((run_dir / "hang" / "rank1.json").read_text())
     assert report["flight_recorder"] == "flight recorder flight_recorder.rank1.json"
-    assert "resuming at step 1" in out and [r["step"] for r in rank_reports(run_dir)] == [3, 3]
+    assert "resuming at step 1" in out and [r["step"] for r in rank_reports(run_dir)] == [STEPS, STEPS]
     assert time.monotonic() - started < 240
+    # bit for bit the run that never hung: every step's loss and the whole last checkpoint
+    clean_dir, _ = fsdp2_reference(run_cache)
+    assert by_step(run_dir, "loss") == by_step(clean_dir, "loss")
+    assert_same_checkpoint(run_dir, clean_dir, STEPS)
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from titan_hydra.spec import spec_of
-from helpers import BASE, assert_parity, compose_cfg, reference_losses, run_layout, spawn_gloo
+from helpers import BASE, assert_parity, compose_cfg, fsdp2_reference, reference_losses, run_layout, spawn_gloo
 
 # Measured max |loss diff| fsdp(2) bf16 vs single bf16 over 10 steps: 2.3e-3; ~3x that.
 BF16_ATOL = 7e-3
@@ -99,8 +99,9 @@ def _train_with_state(tmp_path, overrides: list[str], nproc: int, dp: int) -> di
 
 
 def test_fsdp_losses_and_trained_params_match_single(tmp_path, run_cache, record_property):
-    """fsdp(2) through run_local: per-step losses and the gathered trained parameters."""
-    fsdp = _train_with_state(tmp_path / "fsdp", ["parallelism=fsdp"], nproc=2, dp=2)
+    """fsdp(2) through run_local (the session's shared clean run): per-step losses and the
+    gathered trained parameters."""
+    _, fsdp = fsdp2_reference(run_cache)
     single = _train_with_state(tmp_path / "single", ["parallelism=single"], nproc=1, dp=1)
     assert_parity(fsdp["losses"], reference_losses(run_cache), atol=1e-5, label="fsdp_2 run_local",
                   record=record_property)

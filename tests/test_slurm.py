@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import BASE, GLOBAL_BATCH, REPO, STEPS, run_launch, run_layout, series
+from helpers import BASE, GLOBAL_BATCH, REPO, STEPS, fsdp2_reference, run_launch, series
 from slurm_fixtures import slurm  # noqa: F401  (the session fixture)
 from titan_hydra.checkpoint.storage import load_plain, read_metadata, tensor_entries
 from titan_hydra.data.prepare import PrepareSettings, prepare
@@ -34,7 +34,7 @@ def slurm_run(tmp_path: Path, args: list[str], multirun: bool = False):
 
 
 @pytest.mark.slow
-def test_two_task_job_matches_local_run(slurm, tmp_path):
+def test_two_task_job_matches_local_run(slurm, tmp_path, run_cache):
     run_dir = tmp_path / "slurm_run"
     proc = slurm_run(tmp_path, BASE + [
         "cluster=slurm_local", "cluster.tasks_per_node=2", "parallelism=fsdp",
@@ -43,8 +43,7 @@ def test_two_task_job_matches_local_run(slurm, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     assert "submitted SLURM job" in proc.stdout
     slurm_losses = series(run_dir, "loss")
-    (tmp_path / "local").mkdir()
-    local_losses = run_layout(tmp_path / "local", ["parallelism=fsdp"], nproc=2, dp=2)
+    local_losses = series(fsdp2_reference(run_cache)[0], "loss")  # the same layout, launched locally
     assert len(slurm_losses) == STEPS
     diff = max(abs(a - b) for a, b in zip(slurm_losses, local_losses))
     assert diff <= 1e-6, f"max |slurm - local| = {diff:.3g}\nslurm: {slurm_losses}\nlocal: {local_losses}"

@@ -63,7 +63,7 @@ class ClusterConfig:
     # SLURM (used by slurm clusters through hydra/launcher=titan_slurm; see launch/slurm.py)
     launcher: Launcher = Launcher["local"]
     tasks_per_node: Optional[int] = None  # SLURM tasks (= ranks) per node; slurm clusters tie nproc_per_node to it
-    max_requeue: int = 3  # requeues after timeout/preemption (submitit max_num_timeout)
+    max_requeue: int = 3  # requeues after a time limit or a hang (submitit max_num_timeout; preemptions are free)
     signal_delay_s: int = 120  # SLURM signals this long before the time limit
     partition: Optional[str] = None
     gpus_per_node: int = 0

@@ -15,7 +15,8 @@ master is the job's first node, under its NodeAddr when its name does not resolv
 it is bounded by ``cluster.init_timeout_s`` (``rendezvous.py``).
 On SLURM's pre-timeout / preemption signal submitit calls the job's ``checkpoint()``, which
 resubmits the same call (``DelayedSubmission``); the requeued job restores the latest
-checkpoint of its run dir (``checkpoint=default``) and continues.
+checkpoint of its run dir (``checkpoint=default``) and continues. A hang the health watchdog
+catches requeues the job the same way (``runtime/preemption.requeue_on_hang``).
 
 Bad input (no ``sbatch``, an unknown partition, a sweep override that does not compose or
 validate) fails in the submitting process with one ``error: ...`` line, before any submission.

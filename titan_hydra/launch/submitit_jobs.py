@@ -42,14 +42,15 @@ _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|F
 
 def error_line(log_text: str | None) -> str | None:
     """The one line that says why a job failed, from its log: the last ``error: ...`` line
-    (launch.py's report of bad input), else the last exception line of a traceback, else what
-    SLURM's step daemon said (``*** JOB 12 CANCELLED ... DUE TO TIME LIMIT ***``)."""
+    (launch.py's report of bad input), else the last exception line of a traceback or ``hang:``
+    line (the health watchdog's, when the job could not be requeued), else what SLURM's step
+    daemon said (``*** JOB 12 CANCELLED ... DUE TO TIME LIMIT ***``)."""
     lines = [line.strip() for line in (log_text or "").splitlines() if line.strip()]
     for line in reversed(lines):
         if line.startswith("error: "):
             return line[len("error: "):]
     for line in reversed(lines):
-        if _EXCEPTION_LINE.match(line):
+        if _EXCEPTION_LINE.match(line) or line.startswith("hang: "):
             return line
     for line in reversed(lines):
         if line.startswith("slurmstepd: error: "):

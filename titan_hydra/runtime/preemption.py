@@ -17,6 +17,12 @@ job keeps waiting for the requeued run, which resumes from the checkpoint in the
 A signal that arrives before the training loop starts is still handled by submitit alone
 (requeue without a new save: the next run resumes from the latest checkpoint). Outside a
 submitit SLURM job nothing is installed and the training loop is unchanged.
+
+A hung run is requeued the same way (``requeue_on_hang``): the health watchdog's reporting rank,
+whichever it is (the hung one may be rank 0), writes the same resubmission pickle and runs the
+same ``scontrol requeue``, and the hang counts against ``cluster.max_requeue`` like a time limit
+(a run that hangs in every attempt must end). No save: the ranks are stuck in a collective, so the
+requeued job resumes from the last complete checkpoint.
 """
 
 from __future__ import annotations
@@ -131,6 +137,34 @@ def save_step(checkpointer, step: int) -> None:
         checkpointer.wait()  # maybe_save started this step's save; finish and mark it
         return
     checkpointer.save(step, wait=True)
+
+
+def requeue_now(handler: Any) -> str:
+    """Requeue this submitit SLURM job from any of its tasks; what happened, as the end of a line."""
+    from submitit.core.job_environment import _checkpoint
+
+    job, countdown = handler.env.job_id, handler._delayed._timeout_countdown - 1
+    if countdown < 0:
+        return f"SLURM job {job} not requeued: its requeues are used up (cluster.max_requeue); the job ends"
+    try:
+        reason = _checkpoint(handler._delayed, handler._job_paths.submitted_pickle, countdown)
+        if not reason:
+            handler.env._requeue(countdown)  # scontrol requeue; SLURM then stops every task of this attempt
+    except Exception as e:  # noqa: BLE001  (scontrol refused or timed out: the line says so, the job ends)
+        reason = f"{type(e).__name__}: {e}"
+    if reason:
+        return f"SLURM job {job} not requeued ({reason}); the job ends"
+    return (f"SLURM job {job} requeued ({countdown} more allowed by cluster.max_requeue); "
+            "it resumes from its last checkpoint")
+
+
+def requeue_on_hang() -> Callable[[], str] | None:
+    """Inside a submitit SLURM job: what the hang watchdog calls to requeue the job; else None."""
+    try:
+        handler = submitit_handler(submitit_signal())
+    except (ImportError, RuntimeError):
+        return None
+    return None if handler is None else (lambda: requeue_now(handler))
 
 
 def watch_for_preemption(rank: int, world_size: int, device: torch.device) -> Preemption | None:

@@ -38,7 +38,7 @@ from titan_hydra.models.registry import build_model
 from titan_hydra.parallel.apply import parallelize
 from titan_hydra.parallel.compile import compiled_graphs
 from titan_hydra.parallel.full_state import gather_full_state
-from titan_hydra.runtime.preemption import watch_for_preemption
+from titan_hydra.runtime.preemption import requeue_on_hang, watch_for_preemption
 from titan_hydra.runtime.rendezvous import init_process_group  # bounded, one-line failure
 from titan_hydra.runtime.threads import threads_here
 from titan_hydra.spec import RunSpec
@@ -336,7 +336,8 @@ def health_of(spec: RunSpec, run_dir: str, rank: int, device: torch.device, buil
                           "deterministic kernels on GPU: set training.deterministic=true or health.recheck_every=0")
     return HealthMonitor(settings, faults, run_dir=run_dir, rank=rank, world_size=spec.world_size, device=device,
                          parts=built.parts, checkpointer=checkpointer, loader=data.train_loader, state=state,
-                         metric_logger=metric_logger, dims=spec.dims)
+                         metric_logger=metric_logger, dims=spec.dims,
+                         restart=requeue_on_hang())  # None outside SLURM: the launcher restarts
 
 
 def schedule_of(spec: RunSpec) -> Schedule:

@@ -30,11 +30,12 @@ from titan_hydra.train.health.watchdog import HANG_DIR, Watchdog
 
 class HealthMonitor:
     """One rank's health checks. ``checkpointer``, ``loader`` and ``state`` are what a rollback
-    restores and moves; ``metric_logger`` takes the ``health/*`` metrics (rank 0 writes them)."""
+    restores and moves; ``metric_logger`` takes the ``health/*`` metrics (rank 0 writes them);
+    ``restart`` is what the hang watchdog's reporting rank calls (``Watchdog``)."""
 
     def __init__(self, settings: Health, faults: FaultInjection, *, run_dir: str, rank: int, world_size: int,
                  device: torch.device, parts: list, checkpointer: Any, loader: Any, state: Any,
-                 metric_logger: Any, dims: Any = None) -> None:
+                 metric_logger: Any, dims: Any = None, restart: Callable[[], str] | None = None) -> None:
         self.settings, self.rank, self.parts, self.state = settings, rank, parts, state
         self.report = Path(run_dir) / "health" / f"rank{rank}.json"  # this rank's counts and events
         self.metric_logger = metric_logger
@@ -50,7 +51,7 @@ class HealthMonitor:
         self.stragglers = StragglerCheck(settings.straggler_every if settings.enable else 0, settings.straggler_ratio,
                                          rank, world_size, device)
         on = settings.enable and settings.hang_timeout_s > 0
-        self.watchdog = Watchdog(settings.hang_timeout_s, run_dir, rank, world_size) if on else None
+        self.watchdog = Watchdog(settings.hang_timeout_s, run_dir, rank, world_size, restart) if on else None
         self.clock = StepClock()
         self.own_s = 0.0  # time spent in this monitor outside the gathers: its per-step cost
         self.events: list[str] = []
