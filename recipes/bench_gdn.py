@@ -31,6 +31,7 @@ Qwen3_5TextConfig = import_quietly("transformers").Qwen3_5TextConfig
 
 from titan_hydra.kernels import gated_delta_policy
 from titan_hydra.models.common.gated_deltanet import GatedDeltaNet
+from titan_hydra.models.qwen3_5.hf import fuse_qkv
 
 
 def cpu_name() -> str:
@@ -53,7 +54,7 @@ def layers(args, device: torch.device, dtype: torch.dtype) -> dict[str, torch.nn
                             linear_key_head_dim=width, linear_value_head_dim=width, num_hidden_layers=1,
                             layer_types=["linear_attention"])
     ref = Qwen3_5GatedDeltaNet(cfg, layer_idx=0)
-    ref.load_state_dict(ours.state_dict())
+    ref.load_state_dict(fuse_qkv(ours.state_dict()))  # transformers fuses q | k | v
     found = {"transformers (torch fallback)": ref, "titan_hydra (torch)": ours}
     if device.type == "cuda" and gated_delta_policy.fla_import_error() is None:
         fla = GatedDeltaNet(args.dim, heads, heads, width, width)
