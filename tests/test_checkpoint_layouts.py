@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from titan_hydra.spec import spec_of
-from helpers import BASE, GLOBAL_BATCH, REPO, by_step, compose_cfg, read_metrics
+from helpers import BASE, GLOBAL_BATCH, REPO, by_step, compose_cfg, launch_here, read_metrics
 from titan_hydra.checkpoint.storage import load_plain, read_metadata, tensor_entries
 
 STEPS = 6
@@ -38,20 +38,20 @@ SEED_STEPS = 3  # "first losses" compared for seed checkpoints
 SEED_RUN = ["checkpoint=none", "training.deterministic=true", f"training.steps={SEED_STEPS}"]
 
 
+def overrides_for(nproc: int, dp: int, extra: list[str], ckpt: list[str] = CKPT) -> list[str]:
+    return [*BASE, *ckpt, f"cluster.nproc_per_node={nproc}", f"training.local_batch_size={GLOBAL_BATCH // dp}", *extra]
+
+
 def args_for(run_dir: Path, nproc: int, dp: int, extra: list[str], ckpt: list[str] = CKPT) -> list[str]:
-    return [sys.executable, str(REPO / "launch.py"), *BASE, *ckpt, f"cluster.nproc_per_node={nproc}",
-            f"training.local_batch_size={GLOBAL_BATCH // dp}", f"hydra.run.dir={run_dir}", *extra]
+    return [sys.executable, str(REPO / "launch.py"), *overrides_for(nproc, dp, extra, ckpt), f"hydra.run.dir={run_dir}"]
 
 
 def env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
 
 
-def launch(run_dir: Path, nproc: int, dp: int, extra: list[str], ckpt: list[str] = CKPT) -> subprocess.CompletedProcess:
-    proc = subprocess.run(args_for(run_dir, nproc, dp, extra, ckpt), cwd=run_dir.parent, capture_output=True,
-                          text=True, timeout=600, env=env())
-    assert proc.returncode == 0, f"{extra} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return proc
+def launch(run_dir: Path, nproc: int, dp: int, extra: list[str], ckpt: list[str] = CKPT) -> None:
+    launch_here(overrides_for(nproc, dp, extra, ckpt), run_dir)
 
 
 def run_here(run_dir: Path, extra: list[str], ckpt: list[str] = SEED_RUN) -> None:

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 from titan_hydra.spec import spec_of
-from helpers import compose_cfg, run_launch
+from helpers import compose_cfg, launch_here
 from hydra.utils import instantiate
 
 from titan_hydra.config import mixed_precision_of
@@ -239,8 +239,7 @@ def test_estimate_within_15_percent_per_rank_under_layouts(tmp_path, name):
         "cluster.nproc_per_node=2", "profiling=memory",
     ]
     run_dir = tmp_path / "run"
-    proc = run_launch(overrides + [f"hydra.run.dir={run_dir}"], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    launch_here(overrides, run_dir)
     cfg = compose_cfg(overrides)
     est = plan(spec_of(cfg)).mem_total_gib
     for rank in (0, 1):

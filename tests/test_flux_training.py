@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from titan_hydra.spec import spec_of
-from helpers import by_step, compose_cfg, read_metrics, run_launch, series
+from helpers import by_step, compose_cfg, launch_here, read_metrics, run_launch, series
 from titan_hydra.errors import ConfigError
 from titan_hydra.validate import validate
 
@@ -113,10 +113,9 @@ def launch_layout(tmp_path: Path, layout: str, nproc: int, extra: list[str] = ()
     """Launch ``layout`` on ``nproc`` ranks, ``dp`` of them data parallel (all unless given)."""
     run_dir = tmp_path / "run"
     dp = nproc if dp is None else dp
-    proc = run_launch(FLUX + [f"parallelism={layout}", f"cluster.nproc_per_node={nproc}",
-                              f"training.local_batch_size={8 // dp}", f"training.val_local_batch_size={4 // dp}",
-                              *extra, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    launch_here(FLUX + [f"parallelism={layout}", f"cluster.nproc_per_node={nproc}",
+                        f"training.local_batch_size={8 // dp}", f"training.val_local_batch_size={4 // dp}", *extra],
+                run_dir)
     return run_dir, read_metrics(run_dir)
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from titan_hydra.spec import spec_of
-from helpers import BASE, GLOBAL_BATCH, STEPS, assert_parity, by_step, compose_cfg, run_launch, series, spawn_gloo
+from helpers import BASE, GLOBAL_BATCH, STEPS, assert_parity, by_step, compose_cfg, launch_here, series, spawn_gloo
 from titan_hydra.checkpoint.storage import load_plain, read_metadata, tensor_entries
 from titan_hydra.errors import ConfigError
 from titan_hydra.validate import validate
@@ -225,10 +225,8 @@ PARALLEL = 2  # launches at a time (most of a launch is single-threaded start-up
 
 
 def _launch(run_dir: Path, overrides: list[str], nproc: int, dp: int) -> Path:
-    args = [*BASE, *MOE, f"cluster.nproc_per_node={nproc}", f"training.local_batch_size={GLOBAL_BATCH // dp}",
-            f"hydra.run.dir={run_dir}", *overrides]
-    proc = run_launch(args, cwd=run_dir.parent)
-    assert proc.returncode == 0, f"{overrides} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    launch_here([*BASE, *MOE, f"cluster.nproc_per_node={nproc}", f"training.local_batch_size={GLOBAL_BATCH // dp}",
+                 *overrides], run_dir)
     return run_dir
 
 

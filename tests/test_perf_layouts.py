@@ -31,7 +31,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import BASE, GLOBAL_BATCH, compose_cfg, run_launch, series
+from helpers import BASE, GLOBAL_BATCH, compose_cfg, launch_here, series
 
 STEPS = 4
 COMPILE_ATOL = 5e-5
@@ -48,11 +48,9 @@ def run_steps(tmp_path: Path, overrides: list[str], nproc: int, dp: int) -> tupl
         f"cluster.nproc_per_node={nproc}",
         f"training.local_batch_size={GLOBAL_BATCH // dp}",
         f"training.steps={STEPS}",
-        f"hydra.run.dir={run_dir}",
         *overrides,
     ]
-    proc = run_launch(args, cwd=tmp_path, timeout=600)
-    assert proc.returncode == 0, f"{overrides} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    launch_here(args, run_dir)
     losses = series(run_dir, "loss")
     assert len(losses) == STEPS, losses
     return losses, run_dir

@@ -42,8 +42,9 @@ def run_dir_of(cfg: DictConfig) -> str:
         return os.getcwd()
 
 
-def launch(cfg: DictConfig) -> float | None:
-    """Validate, then dry-run or train. Returns the final validation loss (for sweepers)."""
+def launch(cfg: DictConfig, run_dir: str | None = None) -> float | None:
+    """Validate, then dry-run or train in ``run_dir`` (None: Hydra's output dir, or the working
+    directory outside Hydra). Returns the final validation loss (for sweepers)."""
     export_dist_env(cfg)  # a SLURM / submitit task becomes its rank
     submit_to_slurm = cfg.cluster.launcher == "slurm" and not (in_slurm_step() or in_submitit_job())
     try:
@@ -56,7 +57,7 @@ def launch(cfg: DictConfig) -> float | None:
     if spec.dry_run:
         print(plan(spec).format(), flush=True)
         return None
-    run_dir = run_dir_of(cfg)
+    run_dir = run_dir or run_dir_of(cfg)
     inside_rank = "LOCAL_RANK" in os.environ or spec.world_size == 1
     # torchft: this process starts the replica groups (each a launch.py run of its own)
     # (a rank that torchrun started is already inside its group: TITAN_HYDRA_FT_GROUP, or group 0)
