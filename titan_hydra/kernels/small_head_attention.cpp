@@ -11,8 +11,10 @@
 // Layouts (per batch*head slice): q, k, v, out, grad tensors are [S, 16] fp32 rows; K^T and V^T
 // are rebuilt per slice as 16-key chunks of 16 x 16 floats (one contiguous KiB per chunk, so the
 // 16 feature rows of a chunk never compete for the same L1 set).
-#include <torch/extension.h>
+// ATen and the op registry only: torch/extension.h (pybind11 and the C++ frontend) doubles the build time.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -154,21 +156,21 @@ void forward_impl(const T* Q, const T* K, const T* V, T* O, float* L, int64_t BH
   });
 }
 
-void check_inputs(std::initializer_list<torch::Tensor> ts) {
+void check_inputs(std::initializer_list<at::Tensor> ts) {
   const auto& first = *ts.begin();
   for (const auto& t : ts)
     TORCH_CHECK(t.dim() == 3 && t.size(2) == D && t.is_contiguous() && t.sizes() == first.sizes()
                 && t.scalar_type() == first.scalar_type()
-                && (t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16),
+                && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16),
                 "small_head_attention: expected contiguous fp32 or bf16 [BH, S, 16] tensors of one shape and dtype");
 }
 
-std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+std::vector<at::Tensor> forward(at::Tensor q, at::Tensor k, at::Tensor v, double scale) {
   check_inputs({q, k, v});
   const int64_t BH = q.size(0), S = q.size(1);
-  auto out = torch::empty_like(q);
-  auto lse = torch::empty({BH, S}, q.options().dtype(torch::kFloat));
-  if (q.scalar_type() == torch::kFloat)
+  auto out = at::empty_like(q);
+  auto lse = at::empty({BH, S}, q.options().dtype(at::kFloat));
+  if (q.scalar_type() == at::kFloat)
     forward_impl(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
                  lse.data_ptr<float>(), BH, S, (float)scale);
   else
@@ -248,13 +250,13 @@ void backward_impl(const T* G, const T* Q, const T* K, const T* V, const T* O, c
   });
 }
 
-std::vector<torch::Tensor> backward(torch::Tensor grad_out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                    torch::Tensor out, torch::Tensor lse, double scale) {
+std::vector<at::Tensor> backward(at::Tensor grad_out, at::Tensor q, at::Tensor k, at::Tensor v,
+                                    at::Tensor out, at::Tensor lse, double scale) {
   check_inputs({grad_out, q, k, v, out});
-  TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == torch::kFloat, "small_head_attention: lse must be contiguous fp32");
+  TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == at::kFloat, "small_head_attention: lse must be contiguous fp32");
   const int64_t BH = q.size(0), S = q.size(1);
-  auto dq = torch::empty_like(q), dk = torch::empty_like(k), dv = torch::empty_like(v);
-  if (q.scalar_type() == torch::kFloat)
+  auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  if (q.scalar_type() == at::kFloat)
     backward_impl(grad_out.data_ptr<float>(), q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
                   out.data_ptr<float>(), lse.data_ptr<float>(), dq.data_ptr<float>(), dk.data_ptr<float>(),
                   dv.data_ptr<float>(), BH, S, (float)scale);
@@ -266,7 +268,8 @@ std::vector<torch::Tensor> backward(torch::Tensor grad_out, torch::Tensor q, tor
   return {dq, dk, dv};
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &forward, "causal attention, head_dim 16, fp32 or bf16 in, fp32 math: (out, logsumexp)");
-  m.def("backward", &backward, "gradients (dq, dk, dv) of forward");
+// torch.ops.titan_hydra_small_head_attention.{forward, backward}
+TORCH_LIBRARY(titan_hydra_small_head_attention, m) {
+  m.def("forward", &forward);   // causal attention, head_dim 16, fp32 or bf16 in, fp32 math: [out, logsumexp]
+  m.def("backward", &backward);  // [dq, dk, dv] of forward
 }

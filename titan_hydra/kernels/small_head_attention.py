@@ -74,8 +74,9 @@ def load():
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     try:
-        return cpp_extension.load(name=NAME, sources=[str(SOURCE)],
-                                  extra_cflags=["-O3", "-march=native", "-fno-math-errno"], verbose=False)
+        cpp_extension.load(name=NAME, sources=[str(SOURCE)], is_python_module=False,
+                           extra_cflags=["-O3", "-march=native", "-fno-math-errno"], verbose=False)
+        return getattr(torch.ops, NAME)  # the ops the library registered (TORCH_LIBRARY in the source)
     except Exception as e:  # no compiler, no ninja, a build error: one line, the caller decides
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise KernelUnavailable(f"the small-head CPU attention kernel could not be built ({first[:200]}); "
