@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, read_metrics, series
+from helpers import REPO, launch_here, read_metrics, series
 from titan_hydra.checkpoint.storage import load_plain, read_metadata, tensor_entries
 from titan_hydra.launch.ft_local import lighthouse_binary
 from titan_hydra.runtime.rendezvous import free_port
@@ -70,7 +70,7 @@ def finish(proc: subprocess.Popen, timeout: int = 300) -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def ddp_dir(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ddp") / "run"
-    finish(launch(run_dir, ["parallelism=ddp", "cluster.nproc_per_node=2"]))
+    launch_here([*TINY, "parallelism=ddp", "cluster.nproc_per_node=2"], run_dir)
     return run_dir
 
 
