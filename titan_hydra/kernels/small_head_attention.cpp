@@ -4,10 +4,10 @@
 // blocks of 256 queries x 512 keys. At head_dim 16 every score costs only 16 multiply-adds, so
 // the GEMM calls, the softmax passes over each block and the diagonal blocks it computes in full
 // and then masks dominate. Here one 16-wide vector is one head row (or 16 keys' worth of one
-// feature), the causal triangle is walked exactly in blocks of 8 queries x 16 keys, and each
+// feature), the causal triangle is walked exactly in blocks of 8 (AVX2: 4) queries x 16 keys, and each
 // product is a run of vector multiply-adds with a broadcast scalar. One head row is one 16-float
 // vector: a GCC generic vector on AVX-512, and on AVX2 a pair of 8-float vectors (GCC keeps a
-// 64-byte generic vector it has no register for in memory, op by op: 16x slower than the pair).
+// 64-byte generic vector it has no register for in memory, op by op: ~9x slower than the pair).
 //
 // Layouts (per batch*head slice): q, k, v, out, grad tensors are [S, 16] fp32 rows; K^T and V^T
 // are rebuilt per slice as 16-key chunks of 16 x 16 floats (one contiguous KiB per chunk, so the
@@ -112,7 +112,6 @@ inline void store(float* p, vec x) {
 }
 #endif
 static_assert(sizeof(vec) == D * sizeof(float), "a vec is one head row");
-
 
 // rows [S, 16] (fp32 or bf16) -> chunks of 16 rows transposed: dst[(j/16)*256 + d*16 + j%16],
 // zero-padded; also an fp32 copy of the rows when `rows` is given
