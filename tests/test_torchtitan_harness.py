@@ -62,8 +62,8 @@ def test_both_sides_get_the_same_sequence_batch_and_steps(name, tmp_path):
     threads = "1" if nproc == 2 else "2"
     assert tt_env["OMP_NUM_THREADS"] == th_env["OMP_NUM_THREADS"] == _override(th, "cluster.threads_per_proc") == threads
     assert _flag(tt, "--config") == c.tt_config and cwd == REPO
-    assert ("compile=model_loss" in th) == c.compiled == c.tt_config.endswith("_compile")
-    assert ("training.mixed_precision=fp32" in th) == c.tt_config.endswith("_fp32")
+    assert ("compile=model_loss" in th) == c.compiled == ("compile" in c.tt_config.split("_"))
+    assert ("training.mixed_precision=fp32" in th) == ("fp32" in c.tt_config.split("_"))
     selective = {"activation_checkpoint=selective_op", "activation_checkpoint.selective_op_policy=every_second_mm"}
     if c.family == "llama3":  # both defaults, as in the earlier dense measurement
         assert not any(a.startswith("activation_checkpoint") for a in th)
@@ -115,3 +115,15 @@ def test_llama3_overrides_give_torchtitans_dense_debug_model():
     with torch.device("meta"):
         _, model = build_model(cfg.model)
     assert sum(p.numel() for p in model.parameters()) == 6_163_712
+
+
+def test_isa_cap_reaches_both_sides_with_a_cache_of_its_own(tmp_path):
+    c = harness.COMPARISONS["llama3_compile_fp32"]
+    capped = harness.commands(c, steps=5, seq_len=512, threads=2, tt_venv=tmp_path / "venv", work=tmp_path,
+                              isa_cap="avx2")
+    plain = harness.commands(c, steps=5, seq_len=512, threads=2, tt_venv=tmp_path / "venv", work=tmp_path)
+    for system in ("torchtitan", "titan_hydra"):
+        env = capped[system][1]
+        assert env["ATEN_CPU_CAPABILITY"] == "avx2" and env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+        assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor_avx2")
+        assert "ATEN_CPU_CAPABILITY" not in plain[system][1] and "TORCHINDUCTOR_CACHE_DIR" not in plain[system][1]

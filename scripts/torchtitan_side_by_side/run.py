@@ -112,6 +112,19 @@ def _cmp(name, label, family, tt_config, th, **kw) -> Comparison:
 
 
 BF16, FP32 = "training.mixed_precision=bf16", "training.mixed_precision=fp32"
+LLAMA_AUTO_NOTE = ("titan_hydra's precision and attention kernel are its auto choices on this CPU (the run header "
+                   "says which); torchtitan computes in bf16 (FSDP's mixed-precision policy, even on one rank)")
+# ``--isa-cap avx2``: both sides as on a CPU without AVX-512 (oneDNN then has no bf16 dot products, so
+# titan_hydra's auto precision resolves to fp32). Inductor's cache does not key on the ATen capability:
+# capped runs get a cache of their own, or code built for the other width corrupts memory.
+ISA_CAPS = {"avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
+
+
+def isa_cap_env(cap: str | None, work: Path) -> dict[str, str]:
+    """The environment both sides run under for ``--isa-cap`` (empty without one)."""
+    if cap is None:
+        return {}
+    return {**ISA_CAPS[cap], "TORCHINDUCTOR_CACHE_DIR": str(work / f"inductor_{cap}")}
 EP2 = ["parallelism=ep", "cluster.nproc_per_node=2"]
 TT_EP_NOTE = "torchtitan with spmd_backend=partial_dtensor (its default spmd_types fails at FSDP setup on 2 ranks)"
 COMPARISONS: dict[str, Comparison] = {c.name: c for c in [
@@ -139,6 +152,18 @@ COMPARISONS: dict[str, Comparison] = {c.name: c for c in [
     _cmp("llama3_eager_bf16", "llama3 dense eager bf16", "llama3", "llama3_debugmodel_sdpa",
          [BF16], batch=8, seq_len=2048,
          note="both systems' defaults otherwise: torchtitan selective AC, titan_hydra none (as the earlier measurement)"),
+    # each system at its defaults: titan_hydra's training.mixed_precision=auto and attention_kernel=auto
+    # resolve per CPU (bf16 where matmuls are native, else fp32), torchtitan computes in bf16
+    _cmp("llama3_defaults", "llama3 dense, both defaults", "llama3", "llama3_debugmodel_sdpa",
+         [], batch=8, seq_len=2048, precision="auto", note=LLAMA_AUTO_NOTE),
+    _cmp("llama3_compile", "llama3 dense compiled, precision as each defaults", "llama3",
+         "llama3_debugmodel_sdpa_compile", ["compile=model_loss"], batch=8, seq_len=2048, compiled=True,
+         precision="auto", note=LLAMA_AUTO_NOTE),
+    _cmp("llama3_eager_fp32", "llama3 dense eager fp32", "llama3", "llama3_debugmodel_sdpa_fp32",
+         [FP32], batch=8, seq_len=2048, precision="fp32"),
+    # best against best where bf16 is emulated (AVX2 only): both compiled in fp32
+    _cmp("llama3_compile_fp32", "llama3 dense compiled fp32", "llama3", "llama3_debugmodel_sdpa_fp32_compile",
+         [FP32, "compile=model_loss"], batch=8, seq_len=2048, compiled=True, precision="fp32"),
 ]}
 
 
@@ -188,7 +213,7 @@ def th_command(c: Comparison, *, steps: int, seq_len: int, threads: int, data_pa
 
 
 def commands(c: Comparison, *, steps: int, seq_len: int, threads: int, tt_venv: Path, work: Path,
-             tag: str = "r1") -> dict[str, tuple[list[str], dict[str, str], Path]]:
+             tag: str = "r1", isa_cap: str | None = None) -> dict[str, tuple[list[str], dict[str, str], Path]]:
     """Both runs of one comparison: {"torchtitan"|"titan_hydra": (argv, extra env, cwd)}."""
     run_root = work / "run"
     assets = run_root / "tests" / "assets"
@@ -198,7 +223,8 @@ def commands(c: Comparison, *, steps: int, seq_len: int, threads: int, tt_venv: 
     th_argv, th_env = th_command(c, steps=steps, seq_len=seq_len, threads=threads,
                                  data_path=assets / "c4_test" / "data.json",
                                  tokenizer=assets / "tokenizer" / "tokenizer.json", run_dir=base / f"{tag}_th")
-    return {"torchtitan": (tt_argv, tt_env, run_root), "titan_hydra": (th_argv, th_env, REPO)}
+    cap = isa_cap_env(isa_cap, work)
+    return {"torchtitan": (tt_argv, {**tt_env, **cap}, run_root), "titan_hydra": (th_argv, {**th_env, **cap}, REPO)}
 
 
 # ------------------------------------------------------------------------------ setup
@@ -467,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=DEFAULT_WORK, help=f"run dirs and logs (default {DEFAULT_WORK})")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per run before it counts as failed")
+    ap.add_argument("--isa-cap", choices=sorted(ISA_CAPS), help="run both sides as on a CPU with only this "
+                    "instruction set (oneDNN and ATen capped; a separate inductor cache)")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     args = ap.parse_args(argv)
     names = args.only or list(COMPARISONS)
@@ -477,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
             c = COMPARISONS[name]
             print(f"# {name}: {c.label}")
             for system, (cmd, env, cwd) in commands(c, steps=args.steps, seq_len=args.seq_len, threads=args.threads,
-                                                    tt_venv=args.tt_venv, work=work).items():
+                                                    tt_venv=args.tt_venv, work=work,
+                                                    isa_cap=args.isa_cap).items():
                 envs = " ".join(f"{k}={v}" for k, v in env.items())
                 print(f"(cd {cwd} && {envs} {' '.join(cmd)})")
             print()
@@ -493,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
         rounds = []
         for k in range(1, args.rounds + 1):
             cmds = commands(c, steps=args.steps, seq_len=args.seq_len, threads=args.threads,
-                            tt_venv=args.tt_venv, work=work, tag=f"r{k}")
+                            tt_venv=args.tt_venv, work=work, tag=f"r{k}",
+                            isa_cap=args.isa_cap)
             order = ["torchtitan", "titan_hydra"] if k % 2 else ["titan_hydra", "torchtitan"]
             result = {"round": k}
             for system in order:
@@ -513,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "rounds": args.rounds, "steps": args.steps, "seq_len": args.seq_len,
-            "threads": args.threads, "method": "alternated per round (order flips every round); tok/s per rank = "
+            "threads": args.threads, "isa_cap": args.isa_cap, "method": "alternated per round (order flips every round); tok/s per rank = "
             "median of step rates after the first 2 steps (3 compiled); row = median over rounds",
             "data": data_info, "rows": rows}, indent=1))
         print(f"\nJSON: {args.json}")

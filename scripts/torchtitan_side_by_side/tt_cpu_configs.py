@@ -12,7 +12,7 @@ checkpointing, loss) changed only where CPU needs it:
 
 Variants: ``_sdpa`` (torchtitan's default: FSDP's mixed-precision policy casts parameters and
 compute to bf16 even on one rank), ``_sdpa_fp32`` (``mixed_precision_param = "float32"``),
-``_sdpa_compile`` (``compile.enable``: each block and the loss), ``_sdpa_ep2`` /
+``_sdpa_compile`` (``compile.enable``: each block and the loss), ``_sdpa_fp32_compile`` (both), ``_sdpa_ep2`` /
 ``_sdpa_ep2_compile`` (``expert_parallel_degree = 2`` with ``spmd_backend = "partial_dtensor"``,
 see ``_cpu``; launch with 2 ranks; the compiled one without activation checkpointing, see there).
 Only importable inside torchtitan's environment.
@@ -99,3 +99,7 @@ def llama3_debugmodel_sdpa_fp32():
 
 def llama3_debugmodel_sdpa_compile():
     return _cpu(llama3_debugmodel(), compile=True)
+
+
+def llama3_debugmodel_sdpa_fp32_compile():
+    return _cpu(llama3_debugmodel(), fp32=True, compile=True)

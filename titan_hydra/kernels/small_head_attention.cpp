@@ -4,9 +4,10 @@
 // blocks of 256 queries x 512 keys. At head_dim 16 every score costs only 16 multiply-adds, so
 // the GEMM calls, the softmax passes over each block and the diagonal blocks it computes in full
 // and then masks dominate. Here one 16-wide vector is one head row (or 16 keys' worth of one
-// feature), the causal triangle is walked exactly in blocks of 8 queries x 16 keys, and each
-// product is a run of vector multiply-adds with a broadcast scalar. GCC's generic vectors
-// compile to AVX-512 where the machine has it and to pairs of AVX2 registers where not.
+// feature), the causal triangle is walked exactly in blocks of 8 (AVX2: 4) queries x 16 keys, and each
+// product is a run of vector multiply-adds with a broadcast scalar. One head row is one 16-float
+// vector: a GCC generic vector on AVX-512, and on AVX2 a pair of 8-float vectors (GCC keeps a
+// 64-byte generic vector it has no register for in memory, op by op: ~9x slower than the pair).
 //
 // Layouts (per batch*head slice): q, k, v, out, grad tensors are [S, 16] fp32 rows; K^T and V^T
 // are rebuilt per slice as 16-key chunks of 16 x 16 floats (one contiguous KiB per chunk, so the
@@ -24,42 +25,95 @@
 
 namespace {
 
-typedef float vec __attribute__((vector_size(64)));
-typedef int ivec __attribute__((vector_size(64)));
 constexpr int D = 16;  // head dim: one vector
-constexpr int R = 8;   // queries per block
 constexpr int C = 16;  // keys per chunk
-
-inline vec splat(float x) { return vec{} + x; }
-inline vec load(const float* p) { vec r; std::memcpy(&r, p, sizeof r); return r; }
-inline void store(float* p, vec x) { std::memcpy(p, &x, sizeof x); }
-inline vec vmax(vec a, vec b) { return a > b ? a : b; }
-inline float hsum(vec x) { float s = 0.f; for (int i = 0; i < 16; ++i) s += x[i]; return s; }
-inline float hmax(vec x) { float s = x[0]; for (int i = 1; i < 16; ++i) s = std::max(s, x[i]); return s; }
 
 // exp(x) for x <= 0, 0 below -87 (masked scores arrive as -inf): 2^n * 2^f, n = round(x log2 e),
 // |f| <= 1/2, Taylor polynomial of 2^f to degree 6 (relative error ~2e-7, below fp32's epsilon).
-inline vec vexp(vec x) {
-  const vec xc = vmax(x, splat(-87.f));
-  const vec t = xc * 1.44269504088896341f;
-  const ivec n = __builtin_convertvector(t - 0.5f, ivec);  // truncation: round-to-nearest for t <= 0
-  const vec f = t - __builtin_convertvector(n, vec);
-  vec p = splat(1.5403530393381606e-4f);
+template <typename F, typename I>
+inline F exp_lanes(F x) {
+  const F lo = F{} - 87.f;
+  const F xc = x > lo ? x : lo;
+  const F t = xc * 1.44269504088896341f;
+  const I n = __builtin_convertvector(t - 0.5f, I);  // truncation: round-to-nearest for t <= 0
+  const F f = t - __builtin_convertvector(n, F);
+  F p = F{} + 1.5403530393381606e-4f;
   p = p * f + 1.3333558146428443e-3f;
   p = p * f + 9.618129107628477e-3f;
   p = p * f + 5.550410866482158e-2f;
   p = p * f + 2.402265069591007e-1f;
   p = p * f + 6.931471805599453e-1f;
   p = p * f + 1.0f;
-  const ivec bits = (n + 127) << 23;
-  vec two_n;
+  const I bits = (n + 127) << 23;
+  F two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
-  return x < splat(-87.f) ? splat(0.f) : p * two_n;
+  return x < lo ? F{} : p * two_n;
 }
 
-inline ivec lane_index(int64_t first) {
-  return ivec{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + (int)first;
+// lanes of x whose key index (first + lane) is past `query` replaced by `fill`
+template <typename F, typename I>
+inline F causal_lanes(F x, I lane, int64_t first, int64_t query, float fill) {
+  return lane <= (int)(query - first) ? x : F{} + fill;
 }
+
+#ifdef __AVX512F__
+constexpr int R = 8;   // queries per block
+typedef float vec __attribute__((vector_size(64)));
+typedef int ivec __attribute__((vector_size(64)));
+const ivec LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+inline vec splat(float x) { return vec{} + x; }
+inline vec vmax(vec a, vec b) { return a > b ? a : b; }
+inline float hsum(vec x) { float s = 0.f; for (int i = 0; i < 16; ++i) s += x[i]; return s; }
+inline float hmax(vec x) { float s = x[0]; for (int i = 1; i < 16; ++i) s = std::max(s, x[i]); return s; }
+inline vec vexp(vec x) { return exp_lanes<vec, ivec>(x); }
+inline vec causal(vec x, int64_t first, int64_t query, float fill) { return causal_lanes(x, LANES, first, query, fill); }
+inline vec load(const float* p) { vec r; std::memcpy(&r, p, sizeof r); return r; }
+inline void store(float* p, vec x) { std::memcpy(p, &x, sizeof x); }
+#else
+constexpr int R = 4;   // queries per block: 4 accumulator pairs leave AVX2 registers for the rest
+typedef float half __attribute__((vector_size(32)));
+typedef int ihalf __attribute__((vector_size(32)));
+const ihalf LO_LANES = {0, 1, 2, 3, 4, 5, 6, 7}, HI_LANES = {8, 9, 10, 11, 12, 13, 14, 15};
+
+// a 16-float row as two 8-float registers, lane order lo then hi (its memory layout is the row's)
+struct vec {
+  half lo, hi;
+  friend vec operator+(vec a, vec b) { return {a.lo + b.lo, a.hi + b.hi}; }
+  friend vec operator-(vec a, vec b) { return {a.lo - b.lo, a.hi - b.hi}; }
+  friend vec operator*(vec a, vec b) { return {a.lo * b.lo, a.hi * b.hi}; }
+  friend vec operator-(vec a, float b) { return {a.lo - b, a.hi - b}; }
+  friend vec operator*(vec a, float b) { return {a.lo * b, a.hi * b}; }
+  friend vec operator*(float a, vec b) { return {a * b.lo, a * b.hi}; }
+  vec& operator+=(vec b) { lo += b.lo; hi += b.hi; return *this; }
+};
+
+inline vec splat(float x) { return {half{} + x, half{} + x}; }
+inline vec vmax(vec a, vec b) { return {a.lo > b.lo ? a.lo : b.lo, a.hi > b.hi ? a.hi : b.hi}; }
+inline float hsum(vec x) { const half h = x.lo + x.hi; float s = 0.f; for (int i = 0; i < 8; ++i) s += h[i]; return s; }
+inline float hmax(vec x) {
+  const half h = x.lo > x.hi ? x.lo : x.hi;
+  float s = h[0];
+  for (int i = 1; i < 8; ++i) s = std::max(s, h[i]);
+  return s;
+}
+inline vec vexp(vec x) { return {exp_lanes<half, ihalf>(x.lo), exp_lanes<half, ihalf>(x.hi)}; }
+inline vec causal(vec x, int64_t first, int64_t query, float fill) {
+  return {causal_lanes(x.lo, LO_LANES, first, query, fill), causal_lanes(x.hi, HI_LANES, first, query, fill)};
+}
+// half by half: one 64-byte copy through the stack would stall every load on store forwarding
+inline vec load(const float* p) {
+  vec r;
+  std::memcpy(&r.lo, p, sizeof r.lo);
+  std::memcpy(&r.hi, p + 8, sizeof r.hi);
+  return r;
+}
+inline void store(float* p, vec x) {
+  std::memcpy(p, &x.lo, sizeof x.lo);
+  std::memcpy(p + 8, &x.hi, sizeof x.hi);
+}
+#endif
+static_assert(sizeof(vec) == D * sizeof(float), "a vec is one head row");
 
 // rows [S, 16] (fp32 or bf16) -> chunks of 16 rows transposed: dst[(j/16)*256 + d*16 + j%16],
 // zero-padded; also an fp32 copy of the rows when `rows` is given
@@ -78,7 +132,9 @@ inline void store_row(T* dst, vec x) {
   if constexpr (std::is_same_v<T, float>) {
     store(dst, x);
   } else {
-    for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(x[d]);
+    float row[D];
+    store(row, x);
+    for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(row[d]);
   }
 }
 
@@ -124,10 +180,8 @@ void forward_impl(const T* Q, const T* K, const T* V, T* O, float* L, int64_t BH
         for (int r = 0; r < R; ++r) mx[r] = splat(-INFINITY);
         for (int64_t j = 0; j < nkp; j += C) {  // pass 1: scaled scores and their row maxima
           chunk_products(qrows.data(), kt.data() + j * D, s);
-          if (j + C > i0) {
-            const ivec idx = lane_index(j);
-            for (int r = 0; r < R; ++r) s[r] = idx <= (int)(i0 + r) ? s[r] : splat(-INFINITY);
-          }
+          if (j + C > i0)
+            for (int r = 0; r < R; ++r) s[r] = causal(s[r], j, i0 + r, -INFINITY);
           for (int r = 0; r < R; ++r) { store(scores.data() + j * R + r * C, s[r]); mx[r] = vmax(mx[r], s[r]); }
         }
         float m[R];
@@ -217,10 +271,9 @@ void backward_impl(const T* G, const T* Q, const T* K, const T* V, const T* O, c
           chunk_products(qrows.data(), kt.data() + j * D, s);
           chunk_products(grows.data(), vt.data() + j * D, dp);
           const bool diagonal = j + C > i0;
-          const ivec idx = lane_index(j);
           for (int r = 0; r < R; ++r) {
             vec p = vexp(s[r] - lse_r[r]);
-            if (diagonal) p = idx <= (int)(i0 + r) ? p : splat(0.f);
+            if (diagonal) p = causal(p, j, i0 + r, 0.f);
             store(ptmp.data() + r * C, p);
             store(dstmp.data() + r * C, p * (dp[r] - delta_r[r]));
           }
@@ -268,8 +321,13 @@ std::vector<at::Tensor> backward(at::Tensor grad_out, at::Tensor q, at::Tensor k
   return {dq, dk, dv};
 }
 
-// torch.ops.titan_hydra_small_head_attention.{forward, backward}
-TORCH_LIBRARY(titan_hydra_small_head_attention, m) {
+// torch.ops.<TH_OPS>: the namespace is the build's library name (load() passes -DTH_OPS=...);
+// TORCH_LIBRARY pastes its argument, so a second macro expands TH_OPS first.
+#ifndef TH_OPS
+#define TH_OPS titan_hydra_small_head_attention
+#endif
+#define TH_REGISTER_OPS(ns, m) TORCH_LIBRARY(ns, m)
+TH_REGISTER_OPS(TH_OPS, m) {
   m.def("forward", &forward);   // causal attention, head_dim 16, fp32 or bf16 in, fp32 math: [out, logsumexp]
   m.def("backward", &backward);  // [dq, dk, dv] of forward
 }

@@ -5,7 +5,7 @@ torchtitan as for us) is built for wide heads: GEMM calls over blocks of 256 que
 keys, then separate softmax passes over each block, and diagonal blocks computed in full and
 masked. With 16-wide heads (torchtitan's debug Llama, ``llama3_debug``) each score is only 16
 multiply-adds, so that overhead is most of the time. ``small_head_attention.cpp`` walks the causal
-triangle exactly in 8 x 16 blocks with one vector per head row, in fp32 whatever the input dtype
+triangle exactly in blocks of 8 (AVX2: 4) queries x 16 keys with one vector per head row, in fp32 whatever the input dtype
 (more accurate than bf16 SDPA, never less). Measured on 2 EPYC cores, batch 8 x seq 2048 x 16
 heads, one layer forward + backward: see the README's performance section.
 
@@ -60,13 +60,14 @@ def _clear_stale_lock(build_dir: str, max_age_s: float = STALE_LOCK_S) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=1)
-def load():
-    """The compiled extension module (built once per machine and source version)."""
+@functools.lru_cache(maxsize=2)
+def load(march: str = "native"):
+    """The compiled extension module (built once per machine and source version). ``march``: the
+    instruction set to build for (``haswell`` builds the AVX2 path on an AVX-512 machine, for tests)."""
     from torch.utils import cpp_extension  # lazy: loads setuptools, only needed to build or load the kernel
 
     try:
-        _clear_stale_lock(cpp_extension._get_build_directory(NAME, verbose=False))
+        _clear_stale_lock(cpp_extension._get_build_directory(_name(march), verbose=False))
     except Exception:  # a torch whose private helper differs: just build as before
         pass
     # the pip-installed ninja sits next to this interpreter, which need not be on PATH (.venv/bin/python ...)
@@ -74,13 +75,19 @@ def load():
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     try:
-        cpp_extension.load(name=NAME, sources=[str(SOURCE)], is_python_module=False,
-                           extra_cflags=["-O3", "-march=native", "-fno-math-errno"], verbose=False)
-        return getattr(torch.ops, NAME)  # the ops the library registered (TORCH_LIBRARY in the source)
+        # one op namespace per build (the library name), so a native and an AVX2 build can load side by side
+        cpp_extension.load(name=_name(march), sources=[str(SOURCE)], is_python_module=False,
+                           extra_cflags=["-O3", f"-march={march}", "-fno-math-errno", f"-DTH_OPS={_name(march)}"],
+                           verbose=False)
+        return getattr(torch.ops, _name(march))  # the ops the library registered (TORCH_LIBRARY in the source)
     except Exception as e:  # no compiler, no ninja, a build error: one line, the caller decides
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise KernelUnavailable(f"the small-head CPU attention kernel could not be built ({first[:200]}); "
                                 f"install a C++ compiler and ninja, or set training.attention_kernel=sdpa") from None
+
+
+def _name(march: str) -> str:
+    return NAME if march == "native" else f"{NAME}_{march.replace('-', '_')}"
 
 
 def _rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
