@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+from collections import defaultdict
+from pathlib import Path
+from statistics import median
 
 import pytest
 from helpers import RunCache, compose_cfg
@@ -17,8 +21,42 @@ from xdist_scheduling import SLURM_MODULES, ModuleScheduling
 os.environ.setdefault("TITAN_HYDRA_START_METHOD", "forkserver")
 
 
+MODULE_DURATIONS = Path(__file__).with_name("module_durations.json")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--store-module-durations", action="store_true",
+                     help=f"write the seconds each module ran to {MODULE_DURATIONS.name} (the order "
+                          "workers take modules in; modules not run keep their entry)")
+
+
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.path.name not in SLURM_MODULES)  # stable: SLURM first, rest in order
+    """SLURM unit first (it mostly waits), then the longest modules (a long one last is a tail).
+
+    A module not in the file yet counts as a median one. The sort is stable: tests of a module
+    keep their order.
+    """
+    seconds = json.loads(MODULE_DURATIONS.read_text()) if MODULE_DURATIONS.exists() else {}
+    usual = median(seconds.values()) if seconds else 0.0
+    items.sort(key=lambda item: (item.path.name not in SLURM_MODULES,
+                                 -seconds.get(item.path.name, usual)))
+
+
+_module_seconds: dict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    _module_seconds[Path(report.nodeid.split("::", 1)[0]).name] += report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # the controller sees every worker's reports; a worker (workerinput set) writes nothing
+    if session.config.getoption("store_module_durations") and not hasattr(session.config, "workerinput"):
+        # a run of some modules updates those and keeps the others'
+        known = json.loads(MODULE_DURATIONS.read_text()) if MODULE_DURATIONS.exists() else {}
+        known.update((m, round(s, 1)) for m, s in _module_seconds.items())
+        ordered = dict(sorted(known.items(), key=lambda kv: -kv[1]))
+        MODULE_DURATIONS.write_text(json.dumps(ordered, indent=1) + "\n")
 
 
 def pytest_xdist_make_scheduler(config, log):

@@ -319,3 +319,14 @@ def test_peak_is_timed_on_a_matrix_the_cpu_can_afford():
     mid = tp.affordable_size(torch.float32, 4096, budget_s=0.01)
     assert 256 <= mid < 4096 and mid % 64 == 0
     assert tp.affordable_size(torch.float32, 128) == 128
+
+
+def test_peak_measurement_leaves_the_global_rng_alone():
+    """The peak is timed only while the cache is young: drawing its matrices from the global
+    generator made a run's random streams depend on the machine's cache (a requeued run's RNG
+    state at step 10 differed from a clean run's)."""
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    tp._time_matmul(torch.device("cpu"), torch.float32, 64, 2)
+    assert tp.affordable_size(torch.float32, 512, budget_s=1e-9) == 256
+    assert torch.equal(torch.get_rng_state(), before)

@@ -10,6 +10,11 @@ that their waiting overlaps the rest of the suite and no two SLURM tests ever co
 one-node cluster. (xdist's own ``loadgroup`` marks do not group with pytest 9.2, whose node ids no
 longer follow the ``_nodeid`` attribute xdist 3.8 rewrites; this scheduler groups by module.)
 
+Units are handed out in collection order, which conftest.py sorts longest module first (the
+seconds each took in a full run, tests/module_durations.json): a long module started last is the
+tail that keeps one worker busy while the others are done. xdist's default reorders units by
+their number of tests instead, which put the few-test SLURM unit near the end; it is turned off.
+
 xdist 3.8's scope scheduler, which this one extends, hangs the whole session when a worker dies
 (a segfault in a test, the OOM killer): it puts every unit the dead worker ever held back on the
 queue, finished ones included, and a replacement worker handed an empty unit, or a single test,
@@ -29,6 +34,10 @@ SLURM_MODULES = {"test_slurm.py", "test_slurm_requeue.py"}
 
 
 class ModuleScheduling(LoadScopeScheduling):
+    def __init__(self, config, log=None) -> None:
+        config.option.loadscopereorder = False  # keep the longest-first collection order
+        super().__init__(config, log)
+
     def _split_scope(self, nodeid: str) -> str:
         module = nodeid.split("::", 1)[0]
         return "slurm" if Path(module).name in SLURM_MODULES else module

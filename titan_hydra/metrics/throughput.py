@@ -88,6 +88,14 @@ def device_peak_tflops(device: torch.device | str, dtype: torch.dtype = torch.bf
     return peak
 
 
+def operands(size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two random [size, size] matrices from a generator of their own: a timing run only while
+    the peak cache is young, and drawing from the global one would make a run's random streams
+    (dropout, sampling) depend on the machine's cache (a resumed run's RNG state then differed)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    return tuple(torch.randn(size, size, device=device, generator=g) for _ in range(2))
+
+
 def _time_matmul(device: torch.device, dtype: torch.dtype, size: int, reps: int,
                  budget_s: float = 1.0) -> float:
     """Best single-matmul TFLOP/s over up to `reps` timed runs after a warm-up.
@@ -96,8 +104,7 @@ def _time_matmul(device: torch.device, dtype: torch.dtype, size: int, reps: int,
     the closest to what the hardware can do. Stops early (after >= 2 timed runs)
     once `budget_s` is spent, since fp32 on a slow CPU takes ~0.1-0.3 s per matmul.
     """
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
+    a, b = (t.to(dtype) for t in operands(size, device))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.mm(a, b)
     sync()
@@ -124,8 +131,7 @@ def affordable_size(dtype: torch.dtype, size: int, budget_s: float = MATMUL_BUDG
     small = 256
     if size <= small:
         return size
-    a = torch.randn(small, small).to(dtype)
-    b = torch.randn(small, small).to(dtype)
+    a, b = (t.to(dtype) for t in operands(small, torch.device("cpu")))
     torch.mm(a, b)
     t0 = time.perf_counter()
     torch.mm(a, b)
