@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from helpers import CONF, compose_cfg, run_launch
 from titan_hydra.errors import ConfigError, instantiate_checked
+from titan_hydra.groups import compose_config
 from titan_hydra.models.common.hf_decoder import HFConversionError
 from titan_hydra.validate import validate
 
@@ -41,6 +43,29 @@ def test_default_config_is_valid():
     assert cfg.model.flavor == "llama3_debug"
     assert cfg.training.steps == 50
     assert cfg.data.seq_len == cfg.training.seq_len  # interpolated
+
+
+@pytest.mark.parametrize("overrides", [
+    ["training.steps=3", "model.dim=64"],
+    ["model=qwen3_debug", "optimizer=muon", "optimizer.lr=1e-3", "model.n_layers=2"],
+    ["experiment=flux_debug", "data.num_images=8"],
+    ["optimizer=muon", "optimizer.param_groups.0.match=[*]", "parametrization=mup"],
+    ["+training.new_key=3", "parallelism=cp", "cluster.nproc_per_node=2"],
+    ["training.stepz=5"],  # errors: the same exception and message
+    ["~logger.wandb"],
+])
+def test_the_tests_fast_compose_equals_hydras(overrides):
+    """helpers.compose_cfg composes group choices once and applies value overrides to a copy:
+    the result must be what a full Hydra compose gives (a hydra-core upgrade could change that)."""
+    def outcome(compose) -> str:
+        try:
+            cfg = compose(overrides)
+        except Exception as e:  # noqa: BLE001 (compared, not swallowed)
+            return f"{type(e).__name__}: {e}"
+        assert OmegaConf.is_struct(cfg)
+        return OmegaConf.to_yaml(cfg)
+
+    assert outcome(compose_cfg) == outcome(compose_config)
 
 
 @pytest.mark.parametrize(
