@@ -30,8 +30,8 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from doc_commands import ROOT, DocCommand, all_commands, unique
-from helpers import run_launch
-from titan_hydra.groups import CONF_DIR, compose_config
+from helpers import compose_cfg, run_launch
+from titan_hydra.groups import CONF_DIR
 from titan_hydra.launch.entry import launch
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
@@ -103,7 +103,7 @@ def plan_line(cmd: DocCommand) -> list[str]:
     plans = []
     for point in sweep_points(args) if multirun else [args]:
         if config_only:
-            plans.append(str(compose_config(point)))
+            plans.append(str(compose_cfg(point)))
             continue
         if not any(o.startswith("dry_run=") for o in point):
             point = [*point, "dry_run=true"]
@@ -111,7 +111,7 @@ def plan_line(cmd: DocCommand) -> list[str]:
         exit_code = None
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                launch(compose_config(point))
+                launch(compose_cfg(point))
         except SystemExit as e:  # launch.py's one-line refusal
             exit_code = e.code
         if exit_code is not None:
