@@ -6,7 +6,6 @@ fast tier."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -24,7 +23,6 @@ def test_benchmark_precision_suite_tiny(tmp_path):
         [sys.executable, str(REPO / "recipes" / "benchmark.py"), "--steps=4", "--warmup=1",
          f"--out={out}", *overrides],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
-        env=dict(os.environ, TITAN_HYDRA_CACHE_DIR=str(tmp_path / "cache")),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
