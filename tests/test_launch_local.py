@@ -3,6 +3,7 @@ bad-input error reaches the user as one ``error:`` line with a non-zero exit."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from helpers import REPO, compose_cfg, run_launch, series
+from titan_hydra.spec import spec_of
 
 # A short fsdp(2) run: 4 steps of a 2-layer model, one thread per rank.
 ARGS = [
@@ -74,6 +76,22 @@ def bad_data_program(spec, run_dir: str, return_state: bool = False):
     bad.write_text(json.dumps({"txt": "no text field"}) + "\n")
     data = OmegaConf.merge(spec.config.data, {"name": "json", "source": "json", "path": str(bad)})
     build_dataset(data)
+
+
+def gc_state_program(spec, run_dir: str, return_state: bool = False):
+    """A rank program that reports its garbage collector's state."""
+    return {"enabled": gc.isenabled(), "frozen": gc.get_freeze_count() > 0}
+
+
+@pytest.mark.slow
+def test_forked_workers_collect_garbage(tmp_path):
+    """The fork server imports with collection paused (titan_hydra/launch/gc_paused.py); a worker
+    forked from it freezes what it inherited and collects its own garbage again."""
+    from titan_hydra.launch import local
+
+    spec = spec_of(compose_cfg(ARGS + ["cluster.nproc_per_node=2", "cluster.start_method=forkserver"]))
+    assert local.run_local(spec, str(tmp_path), program=f"{__name__}:gc_state_program") == {
+        "enabled": True, "frozen": True}
 
 
 def test_worker_user_error_is_one_line(tmp_path, monkeypatch, capsys):

@@ -40,6 +40,7 @@ from titan_hydra.train.pretrain import build_dataset
 # method; tests and other recipes point it elsewhere).
 DEFAULT_PROGRAM = "titan_hydra.train.pretrain:run"
 PROGRAM_MODULE = __name__  # worker_main's module: what every worker imports first
+GC_PAUSED_MODULE = "titan_hydra.launch.gc_paused"  # the fork server imports it before everything
 
 
 class WorkerUserError(UserError):
@@ -62,6 +63,8 @@ def worker_main(spec: RunSpec, run_dir: str, return_state: bool = False, program
     line, no traceback) from a bug (traceback kept in the error file).
     """
     os.environ["TITAN_HYDRA_WORKER"] = "1"
+    gc.freeze()  # what a forked worker inherited lives as long as it does (launch/gc_paused.py)
+    gc.enable()
     # A forked worker keeps the launcher's thread count (OMP_NUM_THREADS is read once, at import)
     # and Hydra's logging (console format, the launcher's log file): make it a fresh worker's.
     torch.set_num_threads(threads_here(spec.config.cluster.threads_per_proc).n)  # its share (LOCAL_WORLD_SIZE)
@@ -102,8 +105,8 @@ def run_local(
         # every worker from it: one import per launch instead of one per rank. torch._dynamo too:
         # every rank would import it (~0.4 s) when it first initializes a tensor on the meta
         # device. Started now, it imports while this process prepares the data.
-        multiprocessing.set_forkserver_preload([PROGRAM_MODULE, (program or DEFAULT_PROGRAM).partition(":")[0],
-                                                "torch._dynamo"])
+        multiprocessing.set_forkserver_preload([GC_PAUSED_MODULE, PROGRAM_MODULE,
+                                                (program or DEFAULT_PROGRAM).partition(":")[0], "torch._dynamo"])
         from multiprocessing import forkserver
 
         forkserver.ensure_running()
