@@ -25,7 +25,9 @@ from slurm_fixtures import slurm  # noqa: F401  (the session fixture)
 from titan_hydra.checkpoint.storage import load_plain, read_metadata, tensor_entries
 from titan_hydra.data.prepare import PrepareSettings, prepare
 from titan_hydra.data.shards import ShardedTokens
+from titan_hydra.errors import UserError
 from titan_hydra.launch.ft_local import lighthouse_binary
+from titan_hydra.launch.slurm import release
 from titan_hydra.runtime.rendezvous import free_port
 
 
@@ -67,6 +69,8 @@ def test_multirun_becomes_array_and_report_lists_both(slurm, tmp_path):
     sacct = subprocess.run(["sacct", "-n", "-X", "-j", array_id, "-o", "JobID,State"],
                            capture_output=True, text=True).stdout.split()
     assert f"{array_id}_0" in sacct and f"{array_id}_1" in sacct, sacct
+    scripts = list(sweep.rglob("*submission.sh"))
+    assert scripts and all("#SBATCH --hold" in f.read_text() for f in scripts), scripts
 
     sys.path.insert(0, str(REPO / "recipes"))
     import sweep_report
@@ -108,6 +112,15 @@ def test_no_sbatch_on_path_is_one_error(tmp_path):
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: cluster=slurm_local submits to SLURM but 'sbatch' is not on PATH"), last
+
+
+@pytest.mark.slow
+def test_a_failed_release_is_one_line(slurm):
+    """Jobs are submitted held and released once submitit made their log folders (an idle SLURM
+    22.05 started an array task before its folder existed and killed it; the array test checks
+    the hold): a release that fails cancels the job and says so."""
+    with pytest.raises(UserError, match=r"^scontrol release 999999 failed .*the job was cancelled"):
+        release("999999")
 
 
 @pytest.mark.slow

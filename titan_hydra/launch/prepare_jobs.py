@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from titan_hydra.data.documents import Input
 from titan_hydra.data.prepare import PrepareSettings, begin, finish, prepare_part
-from titan_hydra.launch.slurm import executor_params
+from titan_hydra.launch.slurm import executor_params, release
 from titan_hydra.launch.slurm_check import check_slurm
 from titan_hydra.launch.submitit_jobs import JobFailed, failure_of, job_log
 
@@ -57,6 +57,7 @@ def submit_prepare(cfg: DictConfig, files: list[Input], settings: PrepareSetting
     tasks = int(cfg.cluster.nnodes) * int(cfg.cluster.nproc_per_node)
     workers = int(cfg.cluster.cpus_per_task or 1)
     job = executor.submit(PrepareTask(files, settings, workers))
+    release(job.job_id)  # submitted held (launch/slurm.py: HOLD)
     print(f"submitted SLURM job {job.job_id}: {tasks} task(s) x {workers} worker(s) for {len(files)} input(s); "
           f"logs in {Path(job.paths.stdout).parent}", flush=True)
     _, line = failure_of(job)

@@ -148,6 +148,24 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
+# submitit creates a job's log folder (.submitit/<job id>) only after sbatch has returned the id;
+# an idle SLURM older than 23.02 can start the task first, fail to open its log there and kill it
+# ("Could not open stdout file": seen on the one-node test cluster). Jobs go out held and are
+# released once submitit has made their folders.
+HOLD = {"hold": True}
+
+
+def release(job_id: str) -> None:
+    """Release a job (or a whole array) submitted with ``HOLD``; cancel it if that fails, so
+    that nothing waits forever on a job that will never start."""
+    done = subprocess.run(["scontrol", "release", job_id], capture_output=True, text=True)
+    if done.returncode != 0:
+        subprocess.run(["scancel", job_id], capture_output=True)
+        why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[0]
+        raise UserError(f"scontrol release {job_id} failed ({why}); "
+                        "the job was cancelled: check that this user may release its own jobs")
+
+
 # ---------------------------------------------------------------- one job without -m
 
 
@@ -168,6 +186,7 @@ def executor_params(cfg: DictConfig, name: str = "titan_hydra") -> dict[str, Any
         "slurm_constraint": c.constraint,
         "slurm_setup": list(c.setup) or None,
         "slurm_signal_delay_s": int(c.signal_delay_s),
+        "slurm_additional_parameters": dict(HOLD),
     }
     return {k: v for k, v in params.items() if v is not None}
 
@@ -208,6 +227,7 @@ def submit(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
                                      slurm_max_num_timeout=int(cfg.cluster.max_requeue))
     executor.update_parameters(**executor_params(cfg))
     job = executor.submit(RankTask(cfg, run_dir))
+    release(job.job_id)
     print(f"submitted SLURM job {job.job_id}; run dir {run_dir}", flush=True)
     ret, line = failure_of(job)
     if line is not None:
@@ -241,7 +261,12 @@ class SlurmLauncher(OneLineFailures, _HydraSlurmLauncher):  # type: ignore[misc,
             self.params["setup"] = list(self.config.cluster.setup)
         if not self.params.get("gpus_per_node"):
             self.params.pop("gpus_per_node", None)
+        self.params["additional_parameters"] = {**(self.params.get("additional_parameters") or {}), **HOLD}
 
     def submitted(self, jobs: Sequence[Any]) -> None:
+        try:
+            release(jobs[0].job_id.split("_")[0])
+        except UserError as e:
+            fail(str(e))
         print(f"submitted SLURM array {jobs[0].job_id.split('_')[0]} ({len(jobs)} jobs), "
               f"sweep dir {self.config.hydra.sweep.dir}", flush=True)
