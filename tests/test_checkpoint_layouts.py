@@ -26,14 +26,15 @@ import pytest
 import torch
 
 from titan_hydra.spec import spec_of
-from helpers import BASE, GLOBAL_BATCH, REPO, by_step, compose_cfg, launch_here, read_metrics
+from helpers import BASE, GLOBAL_BATCH, REPO, by_step, compose_cfg, launch_here, parity_bound, read_metrics
 from titan_hydra.checkpoint.storage import load_plain, read_metadata, tensor_entries
 
 STEPS = 6
 SRC = 2  # the FSDP checkpoint that the reshard tests start from
 CKPT = ["checkpoint=default", "checkpoint.interval=2", "checkpoint.keep_latest_k=0", "training.deterministic=true",
         f"training.steps={STEPS}"]
-ATOL = 1e-5  # cross-layout loss tolerance (same as the parity tests)
+# Cross-layout losses are held to what rounding alone moves the same model's 10-step curve by on
+# this machine (helpers.parity_bound; these runs take 6 steps of it).
 SEED_STEPS = 3  # "first losses" compared for seed checkpoints
 SEED_RUN = ["checkpoint=none", "training.deterministic=true", f"training.steps={SEED_STEPS}"]
 
@@ -233,13 +234,13 @@ def _worker_pids(parent: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_reshard_fsdp_to_tp_and_tp_exact_resume(runs):
+def test_reshard_fsdp_to_tp_and_tp_exact_resume(runs, run_cache):
     """FSDP step-2 checkpoint -> TP (full state): losses continue; then TP resumes itself bitwise."""
     ref = by_step(result(runs, "fsdp"), "loss")
     tp_dir = result(runs, "tp")
     tp = by_step(tp_dir, "loss")
     assert sorted(tp) == list(range(SRC + 1, STEPS + 1))
-    assert max_diff(tp, ref) <= ATOL, (tp, ref)
+    assert max_diff(tp, ref) <= parity_bound(run_cache), (tp, ref)
     again = result(runs, "tp2")
     resumed = by_step(again, "loss")
     assert sorted(resumed) == list(range(5, STEPS + 1))
@@ -249,12 +250,12 @@ def test_reshard_fsdp_to_tp_and_tp_exact_resume(runs):
 
 @pytest.mark.parametrize("name", ["pp_v", "single"])
 @pytest.mark.slow
-def test_reshard_fsdp(name, runs):
+def test_reshard_fsdp(name, runs, run_cache):
     """FSDP step-2 full state -> PP with two stages per rank (V placement) / one process."""
     ref = by_step(result(runs, "fsdp"), "loss")
     got = by_step(result(runs, name), "loss")
     assert sorted(got) == list(range(SRC + 1, STEPS + 1))
-    assert max_diff(got, ref) <= ATOL, (got, ref)
+    assert max_diff(got, ref) <= parity_bound(run_cache), (got, ref)
 
 
 # --------------------------------------------------------------------------- seed checkpoints
@@ -271,7 +272,7 @@ def test_seed_checkpoint_trains_nothing_and_loads_in_one_process(seeded):
 
 @pytest.mark.parametrize("schedule", SEED_SCHEDULES)
 @pytest.mark.slow
-def test_seed_checkpoint_under_pp(schedule, seeded, runs):
+def test_seed_checkpoint_under_pp(schedule, seeded, runs, run_cache):
     """A seed checkpoint made by one process loads into each rank's stage(s) under PP.
 
     The seed is made from training.seed=7; the runs themselves initialize from 42 (what the FSDP
@@ -282,4 +283,4 @@ def test_seed_checkpoint_under_pp(schedule, seeded, runs):
     assert abs(single[1] - by_step(result(runs, "fsdp"), "loss")[1]) > 1e-3
     pp = by_step(result(runs, schedule), "loss")
     assert sorted(pp) == list(range(1, SEED_STEPS + 1))
-    assert max_diff(pp, single) <= ATOL, (pp, single)
+    assert max_diff(pp, single) <= parity_bound(run_cache), (pp, single)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from titan_hydra.spec import spec_of
-from helpers import BASE, GLOBAL_BATCH, assert_parity, compose_cfg, read_metrics, run_layout, run_single
+from helpers import BASE, GLOBAL_BATCH, assert_parity, compose_cfg, floor_bound, read_metrics, run_layout, run_single
 from titan_hydra.errors import ConfigError
 from titan_hydra.models.registry import build_model
 from titan_hydra.train.muon import Muon
@@ -104,17 +104,24 @@ MUON = ["optimizer=muon", "optimizer.lr=8e-4", "optimizer.param_groups.0.ns_dtyp
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
+    """(run dir, losses, parity bound) of Muon in one process. Newton-Schulz's five matrix products
+    amplify a gradient's rounding far more than AdamW does, and by how much depends on the CPU's
+    kernels (2e-4 after 20 steps on an AVX512-BF16 EPYC, where AdamW moved 1.4e-6): the bound is
+    measured here, from the same run accumulated as 2 x 4 (``helpers.floor_bound``)."""
     path = tmp_path_factory.mktemp("muon_single")
-    return path, run_single(path, MUON)
+    losses = run_single(path, MUON)
+    accumulated = run_single(tmp_path_factory.mktemp("muon_accumulated"),
+                             [*MUON, f"training.local_batch_size={GLOBAL_BATCH // 2}"])
+    return path, losses, floor_bound(max(abs(a - b) for a, b in zip(accumulated, losses)), losses)
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
 @pytest.mark.slow
 def test_muon_layout_loss_parity(tmp_path, single, layout, record_property):
     """Muon orthogonalizes whole matrices although FSDP / TP hold shards: losses equal one process."""
-    _, reference = single
+    _, reference, bound = single
     losses = run_layout(tmp_path, [*MUON, f"parallelism={layout}"], nproc=2, dp=2 if layout == "fsdp" else 1)
-    assert_parity(losses, reference, 1e-5, f"muon {layout}", record_property)
+    assert_parity(losses, reference, bound, f"muon {layout}", record_property)
     if layout == "tp":
         adam = run_single(tmp_path / "adamw", [])
         assert max(abs(a - b) for a, b in zip(reference, adam)) > 1e-3  # Muon really trains differently
@@ -127,7 +134,8 @@ def test_muon_layout_loss_parity(tmp_path, single, layout, record_property):
     shutil.rmtree(resumed / "checkpoint" / "step-10")
     cfg = compose_cfg(BASE + MUON + ["cluster.nproc_per_node=1", "parallelism=single",
                                      f"training.local_batch_size={GLOBAL_BATCH}"])
-    assert_parity(run(spec_of(cfg), str(resumed))["losses"], reference, 1e-5, "muon fsdp(2) -> single resume", record_property)
+    assert_parity(run(spec_of(cfg), str(resumed))["losses"], reference, bound, "muon fsdp(2) -> single resume",
+                  record_property)
 
 
 def test_muon_resume_is_exact(single, tmp_path, capsys):
@@ -135,7 +143,7 @@ def test_muon_resume_is_exact(single, tmp_path, capsys):
     resuming from step 5 equal the uninterrupted run bit for bit."""
     from titan_hydra.train.pretrain import run
 
-    path, reference = single
+    path, reference, _ = single
     shutil.copytree(path / "run" / "checkpoint", tmp_path / "checkpoint")
     shutil.rmtree(tmp_path / "checkpoint" / "step-10")
     cfg = compose_cfg(BASE + MUON + ["cluster.nproc_per_node=1", "parallelism=single",

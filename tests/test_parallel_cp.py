@@ -16,9 +16,13 @@ import pytest
 import torch
 
 from titan_hydra.spec import spec_of
-from helpers import assert_parity, run_layout, run_single, series, spawn_gloo
+from helpers import GLOBAL_BATCH, assert_parity, floor_bound, run_layout, run_single, series, spawn_gloo
 
 CP = 2
+# The shim's attention (32 tokens, head dim 16) against full SDPA, fp32: every output and gradient
+# entry is a sum of at most 32 x 16 products of values below 2 in size, whose rounding error is
+# below n * u * sum|terms| = 512 * 6e-8 * ~0.3 (softmax-weighted) ~ 1e-5 (the classical bound;
+# the attention's online softmax merge adds one rescale per ring step).
 ATOL = 1e-5
 VAL = ("training.val_freq=5",)
 
@@ -195,10 +199,18 @@ def _layout(tmp_path: Path, overrides: list[str], nproc: int, dp: int, family: s
     return losses, series(tmp_path / "run", "val/loss")
 
 
-def single_of(run_cache, family: str) -> tuple[list[float], list[float]]:
+def single_of(run_cache, family: str, extra: tuple[str, ...] = ()) -> tuple[list[float], list[float]]:
     """Single-process training and validation losses of ``family`` (validation every 5 steps)."""
-    return run_cache.once(("cp_single", family),
-                          lambda path: (run_single(path, [*VAL], family=family), series(path / "run", "val/loss")))
+    return run_cache.once(("cp_single", family, *extra), lambda path: (
+        run_single(path, [*VAL, *extra], family=family), series(path / "run", "val/loss")))
+
+
+def bounds_of(run_cache, family: str) -> tuple[float, float]:
+    """(train, val) parity bounds: what rounding alone moves each series by here, from the single run
+    accumulated as 2 x 4 (``helpers.floor_bound``)."""
+    ref = single_of(run_cache, family)
+    accumulated = single_of(run_cache, family, (f"training.local_batch_size={GLOBAL_BATCH // 2}",))
+    return tuple(floor_bound(max(abs(a - b) for a, b in zip(acc, r)), r) for acc, r in zip(accumulated, ref))
 
 
 @pytest.fixture
@@ -206,11 +218,11 @@ def single(run_cache) -> tuple[list[float], list[float]]:
     return single_of(run_cache, "llama3")
 
 
-def _assert_layout_matches(layout, single, label: str, record) -> None:
+def _assert_layout_matches(layout, single, bounds: tuple[float, float], label: str, record) -> None:
     (losses, val), (ref, ref_val) = layout, single
-    assert_parity(losses, ref, atol=ATOL, label=f"{label} train", record=record)
+    assert_parity(losses, ref, atol=bounds[0], label=f"{label} train", record=record)
     assert len(val) == len(ref_val) == 2, (val, ref_val)
-    assert_parity(val, ref_val, atol=ATOL, label=f"{label} val", record=record)
+    assert_parity(val, ref_val, atol=bounds[1], label=f"{label} val", record=record)
 
 
 # Llama 3 with both rotate methods; Qwen3 (tied, head_dim 32 != dim / n_heads: its rope tables are
@@ -223,10 +235,11 @@ CP_RUNS = [("llama3", "allgather"), ("llama3", "alltoall"), ("qwen3", "allgather
 def test_cp_matches_single(tmp_path, run_cache, record_property, family, method):
     layout = _layout(tmp_path, ["parallelism=cp", f"parallelism.cp_rotate_method={method}"], nproc=CP, dp=1,
                      family=family)
-    _assert_layout_matches(layout, single_of(run_cache, family), f"{family} cp {method}", record_property)
+    _assert_layout_matches(layout, single_of(run_cache, family), bounds_of(run_cache, family), f"{family} cp {method}",
+                           record_property)
 
 
 @pytest.mark.slow
-def test_fsdp_cp_matches_single(tmp_path, single, record_property):
+def test_fsdp_cp_matches_single(tmp_path, single, run_cache, record_property):
     layout = _layout(tmp_path, ["parallelism=fsdp_cp"], nproc=4, dp=2)
-    _assert_layout_matches(layout, single, "llama3 fsdp_cp", record_property)
+    _assert_layout_matches(layout, single, bounds_of(run_cache, "llama3"), "llama3 fsdp_cp", record_property)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import assert_parity, compose_cfg, reference_losses, run_layout
+from helpers import assert_parity, compose_cfg, parity_bound, reference_losses, run_layout
 from titan_hydra.checkpoint.state import FORMAT_VERSION
 from titan_hydra.checkpoint.storage import save_plain
 from titan_hydra.errors import ConfigError, UserError
@@ -272,7 +272,7 @@ def test_fsdp_layout_equals_one_process(run_cache, tmp_path, record_property):
     """The multipliers follow the parameter, not the rank: fsdp(2) trains the mup model as one process
     does (measured max |loss diff| 4.8e-7, fp32)."""
     losses = run_layout(tmp_path, ["parallelism=fsdp", *MUP], nproc=2, dp=2)
-    assert_parity(losses, reference_losses(run_cache, MUP), atol=1e-5, label="mup fsdp_2", record=record_property)
+    assert_parity(losses, reference_losses(run_cache, MUP), atol=parity_bound(run_cache, MUP), label="mup fsdp_2", record=record_property)
     assert losses != reference_losses(run_cache)  # and mup trained another model than sp
 
 
