@@ -291,6 +291,20 @@ CATALOGUE: list[Row] = [
     config("profile_freq_zero", ["profiling.enable=true", "profiling.profile_freq=0"], r"profiling\.profile_freq=0 must be > 0"),
     config("val_fraction_one", ["data.val_fraction=1.0"], r"data\.val_fraction=1\.0 must be within \[0, 1\)"),
     config("max_documents_zero", ["data.max_documents=0"], r"data\.max_documents=0 must be > 0"),
+    # health: each rule alone, naming its key and value
+    config("spike_k_negative", ["health.spike_k=-1"], r"^health\.spike_k=-1\.0 must be > 0"),
+    config("hang_timeout_negative", ["health.hang_timeout_s=-1"], r"^health\.hang_timeout_s=-1\.0 must be >= 0"),
+    config("straggler_ratio_below_one", ["health.straggler_ratio=0.5"], r"^health\.straggler_ratio=0\.5 must be >= 1"),
+    config("recheck_action_unknown", ["health.recheck_action=log"], r"^health\.recheck_action='log' is not one of stop, continue$"),
+    # fault injection: a fault aimed at a rank the run does not have would run a drill with no fault
+    config("slow_rank_beyond_world", ["fault_injection.slow_rank=5", "cluster.nproc_per_node=2", "parallelism=fsdp"],
+           r"^fault_injection\.slow_rank=5 is not a rank of this run \(world size 2\)"),
+    config("hang_rank_beyond_world", ["fault_injection.hang_rank=3"],
+           r"^fault_injection\.hang_rank=3 is not a rank of this run \(world size 1\)"),
+    config("bitflip_rank_beyond_world", ["fault_injection.bitflip_rank=1"],
+           r"^fault_injection\.bitflip_rank=1 is not a rank of this run \(world size 1\)"),
+    config("fault_rank_beyond_world", ["fault_injection.nan_at_step=2", "fault_injection.fault_rank=2"],
+           r"^fault_injection\.fault_rank=2 is not a rank of this run \(world size 1\)"),
     # --- config: model shape and layout
     config("heads_do_not_divide_dim", ["model.n_heads=5"], r"not divisible by model\.n_heads=5"),
     config("odd_head_dim", ["model.dim=66", "model.n_heads=6"], r"head dim 11 must be even"),

@@ -52,6 +52,7 @@ def validate(cfg: DictConfig, environment: bool = True) -> RunSpec:
     _validate_ranges(cfg)
     _validate_checkpoint(cfg.checkpoint, spec.world_size, local_paths=here)
     _validate_fault_tolerance(cfg)
+    _validate_health(cfg, spec.world_size)
     _validate_float8(cfg)
     return spec
 
@@ -100,6 +101,14 @@ def _validate_fault_tolerance(cfg: DictConfig) -> None:
         raise ConfigError("fault_tolerance=torchft on SLURM runs one job per replica group: submit them as a sweep, "
                           "-m fault_tolerance.group=0,1,... with fault_tolerance.lighthouse=http://host:port of a "
                           "Lighthouse you run beside them (torchft_lighthouse --bind 0.0.0.0:<port>)")
+
+
+def _validate_health(cfg: DictConfig, world_size: int) -> None:
+    """The ``health`` and ``fault_injection`` settings' own rules (their ``__post_init__``, one line
+    each) and the faults' ranks against the world size, here: each rank builds them only after it
+    started, and a fault aimed at a missing rank would otherwise run a drill with no fault."""
+    instantiate(cfg.health)
+    instantiate(cfg.fault_injection).check_ranks(world_size)
 
 
 def _validate_document_mask(family, dims) -> None:
