@@ -530,3 +530,19 @@ def test_float8_without_torchao_is_one_line(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     with pytest.raises(ConfigError, match=r"^float8=tensorwise needs torchao, which is not installed; pip install"):
         validate(compose_cfg(["float8=tensorwise"]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a visible GPU")
+def test_a_rank_asks_the_same_device_rules_as_validate():
+    """A rank may start where validate did not run (a SLURM node): it asks runtime.device's rules
+    again, and says what validate would have said."""
+    from titan_hydra.train.pretrain import init_distributed, setup_device
+
+    for overrides, call in ((["cluster.device=cuda"], lambda c: setup_device(c, 0)),
+                            (["cluster.backend=nccl"], lambda c: init_distributed(c, world_size=2))):
+        cfg = compose_cfg(overrides)
+        with pytest.raises(ConfigError) as at_validate:
+            validate(cfg)
+        with pytest.raises(ConfigError) as on_the_rank:
+            call(cfg.cluster)
+        assert str(on_the_rank.value) == str(at_validate.value)

@@ -9,7 +9,6 @@ import importlib.util
 import os
 from pathlib import Path
 
-import torch
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
@@ -21,6 +20,7 @@ from titan_hydra.errors import instantiate_checked as instantiate
 from titan_hydra.parallel import ac as activation_checkpoint
 from titan_hydra.parallel import compile as compile_rules
 from titan_hydra.parallel import cp, ep, fsdp, pp, tp
+from titan_hydra.runtime.device import check_backend, check_device, check_start_method
 from titan_hydra.spec import RunSpec, spec_of
 
 
@@ -160,13 +160,10 @@ def _validate_environment(cfg: DictConfig) -> None:
     except Exception as e:  # omegaconf's ValidationError, raised on access
         raise ConfigError(f"TITAN_HYDRA_START_METHOD={os.environ.get('TITAN_HYDRA_START_METHOD')!r} is not a "
                           "start method; set it to spawn, fork or forkserver (or unset it)") from e
-    if c.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("cluster.device=cuda but no CUDA device is visible; use cluster=local_cpu")
-    if c.device == "cuda" and str(c.start_method) == "fork":
-        raise ConfigError("cluster.start_method=fork is CPU only (a forked worker may inherit CUDA state); "
-                          "use cluster.start_method=spawn or forkserver")
-    if c.device == "cpu" and c.backend == "nccl":
-        raise ConfigError("cluster.backend=nccl needs CUDA; use cluster.backend=gloo on CPU")
+    device = str(c.device)
+    check_device(device)
+    check_start_method(device, str(c.start_method))
+    check_backend(device, str(c.backend))
 
 
 def _validate_data(cfg: DictConfig, vocab: int) -> None:
