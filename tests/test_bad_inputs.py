@@ -343,10 +343,13 @@ CATALOGUE: list[Row] = [
                                                  lambda tmp: text_data(tmp, "other words " * 300)),
         DataError, r"token cache .*/a_file/cache is not writable"),
     # --- data files
-    config("json_without_path", ["data=json"], r"data=json needs a file: set data\.path="),
+    config("json_without_path", ["data=json"], r"data\.source=json needs a file: set data\.path="),
     config("data_path_missing", ["data=json", "data.path=/nonexistent/d.jsonl"], r"data\.path=/nonexistent/d\.jsonl does not exist"),
     config("hf_without_name", ["data.source=hf"], r"data\.source=hf needs data\.hf_name"),
-    files("streaming_builtin", lambda tmp: ["data.streaming=true"], r"streaming=true is not supported for the builtin corpus"),
+    # refused by validate (dataset.check_settings) before any data is read
+    config("streaming_builtin", ["data.streaming=true"], r"streaming=true is not supported for the builtin corpus"),
+    config("prepared_not_a_directory", ["data=prepared", "data.path=/nonexistent/prepared"],
+           r"^data\.source=prepared needs data\.path=<a directory recipes/prepare_data\.py wrote>; /nonexistent/prepared is not one$"),
     files("empty_json_file", lambda tmp: json_data(tmp, ""), r"data file .*/d\.jsonl is empty"),
     files("blank_text_file", lambda tmp: text_data(tmp, "\n\n   \n"), r"data file .*/d\.txt is empty"),
     files("binary_json_file", lambda tmp: json_data(tmp, bytes(range(256)) * 8), r"data file .*/d\.jsonl is binary \(a NUL byte at offset 0\)"),

@@ -13,6 +13,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from titan_hydra.checkpoint.state import CATEGORIES
+from titan_hydra.data import dataset as token_data
 from titan_hydra.data.mixture import check_sources
 from titan_hydra.data.tokenizer import Tokenizer
 from titan_hydra.errors import ConfigError, DataError, check_writable_dir  # check_writable_dir: also imported from here
@@ -167,38 +168,37 @@ def _validate_environment(cfg: DictConfig) -> None:
 
 
 def _validate_data(cfg: DictConfig, vocab: int) -> None:
-    d = cfg.data
-    source = d.get("source")
-    if "sources" in d:  # data=mixture
-        _validate_mixture(d)
-    if source in ("json", "parquet", "text"):
-        if OmegaConf.is_missing(d, "path") or not d.path:
-            raise ConfigError(f"data={d.name} needs a file: set data.path=<file, directory or glob>")
-        path = Path(d.path).expanduser()
-        if not any(ch in d.path for ch in "*?[") and not path.exists():
-            raise ConfigError(f"data.path={d.path} does not exist")
-    if source == "prepared" and (OmegaConf.is_missing(d, "path") or not Path(str(d.path)).expanduser().is_dir()):
-        raise ConfigError(f"data=prepared needs data.path=<a directory recipes/prepare_data.py wrote>; "
-                          f"{d.get('path') or '?'} is not one")
-    if source == "hf" and not d.hf_name:
-        raise ConfigError("data.source=hf needs data.hf_name (e.g. allenai/c4)")
-    if d.tokenizer != "builtin" and not Path(d.tokenizer).expanduser().exists():
-        raise ConfigError(
-            f"data.tokenizer={d.tokenizer} does not exist; give a tokenizer.json file or its directory"
-        )
-    tok = Tokenizer(d.tokenizer)
-    if tok.vocab_size > vocab:
-        raise ConfigError(
-            f"tokenizer vocab {tok.vocab_size} exceeds model.vocab_size={vocab}; "
-            "raise model.vocab_size or use a smaller tokenizer"
-        )
-
-
-def _validate_mixture(d: DictConfig) -> None:
+    """The data owners' own rules (``dataset.check_settings``, ``mixture.check_sources``), asked
+    before any process starts, then the tokenizer against the model's vocabulary."""
     try:
-        check_sources(OmegaConf.to_container(d.sources, resolve=True) if d.get("sources") is not None else {})
+        _check_data_sources(cfg.data)
     except DataError as e:
         raise ConfigError(str(e)) from None
+    _validate_tokenizer(str(cfg.data.tokenizer), vocab)
+
+
+def _check_data_sources(d: DictConfig) -> None:
+    if "sources" in d:  # data=mixture
+        check_sources(OmegaConf.to_container(d.sources, resolve=True) if d.get("sources") is not None else {})
+    elif "source" in d:
+        token_data.check_settings(str(d.source), _given(d, "path"), int(d.seq_len), float(d.val_fraction),
+                                  _given(d, "hf_name"), bool(d.streaming))
+
+
+def _given(node: DictConfig, key: str) -> str | None:
+    """``node.key`` as a string, or None where it is unset (``???``) or null."""
+    if key not in node or OmegaConf.is_missing(node, key) or node[key] is None:
+        return None
+    return str(node[key])
+
+
+def _validate_tokenizer(tokenizer: str, vocab: int) -> None:
+    if tokenizer != "builtin" and not Path(tokenizer).expanduser().exists():
+        raise ConfigError(f"data.tokenizer={tokenizer} does not exist; give a tokenizer.json file or its directory")
+    tok = Tokenizer(tokenizer)
+    if tok.vocab_size > vocab:
+        raise ConfigError(f"tokenizer vocab {tok.vocab_size} exceeds model.vocab_size={vocab}; "
+                          "raise model.vocab_size or use a smaller tokenizer")
 
 
 # --------------------------------------------------------------------------- value ranges, checkpoint, run dir
@@ -226,9 +226,6 @@ def _validate_ranges(cfg: DictConfig) -> None:
     if betas is not None and not all(0.0 <= float(b) < 1.0 for b in betas):
         raise ConfigError(f"optimizer.betas={list(betas)} must each be within [0, 1)")
     memory_headroom(cfg.cluster)
-    val_fraction = cfg.data.get("val_fraction", 0.0)  # a mixture holds out per source
-    if not 0.0 <= val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction={val_fraction} must be within [0, 1)")
     p = cfg.profiling
     if p.enable:
         for key in ("profile_freq", "active"):
