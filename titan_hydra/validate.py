@@ -150,7 +150,7 @@ def validate_parallel_modules(spec: RunSpec) -> None:
     pp.check_layout(dims, int(shape.n_layers), int(cfg.training.local_batch_size))
     cp.check_layout(dims, str(cfg.cluster.device))
     ep.check_layout(dims, int(getattr(shape, "n_experts", 0) or 0))
-    activation_checkpoint.check_settings(str(ac.mode), int(ac.selective_layer_freq), str(ac.selective_op_policy))
+    activation_checkpoint.check_settings(str(ac.mode), int(ac.selective_layer_freq))
     compile_rules.check_settings(compile_mode, str(cfg.compile.backend), dims, str(ac.mode))
 
 
