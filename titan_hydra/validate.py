@@ -132,7 +132,7 @@ def check_layout(spec: RunSpec) -> None:
     if spec.token_data and dims.cp > 1 and seq_len % (2 * dims.cp) != 0:
         raise ConfigError(
             f"training.seq_len={seq_len} must be divisible by 2*parallelism.cp={2 * dims.cp} "
-            "(causal load balancing splits each sequence into 2*cp chunks)"
+            "(causal load balancing splits each sequence into 2*cp chunks); change training.seq_len or parallelism.cp"
         )
     validate_parallel_modules(spec)
 
@@ -253,7 +253,8 @@ def _validate_checkpoint(c: DictConfig, world_size: int, local_paths: bool) -> N
     if not local_paths:  # a plan for another machine: its paths need not exist here
         return
     if c.initial_load_path and not Path(c.initial_load_path).expanduser().exists():
-        raise ConfigError(f"checkpoint.initial_load_path={c.initial_load_path} does not exist")
+        raise ConfigError(f"checkpoint.initial_load_path={c.initial_load_path} does not exist; point it at a "
+                          "checkpoint directory or set it to null")
     if c.enable and Path(c.folder).is_absolute():
         check_writable_dir(c.folder, "checkpoint.folder")
 
