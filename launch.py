@@ -12,12 +12,11 @@ import atexit
 import gc
 
 # Registered first, so it runs last of the exit hooks: the interpreter's final garbage collection
-# would otherwise walk every object torch, sympy and Hydra created (measured: 1.5 s of a 2-rank
-# launch's 8 s); frozen objects are left to the process exit, which frees them anyway.
+# would walk every object torch, sympy and Hydra created only to free what the process exit frees
+# anyway (its cost: docs/testing.md).
 atexit.register(gc.freeze)
-# The imports below create millions of objects that live as long as the process: collecting
-# while they load is wasted work (measured: ~10% of a launch's start-up CPU). After them, they
-# are frozen out of every later collection.
+# The imports below create objects that live as long as the process: collecting while they load
+# finds nothing to free. After them, they are frozen out of every later collection.
 gc.disable()
 
 import hydra  # noqa: E402

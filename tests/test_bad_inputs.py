@@ -291,6 +291,20 @@ CATALOGUE: list[Row] = [
     config("profile_freq_zero", ["profiling.enable=true", "profiling.profile_freq=0"], r"profiling\.profile_freq=0 must be > 0"),
     config("val_fraction_one", ["data.val_fraction=1.0"], r"data\.val_fraction=1\.0 must be within \[0, 1\)"),
     config("max_documents_zero", ["data.max_documents=0"], r"data\.max_documents=0 must be > 0"),
+    # health: each rule alone, naming its key and value
+    config("spike_k_negative", ["health.spike_k=-1"], r"^health\.spike_k=-1\.0 must be > 0"),
+    config("hang_timeout_negative", ["health.hang_timeout_s=-1"], r"^health\.hang_timeout_s=-1\.0 must be >= 0"),
+    config("straggler_ratio_below_one", ["health.straggler_ratio=0.5"], r"^health\.straggler_ratio=0\.5 must be >= 1"),
+    config("recheck_action_unknown", ["health.recheck_action=log"], r"^health\.recheck_action='log' is not one of stop, continue$"),
+    # fault injection: a fault aimed at a rank the run does not have would run a drill with no fault
+    config("slow_rank_beyond_world", ["fault_injection.slow_rank=5", "cluster.nproc_per_node=2", "parallelism=fsdp"],
+           r"^fault_injection\.slow_rank=5 is not a rank of this run \(world size 2\)"),
+    config("hang_rank_beyond_world", ["fault_injection.hang_rank=3"],
+           r"^fault_injection\.hang_rank=3 is not a rank of this run \(world size 1\)"),
+    config("bitflip_rank_beyond_world", ["fault_injection.bitflip_rank=1"],
+           r"^fault_injection\.bitflip_rank=1 is not a rank of this run \(world size 1\)"),
+    config("fault_rank_beyond_world", ["fault_injection.nan_at_step=2", "fault_injection.fault_rank=2"],
+           r"^fault_injection\.fault_rank=2 is not a rank of this run \(world size 1\)"),
     # --- config: model shape and layout
     config("heads_do_not_divide_dim", ["model.n_heads=5"], r"not divisible by model\.n_heads=5"),
     config("odd_head_dim", ["model.dim=66", "model.n_heads=6"], r"head dim 11 must be even"),
@@ -329,10 +343,13 @@ CATALOGUE: list[Row] = [
                                                  lambda tmp: text_data(tmp, "other words " * 300)),
         DataError, r"token cache .*/a_file/cache is not writable"),
     # --- data files
-    config("json_without_path", ["data=json"], r"data=json needs a file: set data\.path="),
+    config("json_without_path", ["data=json"], r"data\.source=json needs a file: set data\.path="),
     config("data_path_missing", ["data=json", "data.path=/nonexistent/d.jsonl"], r"data\.path=/nonexistent/d\.jsonl does not exist"),
     config("hf_without_name", ["data.source=hf"], r"data\.source=hf needs data\.hf_name"),
-    files("streaming_builtin", lambda tmp: ["data.streaming=true"], r"streaming=true is not supported for the builtin corpus"),
+    # refused by validate (dataset.check_settings) before any data is read
+    config("streaming_builtin", ["data.streaming=true"], r"streaming=true is not supported for the builtin corpus"),
+    config("prepared_not_a_directory", ["data=prepared", "data.path=/nonexistent/prepared"],
+           r"^data\.source=prepared needs data\.path=<a directory recipes/prepare_data\.py wrote>; /nonexistent/prepared is not one$"),
     files("empty_json_file", lambda tmp: json_data(tmp, ""), r"data file .*/d\.jsonl is empty"),
     files("blank_text_file", lambda tmp: text_data(tmp, "\n\n   \n"), r"data file .*/d\.txt is empty"),
     files("binary_json_file", lambda tmp: json_data(tmp, bytes(range(256)) * 8), r"data file .*/d\.jsonl is binary \(a NUL byte at offset 0\)"),
@@ -516,3 +533,19 @@ def test_float8_without_torchao_is_one_line(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     with pytest.raises(ConfigError, match=r"^float8=tensorwise needs torchao, which is not installed; pip install"):
         validate(compose_cfg(["float8=tensorwise"]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a visible GPU")
+def test_a_rank_asks_the_same_device_rules_as_validate():
+    """A rank may start where validate did not run (a SLURM node): it asks runtime.device's rules
+    again, and says what validate would have said."""
+    from titan_hydra.train.pretrain import init_distributed, setup_device
+
+    for overrides, call in ((["cluster.device=cuda"], lambda c: setup_device(c, 0)),
+                            (["cluster.backend=nccl"], lambda c: init_distributed(c, world_size=2))):
+        cfg = compose_cfg(overrides)
+        with pytest.raises(ConfigError) as at_validate:
+            validate(cfg)
+        with pytest.raises(ConfigError) as on_the_rank:
+            call(cfg.cluster)
+        assert str(on_the_rank.value) == str(at_validate.value)

@@ -116,7 +116,7 @@ def test_schema_rejects_at_compose_time(override, expected):
         (["parallelism.dp_shard=0"], "dp_shard=0 must be >= 1 or -1"),
         (["cluster.device=cuda"], "no CUDA device is visible"),
         (["cluster.backend=nccl"], "nccl needs CUDA"),
-        (["data=json"], "data=json needs a file"),
+        (["data=json"], "data.source=json needs a file"),
         (["data=json", "data.path=/nonexistent/x.jsonl"], "data.path=/nonexistent/x.jsonl does not exist"),
         (["data.tokenizer=/nonexistent/tok.json"], "data.tokenizer=/nonexistent/tok.json does not exist"),
         (["model.vocab_size=1000"], "exceeds model.vocab_size=1000"),

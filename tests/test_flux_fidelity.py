@@ -110,6 +110,8 @@ def test_fidelity_needs_a_drawing_family_and_held_out_data():
         ev.check_data(object())
     with pytest.raises(ConfigError, match="eval.fidelity_every=-1 must be >= 0"):
         PeriodicEval(fidelity_every=-1)
+    with pytest.raises(ConfigError, match=r"^eval\.fidelity_prompts=0 must be > 0"):  # its own line, not the above's
+        PeriodicEval(fidelity_every=10, fidelity_prompts=0)
 
 
 def test_the_data_refuses_holdout_it_cannot_honour(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import sys
 import threading
 
@@ -64,6 +65,15 @@ def test_a_spike_is_judged_on_healthy_history_only(action, applied):
 
 
 def test_bad_settings_name_the_key():
+    for bad, message in ((dict(spike_k=-1), "health.spike_k=-1 must be > 0"),
+                         (dict(hang_timeout_s=-1), "health.hang_timeout_s=-1 must be >= 0"),
+                         (dict(straggler_ratio=0.5), "health.straggler_ratio=0.5 must be >= 1")):
+        with pytest.raises(ConfigError, match=re.escape(message)) as err:
+            Health(**bad)  # each rule alone: the others keep their defaults
+        assert "\n" not in str(err.value) and "," not in str(err.value).split(":")[0]
+    with pytest.raises(ConfigError, match=r"fault_injection\.slow_rank=5 is not a rank of this run \(world size 2\)"):
+        FaultInjection(slow_rank=5).check_ranks(2)
+    FaultInjection(slow_rank=1, hang_rank=1, bitflip_rank=1).check_ranks(2)
     with pytest.raises(ConfigError, match="health.spike_action='drop'"):
         Health(spike_action="drop")
     with pytest.raises(ConfigError, match="health.spike_min_history=30 exceeds health.spike_window=20"):

@@ -141,7 +141,8 @@ def task_configs(names: list[str], work: Path) -> list[Any]:
         elif name.startswith("jsonl_mc:"):
             path = Path(name.split(":", 1)[1]).expanduser().resolve()
             if not path.is_file():
-                raise ConfigError(f"task {name}: {path} does not exist (a JSON-lines file of query/choices/gold)")
+                raise ConfigError(f"task {name}: {path} does not exist; give a JSON-lines file of query/choices/gold "
+                                  "lines")
             tasks.append({"task": f"jsonl_mc_{path.stem}", "dataset_path": "json",
                           "dataset_kwargs": {"data_files": {"test": str(path)}}, "test_split": "test",
                           "output_type": "multiple_choice", "doc_to_text": "{{query}}", "doc_to_choice": "{{choices}}",

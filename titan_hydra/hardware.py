@@ -3,8 +3,8 @@
 One rule for every place that picks a reduced dtype (training precision, Muon's Newton-Schulz
 iterations, evaluation, generation, benchmarks): bf16 where the device multiplies bf16 natively,
 fp32 elsewhere. A CPU without native bf16 (an AVX2-only x86 core) emulates bf16 matmuls through
-fp32 at a fraction of fp32's speed (measured on an AVX2-only EPYC: ~0.002 vs ~0.14 TFLOP/s), so
-"bf16 because GPUs like it" makes such a machine some 15x slower for nothing.
+fp32 at a small fraction of fp32's speed (the figures: docs/design.md), so "bf16 because GPUs
+like it" makes such a machine many times slower for nothing.
 
 Native bf16, by device:
 * CUDA: ``torch.cuda.is_bf16_supported()`` (Ampere and later). With no GPU visible (planning a

@@ -9,11 +9,11 @@ import importlib.util
 import os
 from pathlib import Path
 
-import torch
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from titan_hydra.checkpoint.state import CATEGORIES
+from titan_hydra.data import dataset as token_data
 from titan_hydra.data.mixture import check_sources
 from titan_hydra.data.tokenizer import Tokenizer
 from titan_hydra.errors import ConfigError, DataError, check_writable_dir  # check_writable_dir: also imported from here
@@ -21,6 +21,7 @@ from titan_hydra.errors import instantiate_checked as instantiate
 from titan_hydra.parallel import ac as activation_checkpoint
 from titan_hydra.parallel import compile as compile_rules
 from titan_hydra.parallel import cp, ep, fsdp, pp, tp
+from titan_hydra.runtime.device import check_backend, check_device, check_start_method
 from titan_hydra.spec import RunSpec, spec_of
 
 
@@ -52,6 +53,7 @@ def validate(cfg: DictConfig, environment: bool = True) -> RunSpec:
     _validate_ranges(cfg)
     _validate_checkpoint(cfg.checkpoint, spec.world_size, local_paths=here)
     _validate_fault_tolerance(cfg)
+    _validate_health(cfg, spec.world_size)
     _validate_float8(cfg)
     return spec
 
@@ -102,6 +104,14 @@ def _validate_fault_tolerance(cfg: DictConfig) -> None:
                           "Lighthouse you run beside them (torchft_lighthouse --bind 0.0.0.0:<port>)")
 
 
+def _validate_health(cfg: DictConfig, world_size: int) -> None:
+    """The ``health`` and ``fault_injection`` settings' own rules (their ``__post_init__``, one line
+    each) and the faults' ranks against the world size, here: each rank builds them only after it
+    started, and a fault aimed at a missing rank would otherwise run a drill with no fault."""
+    instantiate(cfg.health)
+    instantiate(cfg.fault_injection).check_ranks(world_size)
+
+
 def _validate_document_mask(family, dims) -> None:
     if not family.supports_document_mask:
         raise ConfigError(f"data.document_mask=true: model family {family.name!r} does not take document ids "
@@ -122,7 +132,7 @@ def check_layout(spec: RunSpec) -> None:
     if spec.token_data and dims.cp > 1 and seq_len % (2 * dims.cp) != 0:
         raise ConfigError(
             f"training.seq_len={seq_len} must be divisible by 2*parallelism.cp={2 * dims.cp} "
-            "(causal load balancing splits each sequence into 2*cp chunks)"
+            "(causal load balancing splits each sequence into 2*cp chunks); change training.seq_len or parallelism.cp"
         )
     validate_parallel_modules(spec)
 
@@ -140,7 +150,7 @@ def validate_parallel_modules(spec: RunSpec) -> None:
     pp.check_layout(dims, int(shape.n_layers), int(cfg.training.local_batch_size))
     cp.check_layout(dims, str(cfg.cluster.device))
     ep.check_layout(dims, int(getattr(shape, "n_experts", 0) or 0))
-    activation_checkpoint.check_settings(str(ac.mode), int(ac.selective_layer_freq), str(ac.selective_op_policy))
+    activation_checkpoint.check_settings(str(ac.mode), int(ac.selective_layer_freq))
     compile_rules.check_settings(compile_mode, str(cfg.compile.backend), dims, str(ac.mode))
 
 
@@ -151,48 +161,44 @@ def _validate_environment(cfg: DictConfig) -> None:
     except Exception as e:  # omegaconf's ValidationError, raised on access
         raise ConfigError(f"TITAN_HYDRA_START_METHOD={os.environ.get('TITAN_HYDRA_START_METHOD')!r} is not a "
                           "start method; set it to spawn, fork or forkserver (or unset it)") from e
-    if c.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("cluster.device=cuda but no CUDA device is visible; use cluster=local_cpu")
-    if c.device == "cuda" and str(c.start_method) == "fork":
-        raise ConfigError("cluster.start_method=fork is CPU only (a forked worker may inherit CUDA state); "
-                          "use cluster.start_method=spawn or forkserver")
-    if c.device == "cpu" and c.backend == "nccl":
-        raise ConfigError("cluster.backend=nccl needs CUDA; use cluster.backend=gloo on CPU")
+    device = str(c.device)
+    check_device(device)
+    check_start_method(device, str(c.start_method))
+    check_backend(device, str(c.backend))
 
 
 def _validate_data(cfg: DictConfig, vocab: int) -> None:
-    d = cfg.data
-    source = d.get("source")
-    if "sources" in d:  # data=mixture
-        _validate_mixture(d)
-    if source in ("json", "parquet", "text"):
-        if OmegaConf.is_missing(d, "path") or not d.path:
-            raise ConfigError(f"data={d.name} needs a file: set data.path=<file, directory or glob>")
-        path = Path(d.path).expanduser()
-        if not any(ch in d.path for ch in "*?[") and not path.exists():
-            raise ConfigError(f"data.path={d.path} does not exist")
-    if source == "prepared" and (OmegaConf.is_missing(d, "path") or not Path(str(d.path)).expanduser().is_dir()):
-        raise ConfigError(f"data=prepared needs data.path=<a directory recipes/prepare_data.py wrote>; "
-                          f"{d.get('path') or '?'} is not one")
-    if source == "hf" and not d.hf_name:
-        raise ConfigError("data.source=hf needs data.hf_name (e.g. allenai/c4)")
-    if d.tokenizer != "builtin" and not Path(d.tokenizer).expanduser().exists():
-        raise ConfigError(
-            f"data.tokenizer={d.tokenizer} does not exist; give a tokenizer.json file or its directory"
-        )
-    tok = Tokenizer(d.tokenizer)
-    if tok.vocab_size > vocab:
-        raise ConfigError(
-            f"tokenizer vocab {tok.vocab_size} exceeds model.vocab_size={vocab}; "
-            "raise model.vocab_size or use a smaller tokenizer"
-        )
-
-
-def _validate_mixture(d: DictConfig) -> None:
+    """The data owners' own rules (``dataset.check_settings``, ``mixture.check_sources``), asked
+    before any process starts, then the tokenizer against the model's vocabulary."""
     try:
-        check_sources(OmegaConf.to_container(d.sources, resolve=True) if d.get("sources") is not None else {})
+        _check_data_sources(cfg.data)
     except DataError as e:
         raise ConfigError(str(e)) from None
+    _validate_tokenizer(str(cfg.data.tokenizer), vocab)
+
+
+def _check_data_sources(d: DictConfig) -> None:
+    if "sources" in d:  # data=mixture
+        check_sources(OmegaConf.to_container(d.sources, resolve=True) if d.get("sources") is not None else {})
+    elif "source" in d:
+        token_data.check_settings(str(d.source), _given(d, "path"), int(d.seq_len), float(d.val_fraction),
+                                  _given(d, "hf_name"), bool(d.streaming))
+
+
+def _given(node: DictConfig, key: str) -> str | None:
+    """``node.key`` as a string, or None where it is unset (``???``) or null."""
+    if key not in node or OmegaConf.is_missing(node, key) or node[key] is None:
+        return None
+    return str(node[key])
+
+
+def _validate_tokenizer(tokenizer: str, vocab: int) -> None:
+    if tokenizer != "builtin" and not Path(tokenizer).expanduser().exists():
+        raise ConfigError(f"data.tokenizer={tokenizer} does not exist; give a tokenizer.json file or its directory")
+    tok = Tokenizer(tokenizer)
+    if tok.vocab_size > vocab:
+        raise ConfigError(f"tokenizer vocab {tok.vocab_size} exceeds model.vocab_size={vocab}; "
+                          "raise model.vocab_size or use a smaller tokenizer")
 
 
 # --------------------------------------------------------------------------- value ranges, checkpoint, run dir
@@ -220,9 +226,6 @@ def _validate_ranges(cfg: DictConfig) -> None:
     if betas is not None and not all(0.0 <= float(b) < 1.0 for b in betas):
         raise ConfigError(f"optimizer.betas={list(betas)} must each be within [0, 1)")
     memory_headroom(cfg.cluster)
-    val_fraction = cfg.data.get("val_fraction", 0.0)  # a mixture holds out per source
-    if not 0.0 <= val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction={val_fraction} must be within [0, 1)")
     p = cfg.profiling
     if p.enable:
         for key in ("profile_freq", "active"):
@@ -250,7 +253,8 @@ def _validate_checkpoint(c: DictConfig, world_size: int, local_paths: bool) -> N
     if not local_paths:  # a plan for another machine: its paths need not exist here
         return
     if c.initial_load_path and not Path(c.initial_load_path).expanduser().exists():
-        raise ConfigError(f"checkpoint.initial_load_path={c.initial_load_path} does not exist")
+        raise ConfigError(f"checkpoint.initial_load_path={c.initial_load_path} does not exist; point it at a "
+                          "checkpoint directory or set it to null")
     if c.enable and Path(c.folder).is_absolute():
         check_writable_dir(c.folder, "checkpoint.folder")
 

@@ -1,4 +1,8 @@
-"""Choice: a string setting whose valid values the schema checks while Hydra composes."""
+"""Choice: a string setting whose valid values the schema checks while Hydra composes.
+
+The values are the owner's own constants (``groups.py``), so they are written once. The owner
+still checks them in its constructor: tests, recipes and the planner build it without the schema.
+A rule that only ever sees a composed config (``validate``'s) does not check them again."""
 
 from __future__ import annotations
 

@@ -32,24 +32,47 @@ from titan_hydra.errors import DataError
 SOURCES = ("builtin", "json", "parquet", "text", "hf", "prepared")
 
 
+LOCAL_FILE_SOURCES = ("json", "parquet", "text")  # read from data.path: a file, a directory or a glob
+
+
 def check_settings(source: str, path: str | None, seq_len: int, val_fraction: float, hf_name: str | None,
                    streaming: bool) -> None:
-    """One-line DataError for settings no reader can serve (before anything is read)."""
+    """One-line DataError for settings no reader can serve, before anything is read. Every data
+    source rule lives here: ``validate`` calls it before any process starts (the schema's Choice
+    has already refused an unknown source there), and ``TokenDataset`` calls it for a direct build."""
     if source not in SOURCES:
         raise DataError(f"unknown data.source={source!r}; choose one of {', '.join(SOURCES)}")
-    if source in ("json", "parquet", "text") and not path:
-        raise DataError(f"data.source={source} needs data.path (a file, a directory or a glob)")
-    if source == "prepared" and (not path or streaming):
-        raise DataError("data.source=prepared needs data.path (a directory recipes/prepare_data.py wrote) "
-                        "and data.streaming=false (its shards are read in place)")
+    if source in LOCAL_FILE_SOURCES:
+        _check_local_path(source, path)
+    if source == "prepared":
+        _check_prepared(path, streaming)
     if source == "hf" and not hf_name:
         raise DataError("data.source=hf needs data.hf_name (e.g. allenai/c4)")
     if source == "builtin" and streaming:
-        raise DataError("data.streaming=true is not supported for the builtin corpus (it is small)")
+        raise DataError("data.streaming=true is not supported for the builtin corpus (it is small); "
+                        "set data.streaming=false")
     if seq_len < 1:
-        raise DataError(f"data.seq_len must be >= 1, got {seq_len}")
+        raise DataError(f"data.seq_len={seq_len} must be >= 1")
     if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+        raise DataError(f"data.val_fraction={val_fraction} must be within [0, 1)")
+
+
+def _check_local_path(source: str, path: str | None) -> None:
+    """A file source needs a path; one without a glob pattern must exist (a glob may match later files)."""
+    if not path:
+        raise DataError(f"data.source={source} needs a file: set data.path=<file, directory or glob>")
+    if not any(ch in path for ch in "*?[") and not Path(path).expanduser().exists():
+        raise DataError(f"data.path={path} does not exist; give a file, a directory or a glob")
+
+
+def _check_prepared(path: str | None, streaming: bool) -> None:
+    """A prepared corpus is a directory of shards read in place (memory-mapped), never streamed."""
+    if not path or not Path(path).expanduser().is_dir():
+        raise DataError(f"data.source=prepared needs data.path=<a directory recipes/prepare_data.py wrote>; "
+                        f"{path or '?'} is not one")
+    if streaming:
+        raise DataError("data.streaming=true cannot read data.source=prepared (its shards are read in place); "
+                        "set data.streaming=false")
 
 
 class TokenDataset:

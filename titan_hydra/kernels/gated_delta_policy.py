@@ -101,14 +101,15 @@ FLA_KERNELS = DeltaKernels(_fla_conv, _fla_rule)
 def choose(choice: str, device: torch.device) -> KernelChoice:
     """The kernel ``choice`` resolves to on ``device``, with the reason the run header prints."""
     if choice not in CHOICES:
-        raise ConfigError(f"gated delta kernel {choice!r} is not one of {', '.join(CHOICES)}; use auto")
+        raise ConfigError(f"training.gated_delta_kernel={choice!r} is not one of {', '.join(CHOICES)}; use auto")
     if choice == TORCH:
         return KernelChoice(TORCH, "set explicitly")
     why = None if device.type == "cuda" else f"its kernels are Triton on CUDA and this run is on {device.type}"
     why = why or fla_import_error()
     if choice == FLA:
         if why is not None:
-            raise ConfigError(f"gated delta kernel fla cannot be used: {why}; use auto or torch")
+            raise ConfigError(f"training.gated_delta_kernel=fla: gated delta kernel fla cannot be used: {why}; "
+                              "use training.gated_delta_kernel=auto or torch")
         return KernelChoice(FLA, "set explicitly")
     if why is not None:
         return KernelChoice(TORCH, f"auto: flash-linear-attention does not apply ({why})")

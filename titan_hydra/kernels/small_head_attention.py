@@ -40,8 +40,8 @@ class KernelUnavailable(RuntimeError):
 NAME = "titan_hydra_small_head_attention"
 # torch's extension loader serializes builds through a lock file in the build directory and
 # waits for it forever; a build killed mid-way (kill -9, a job hitting its time limit) leaves the
-# file behind and every later run of any process hangs at start. A build takes ~20-60 s here, so
-# a lock older than this is such a leftover and is removed (with a warning).
+# file behind and every later run of any process hangs at start. A real build ends within
+# minutes, so a lock older than this is such a leftover and is removed (with a warning).
 STALE_LOCK_S = 600
 
 

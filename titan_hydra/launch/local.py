@@ -102,9 +102,9 @@ def run_local(
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if str(cfg.cluster.start_method) == "forkserver":
         # The server imports the program once (a clean, single-threaded process) and forks
-        # every worker from it: one import per launch instead of one per rank. torch._dynamo too:
-        # every rank would import it (~0.4 s) when it first initializes a tensor on the meta
-        # device. Started now, it imports while this process prepares the data.
+        # every worker from it: one import per launch instead of one per rank. torch._dynamo too,
+        # which every rank would import when it first makes a tensor on the meta device. Started
+        # now, it imports while this process prepares the data.
         multiprocessing.set_forkserver_preload([GC_PAUSED_MODULE, PROGRAM_MODULE,
                                                 (program or DEFAULT_PROGRAM).partition(":")[0], "torch._dynamo"])
         from multiprocessing import forkserver

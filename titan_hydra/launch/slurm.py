@@ -150,8 +150,8 @@ def fail(message: str) -> None:
 
 # submitit creates a job's log folder (.submitit/<job id>) only after sbatch has returned the id;
 # an idle SLURM older than 23.02 can start the task first, fail to open its log there and kill it
-# ("Could not open stdout file": seen on the one-node test cluster). Jobs go out held and are
-# released once submitit has made their folders.
+# ("Could not open stdout file"). Jobs go out held and are released once submitit has made their
+# folders.
 HOLD = {"hold": True}
 
 

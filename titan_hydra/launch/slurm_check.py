@@ -44,5 +44,7 @@ def partitions() -> set[str] | None:
     except (OSError, subprocess.SubprocessError):
         return None
     if proc.returncode != 0:
-        raise UserError(f"SLURM does not answer (sinfo: {proc.stderr.strip().splitlines()[-1:] or ['?']}[0])")
+        raise UserError(f"cluster.launcher=slurm but SLURM does not answer (sinfo: "
+                        f"{(proc.stderr.strip().splitlines()[-1:] or ['?'])[0]}); check that slurmctld is up "
+                        "(sinfo) or use cluster=local_cpu")
     return {line.strip() for line in proc.stdout.splitlines() if line.strip()}

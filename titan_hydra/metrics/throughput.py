@@ -119,9 +119,8 @@ def _time_matmul(device: torch.device, dtype: torch.dtype, size: int, reps: int,
     return 2.0 * size**3 / best / 1e12
 
 
-# Longest one timed matmul may take. A CPU that emulates bf16 (AVX2 only: ~0.3 GFLOP/s on one
-# thread) needs ~1 minute for a 2048^3 bf16 matmul, and every bf16 run measures again at start
-# (3 matmuls: over 3 minutes before the first step); such a CPU is timed on a smaller matrix.
+# Longest one timed matmul may take: a CPU that emulates bf16 would spend minutes on the full-size
+# matmuls before the first step, so it is timed on a smaller matrix instead.
 MATMUL_BUDGET_S = 1.0
 
 
@@ -140,9 +139,9 @@ def affordable_size(dtype: torch.dtype, size: int, budget_s: float = MATMUL_BUDG
     return max(small, min(size, fit))
 
 
-# A run re-measures the CPU peak (``refine=True``) until this many runs have measured it; the
-# cache keeps the best value, so a measurement taken under load is outvoted, and later runs
-# skip the ~1-3 s of timing (every rank of every run paid it before).
+# A run re-measures the CPU peak (``refine=True``) until this many runs have measured it: the
+# cache keeps the best value, so a measurement taken under load is outvoted, and later runs skip
+# the timing.
 TRUSTED_AFTER_RUNS = 3
 
 
@@ -184,16 +183,16 @@ def measure_cpu_peak_tflops(dtype: torch.dtype = torch.bfloat16, size: int = 204
     return peak
 
 
-# Emulated bf16 is ~100x slower than fp32 (0.001 vs 0.14 TFLOP/s seen); a ratio above this is
-# load on shared cores (0.083 vs 0.166 was measured once on an AVX512-BF16 EPYC under load).
+# Emulated bf16 runs at a few percent of fp32's speed, native bf16 at about fp32's or faster: a
+# ratio above this is load on shared cores, not emulation (the figures: docs/design.md).
 EMULATED_BF16_RATIO = 0.25
 
 
 def cpu_bf16_slower_than_fp32(cpuinfo: str = "/proc/cpuinfo") -> tuple[float, float] | None:
     """(bf16, fp32) matmul peaks if this CPU emulates bf16 matmuls, else None.
 
-    True on CPUs without AVX512-BF16/AMX, where oneDNN emulates bf16 (seen: 0.001 vs 0.14
-    TFLOP/s on an AVX2-only EPYC): bf16 training there is a large slowdown, not a speedup.
+    True on CPUs without AVX512-BF16/AMX, where oneDNN emulates bf16 through fp32: bf16 training
+    there is a large slowdown, not a speedup.
     A CPU whose flags name native bf16 never warns; otherwise the cached measurements decide, with
     a margin wide enough that a loaded machine's noisy timing is not mistaken for emulation.
     """

@@ -125,7 +125,8 @@ class Parametrization:
             fields["dim"] = self.base_width
         for key, value in self.base.items():
             if key not in fields:
-                raise ConfigError(f"parametrization.base.{key}: the model has no field {key!r}")
+                raise ConfigError(f"parametrization.base.{key}={value}: the model has no field {key!r}; "
+                                  "override only fields of the model node (e.g. head_dim, ffn_hidden_dim)")
             fields[key] = {**fields[key], **value} if isinstance(value, dict) else value
         return fields
 

@@ -165,8 +165,9 @@ def selective_op_policy_check(name: str) -> None:
                           f"{', '.join(SAC_POLICIES)}")
 
 
-def check_settings(mode: str, selective_layer_freq: int, selective_op_policy: str) -> None:
-    """The activation_checkpoint group's own rules, as one-line ConfigErrors."""
-    selective_op_policy_check(selective_op_policy)
+def check_settings(mode: str, selective_layer_freq: int) -> None:
+    """The activation_checkpoint group's cross-field rules, as one-line ConfigErrors. ``validate``
+    calls it on a composed config, whose mode and policy the schema's Choice enums already refused
+    while composing; a direct build checks them in ``ActivationCheckpointing``."""
     if mode == "selective_layer" and int(selective_layer_freq) < 1:
         raise ConfigError(f"activation_checkpoint.selective_layer_freq={selective_layer_freq} must be >= 1")

@@ -96,14 +96,14 @@ class ParallelDims:
         self._check_ep()
         if self.fsdp_reshard_after_forward not in RESHARD_POLICIES:
             raise ConfigError(
-                f"parallelism.fsdp_reshard_after_forward={self.fsdp_reshard_after_forward!r}; "
-                f"use one of {', '.join(RESHARD_POLICIES)}"
+                f"parallelism.fsdp_reshard_after_forward={self.fsdp_reshard_after_forward!r} is not one of "
+                f"{', '.join(RESHARD_POLICIES)}"
             )
         if self.pp_schedule not in PP_SCHEDULES:
-            raise ConfigError(f"parallelism.pp_schedule={self.pp_schedule!r} unknown; use one of {PP_SCHEDULES}")
+            raise ConfigError(f"parallelism.pp_schedule={self.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
         if self.cp_rotate_method not in CP_ROTATE_METHODS:
             raise ConfigError(
-                f"parallelism.cp_rotate_method={self.cp_rotate_method!r}; use one of {', '.join(CP_ROTATE_METHODS)}"
+                f"parallelism.cp_rotate_method={self.cp_rotate_method!r} is not one of {', '.join(CP_ROTATE_METHODS)}"
             )
 
     def _check_ep(self) -> None:
@@ -145,7 +145,8 @@ class ParallelDims:
         if global_batch_size % per_step:
             raise ConfigError(
                 f"training.global_batch_size={global_batch_size} is not a multiple of local_batch_size "
-                f"{local_batch_size} x data-parallel degree {self.data_degree}"
+                f"{local_batch_size} x data-parallel degree {self.data_degree}; set it to a multiple of {per_step} "
+                "or -1 (one local batch per rank)"
             )
         return global_batch_size, global_batch_size // per_step
 

@@ -71,7 +71,8 @@ def _parse_split_points(points: list[str], n_layers: int) -> list[int]:
 def stage_layer_ranges(dims, n_layers: int) -> list[range]:
     """The layer indices of each stage, in stage order (all stages, not just this rank's)."""
     if dims.pp_split_points and dims.pp_layers_per_stage:
-        raise ConfigError("set only one of parallelism.pp_split_points and parallelism.pp_layers_per_stage")
+        raise ConfigError(f"parallelism.pp_split_points={list(dims.pp_split_points)} and parallelism.pp_layers_per_stage="
+                          f"{dims.pp_layers_per_stage} both split the stages: set only one of them")
     if dims.pp_split_points:
         bounds = [0, *_parse_split_points(list(dims.pp_split_points), n_layers), n_layers]
         return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -96,7 +97,8 @@ def stage_layer_ranges(dims, n_layers: int) -> list[range]:
 
 def check_stage_count(dims, n_stages: int, n_layers: int) -> None:
     if n_stages > n_layers:
-        raise ConfigError(f"{n_stages} pipeline stages exceed model.n_layers={n_layers}")
+        raise ConfigError(f"the split gives {n_stages} pipeline stages but model.n_layers={n_layers}; "
+                          "fix parallelism.pp_layers_per_stage / pp_split_points or add layers")
     schedule, pp = dims.pp_schedule, dims.pp
     if schedule in SINGLE_STAGE_SCHEDULES and n_stages != pp:
         raise ConfigError(
@@ -110,7 +112,7 @@ def check_stage_count(dims, n_stages: int, n_layers: int) -> None:
         )
     if n_stages % pp:
         raise ConfigError(
-            f"{n_stages} pipeline stages do not divide evenly over pp={pp} ranks; "
+            f"the split gives {n_stages} pipeline stages, which do not divide evenly over parallelism.pp={pp} ranks; "
             "fix parallelism.pp_layers_per_stage / pp_split_points"
         )
 
@@ -130,7 +132,8 @@ def check_microbatches(dims, n_stages: int, local_bs: int) -> None:
         )
     if dims.pp_schedule in NEEDS_MB_GE_STAGES and n_mb < n_stages:
         raise ConfigError(
-            f"pp_schedule={dims.pp_schedule} needs parallelism.pp_microbatches >= {n_stages} stages, got {n_mb}"
+            f"parallelism.pp_microbatches={n_mb}: pp_schedule={dims.pp_schedule} needs parallelism.pp_microbatches "
+            f">= {n_stages} stages; raise it"
         )
     rounds = max(1, n_mb // dims.pp)
     if dims.pp_schedule in ROUND_SCHEDULES and n_mb % rounds:

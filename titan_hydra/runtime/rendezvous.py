@@ -152,7 +152,8 @@ def init_process_group(backend: str, timeout_s: float) -> None:
                 f"{timeout_s:g}s; the others could not reach this node (are they running? can they "
                 "resolve and route to it?), or raise cluster.init_timeout_s"
             ) from None
-        raise UserError(f"cannot reach rendezvous at {host}:{port} within {timeout_s:g}s ({first})") from None
+        raise UserError(f"cannot reach rendezvous at {host}:{port} within {timeout_s:g}s ({first}); check that rank "
+                        "0's node is up and reachable, or raise cluster.init_timeout_s") from None
     restore_collective_timeout(backend)
 
 

@@ -51,9 +51,11 @@ class PeriodicEval:
             raise ConfigError(f"eval.freq={freq} must be >= 0 (0 = no evaluation during training)")
         if sample_every < 0:
             raise ConfigError(f"eval.sample_every={sample_every} must be >= 0 (0 = no sample pictures)")
-        if fidelity_every < 0 or fidelity_prompts <= 0:
-            raise ConfigError(f"eval.fidelity_every={fidelity_every} must be >= 0 (0 = none) and "
-                              f"eval.fidelity_prompts={fidelity_prompts} positive")
+        if fidelity_every < 0:
+            raise ConfigError(f"eval.fidelity_every={fidelity_every} must be >= 0 (0 = no fidelity scores)")
+        if fidelity_prompts <= 0:
+            raise ConfigError(f"eval.fidelity_prompts={fidelity_prompts} must be > 0 (held-out captions scored "
+                              "each time)")
         if sample_steps <= 0:
             raise ConfigError(f"eval.sample_steps={sample_steps} must be positive (sampler steps per picture)")
         self.freq, self.tasks, self.limit = int(freq), [str(t) for t in tasks], limit
@@ -90,7 +92,7 @@ class PeriodicEval:
         try:
             import lm_eval  # noqa: F401
         except ImportError:
-            raise ConfigError("eval.freq > 0 needs the lm-eval harness: pip install -e '.[eval]' "
+            raise ConfigError(f"eval.freq={self.freq} needs the lm-eval harness: pip install -e '.[eval]' "
                               "(or set eval=none)") from None
         from titan_hydra.evaluation import check_tasks  # lm-eval: the optional eval extra, loaded only when asked for
         check_tasks(self.tasks)

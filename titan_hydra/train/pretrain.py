@@ -38,6 +38,7 @@ from titan_hydra.models.registry import build_model
 from titan_hydra.parallel.apply import parallelize
 from titan_hydra.parallel.compile import compiled_graphs
 from titan_hydra.parallel.full_state import gather_full_state
+from titan_hydra.runtime.device import check_backend, check_device
 from titan_hydra.runtime.preemption import requeue_on_hang, watch_for_preemption
 from titan_hydra.runtime.rendezvous import init_process_group  # bounded, one-line failure
 from titan_hydra.runtime.threads import threads_here
@@ -75,9 +76,8 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 
 def setup_device(cluster: DictConfig, local_rank: int) -> torch.device:
+    check_device(str(cluster.device))
     if cluster.device == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError("cluster.device=cuda but no CUDA device is visible; use cluster=local_cpu")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -85,10 +85,8 @@ def setup_device(cluster: DictConfig, local_rank: int) -> torch.device:
 
 def init_distributed(cluster: DictConfig, world_size: int) -> None:
     if world_size > 1 and not dist.is_initialized():
-        backend = str(cluster.backend)
-        if cluster.device == "cpu" and backend != "gloo":
-            raise UserError(f"cluster.backend={backend} cannot run on CPU; use cluster.backend=gloo")
-        init_process_group(backend, float(cluster.init_timeout_s))
+        check_backend(str(cluster.device), str(cluster.backend))
+        init_process_group(str(cluster.backend), float(cluster.init_timeout_s))
 
 
 

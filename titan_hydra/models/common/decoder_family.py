@@ -119,7 +119,8 @@ class DecoderFamily(ModelFamily):
                 f"parallelism.tp={tp} must divide model.n_heads={args.n_heads} and n_kv_heads={args.kv_heads}"
             )
         if dims.pp > args.n_layers:
-            raise ConfigError(f"parallelism.pp={dims.pp} exceeds model.n_layers={args.n_layers}")
+            raise ConfigError(f"parallelism.pp={dims.pp} exceeds model.n_layers={args.n_layers}: each stage needs "
+                              "a layer; lower parallelism.pp")
         if dims.pp > 1 and args.tie_word_embeddings:
             raise ConfigError(
                 "model.tie_word_embeddings=true cannot run under pipeline parallel (embedding and output "

@@ -123,7 +123,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 
     # One triangular solve for both right-hand sides; pieces taken with split, whose backward is
     # one cat (a slice's writes a zero-filled copy). The q and k.beta products stay two bmm calls:
-    # stacked into one [2C, d] operand they ran ~2x slower per flop on CPU (MKL's batched path).
+    # stacked into one [2C, d] operand they take MKL's slower batched path on CPU.
     kb = k * beta
     kt = k.transpose(-1, -2)
     attn, lower = (q @ kt) * pair, (kb @ kt) * pair  # lower: only its strict lower triangle is read

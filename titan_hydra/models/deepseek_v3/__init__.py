@@ -54,7 +54,7 @@ class DeepSeekV3Family(DecoderFamily):
 
     def check(self, args: DeepSeekV3Args, dims: Any, seq_len: int) -> None:
         if dims.tp > 1:
-            raise ConfigError(NO_TP)
+            raise ConfigError(f"parallelism.tp={dims.tp}: {NO_TP}")
         if args.mtp_layers and getattr(dims, "cp", 1) > 1:
             raise ConfigError(f"model.mtp_layers={args.mtp_layers} with parallelism.cp={dims.cp}: each depth shifts "
                               "tokens across the context shards; set model.mtp_layers=0 or parallelism.cp=1")

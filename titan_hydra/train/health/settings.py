@@ -18,6 +18,8 @@ RECHECK_ACTIONS = ("stop", "continue")  # a gradient that differs on a re-run: s
 # where an injected bit flip strikes: a weight after the step (replica comparison), a gradient in the
 # re-run of a rechecked step (transient), or a different bit in every run of that step (persistent)
 BITFLIP_TARGETS = ("weight", "grad", "grad_every_run")
+# the fault_injection keys that name a rank: each must be below the run's world size
+RANK_KEYS = ("fault_rank", "slow_rank", "hang_rank", "bitflip_rank")
 
 
 @dataclass
@@ -53,6 +55,12 @@ class Health:
     recheck_action: str = "stop"  # one of RECHECK_ACTIONS
 
     def __post_init__(self) -> None:
+        """Refuses a bad value however it was built: the schema checks the actions while Hydra
+        composes, but tests, recipes and the monitor also build Health directly."""
+        self._check_actions()
+        self._check_ranges()
+
+    def _check_actions(self) -> None:
         if str(self.spike_action) not in SPIKE_ACTIONS:
             raise ConfigError(f"health.spike_action={self.spike_action!r} is not one of {', '.join(SPIKE_ACTIONS)}")
         if str(self.checksum_action) not in CHECKSUM_ACTIONS:
@@ -61,6 +69,8 @@ class Health:
         if str(self.recheck_action) not in RECHECK_ACTIONS:
             raise ConfigError(f"health.recheck_action={self.recheck_action!r} is not one of "
                               f"{', '.join(RECHECK_ACTIONS)}")
+
+    def _check_ranges(self) -> None:
         for key in ("spike_window", "spike_min_history", "max_skips_in_a_row", "max_rollbacks", "straggler_every",
                     "checksum_every", "recheck_every"):
             if getattr(self, key) < 0:
@@ -68,8 +78,14 @@ class Health:
         if self.spike_min_history > self.spike_window:
             raise ConfigError(f"health.spike_min_history={self.spike_min_history} exceeds health.spike_window="
                               f"{self.spike_window}; lower it or widen the window")
-        if self.hang_timeout_s < 0 or self.spike_k <= 0 or self.straggler_ratio < 1:
-            raise ConfigError("health.hang_timeout_s must be >= 0, health.spike_k > 0 and health.straggler_ratio >= 1")
+        if self.hang_timeout_s < 0:
+            raise ConfigError(f"health.hang_timeout_s={self.hang_timeout_s} must be >= 0 (0 turns the hang watchdog off)")
+        if self.spike_k <= 0:
+            raise ConfigError(f"health.spike_k={self.spike_k} must be > 0: a spike is a value above median + "
+                              "spike_k * MAD (10 by default, strict: 6)")
+        if self.straggler_ratio < 1:
+            raise ConfigError(f"health.straggler_ratio={self.straggler_ratio} must be >= 1: the slowest rank's time "
+                              "over the median (1.5 by default)")
 
     def describe(self) -> str:
         """The run header's line: what is watched, and what it costs per step."""
@@ -116,6 +132,15 @@ class FaultInjection:
             value = getattr(self, f.name)
             if isinstance(value, (int, float)) and value < 0:
                 raise ConfigError(f"fault_injection.{f.name}={value} must be >= 0")
+
+    def check_ranks(self, world_size: int) -> None:
+        """A fault aimed at a rank the run does not have would never strike, and the drill would pass
+        with no fault at all: refused before any rank starts (``validate`` knows the world size)."""
+        for key in RANK_KEYS:
+            rank = getattr(self, key)
+            if rank is not None and rank >= world_size:
+                raise ConfigError(f"fault_injection.{key}={rank} is not a rank of this run (world size {world_size}); "
+                                  f"use a rank below {world_size} or launch more ranks (cluster.nproc_per_node)")
 
     @property
     def enabled(self) -> bool:
