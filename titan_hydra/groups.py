@@ -21,6 +21,7 @@ from typing import Iterable, Optional
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 
+from titan_hydra import errors
 from titan_hydra.checkpoint.manager import ASYNC_MODES, EXPORT_DTYPES, CheckpointSettings
 from titan_hydra.config import ClusterConfig, choice, register_resolvers, root_schema, schema_from
 from titan_hydra.data import dataset as token_data
@@ -58,22 +59,23 @@ ParametrizationName = choice("ParametrizationName", PARAMETRIZATIONS, __name__)
 
 # Settings that follow another key rather than the owner's default (which serves direct callers).
 SEQ_LEN, SEED = "${training.seq_len}", "${training.seed}"
-# The data options' label (run names, logs); the dataset never sees it (pretrain.build_dataset).
-DATA_NAME = {"name": (str, "custom")}
+# The chosen option's label (``name``: the run header, the planner, logs); no object receives it
+# (errors.instantiate_checked drops it). A model node's labels are its family and flavor.
+LABEL = {errors.LABEL: (str, "custom")}
 
 ParallelismConfig = schema_from(
-    ParallelDims, name="ParallelismConfig", module=__name__,
+    ParallelDims, name="ParallelismConfig", module=__name__, labels=LABEL,
     given=("world_size", "replica_groups", "replica_group"),  # the recipe's: the launch and fault_tolerance
     choices={"fsdp_reshard_after_forward": ReshardPolicy, "pp_schedule": PPSchedule, "cp_rotate_method": RotateMethod})
 LRSchedulerConfig = schema_from(build_lr_scheduler, name="LRSchedulerConfig", module=__name__, partial=True,
-                                given=("optimizer", "total_steps"), choices={"decay_type": DecayType})
+                                labels=LABEL, given=("optimizer", "total_steps"), choices={"decay_type": DecayType})
 Float8Config = schema_from(Float8Converter, name="Float8Config", module=__name__, choices={"recipe": Float8Recipe})
-DataConfig = schema_from(token_data.TokenDataset, name="DataConfig", module=__name__, labels=DATA_NAME,
+DataConfig = schema_from(token_data.TokenDataset, name="DataConfig", module=__name__, labels=LABEL,
                          choices={"source": DataSource}, links={"seq_len": SEQ_LEN, "seed": SEED})
 ImageCaptionDataConfig = schema_from(image_caption.ImageCaptionDataset, name="ImageCaptionDataConfig",
-                                     module=__name__, labels=DATA_NAME, choices={"source": ImageSource},
+                                     module=__name__, labels=LABEL, choices={"source": ImageSource},
                                      links={"seed": SEED})
-MixtureDataConfig = schema_from(MixtureDataset, name="MixtureDataConfig", module=__name__, labels=DATA_NAME,
+MixtureDataConfig = schema_from(MixtureDataset, name="MixtureDataConfig", module=__name__, labels=LABEL,
                                 links={"seq_len": SEQ_LEN, "seed": SEED})
 CheckpointConfig = schema_from(CheckpointSettings, target="titan_hydra.checkpoint.CheckpointManager",
                                name="CheckpointConfig", module=__name__,
