@@ -96,6 +96,7 @@ def schema_from(owner: Any, *, name: str, module: str, target: Any = None, parti
     schema = dataclasses.make_dataclass(name, specs)
     schema.__module__ = module
     schema.__doc__ = doc or f"Hydra schema of {target_path(owner)}'s settings (derived by titan_hydra.config.derive)."
+    schema._derived_from = owner  # what the schema says it mirrors (tests/test_groups.py checks it)
     setattr(sys.modules[module], name, schema)
     return schema
 
