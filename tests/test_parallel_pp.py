@@ -198,7 +198,7 @@ def test_check_config_errors(overrides, message):
 def test_presets_validate(preset, nproc):
     cfg = compose_cfg([f"parallelism={preset}", f"cluster.nproc_per_node={nproc}"])
     validate(cfg)
-    d = ParallelDims(world_size=nproc, **{k: v for k, v in cfg.parallelism.items() if k != "_target_"})
+    d = ParallelDims(world_size=nproc, **{k: v for k, v in cfg.parallelism.items() if k not in ("_target_", "name")})
     assert d.pp == 2 and d.dp_replicate * d.dp_shard * d.tp * d.pp == nproc
 
 

@@ -9,6 +9,7 @@ and keeps its traceback.
 
 from __future__ import annotations
 
+import inspect
 import os
 import tempfile
 from pathlib import Path
@@ -64,8 +65,29 @@ class TrainingDiverged(RuntimeError):
     """The loss became NaN/inf; raised on every rank so the run stops cleanly."""
 
 
+# The key that names a group's chosen option (``data.name: c4``, ``parallelism.name: fsdp``): the run
+# header, the planner and the logs read it from the config; an object receives it only when it takes
+# a ``name`` parameter because it acts on the choice (``fault_tolerance``, ``parametrization``).
+LABEL = "name"
+
+
+def without_label(node: dict) -> dict:
+    """``node`` less its option label ``name``, unless its ``_target_`` takes a ``name`` parameter."""
+    from hydra.utils import get_object  # hydra only where a config is instantiated (this layer is imported by all)
+
+    target = node.get("_target_")
+    if LABEL not in node or not isinstance(target, str):
+        return node
+    try:
+        takes = LABEL in inspect.signature(get_object(target)).parameters
+    except (ImportError, AttributeError, ValueError, TypeError):  # a bad target: instantiate says so
+        return node
+    return node if takes else {k: v for k, v in node.items() if k != LABEL}
+
+
 def instantiate_checked(node, **kwargs):
-    """``hydra.utils.instantiate`` that surfaces bad-input errors as UserError.
+    """``hydra.utils.instantiate`` that surfaces bad-input errors as UserError; the node's option
+    label is dropped first (``without_label``): every group instantiates through here.
 
     Hydra wraps whatever a constructor raises in InstantiationException with a multi-line
     message; for input errors (a ValueError from a dataset, ConfigError from ParallelDims)
@@ -79,6 +101,8 @@ def instantiate_checked(node, **kwargs):
         # Choice enums (config.Choice) arrive as their plain strings: constructors and the
         # libraries behind them compare and store ordinary str values.
         node = OmegaConf.to_container(node, resolve=True, enum_to_str=True)
+    if isinstance(node, dict):
+        node = without_label(node)
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as e:

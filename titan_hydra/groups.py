@@ -1,8 +1,9 @@
-"""The config groups whose option builds an object, with their schemas derived from that object.
+"""The config groups (``GROUPS``, the one list) and their schemas, derived from what they build.
 
 The class (or builder function) an option's ``_target_`` names owns every default: the group's
 schema is derived from its fields or keyword parameters (``titan_hydra.config.derive``), so the
 two cannot drift, and an option file under ``conf/<group>/`` states only what differs from it.
+A model family's schema is derived the same way, from its args class (``schema_model_<family>``).
 The string settings the schema checks while composing are Choice enums made from the owner's own
 constants (``parallelism.pp_schedule`` from ``PP_SCHEDULES``). The optimizer's schema is written
 in ``train/optimizers.py`` (its target is any torch class; see ``OptimizerConfig``).
@@ -20,13 +21,15 @@ from typing import Iterable, Optional
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 
+from titan_hydra import errors
 from titan_hydra.checkpoint.manager import ASYNC_MODES, EXPORT_DTYPES, CheckpointSettings
-from titan_hydra.config import choice, register_base, schema_from
+from titan_hydra.config import ClusterConfig, choice, register_resolvers, root_schema, schema_from
 from titan_hydra.data import dataset as token_data
 from titan_hydra.data import image_caption
 from titan_hydra.data.mixture import MixtureDataset
 from titan_hydra.logger.backends import WANDB_MODES, ConsoleBackend, JsonlBackend, TensorBoardBackend, WandbBackend
 from titan_hydra.models.parametrization import KINDS as PARAMETRIZATIONS, Parametrization
+from titan_hydra.models.registry import BUILTIN, get_family
 from titan_hydra.parallel import ac, compile as compiling
 from titan_hydra.parallel.dims import CP_ROTATE_METHODS, PP_SCHEDULES, RESHARD_POLICIES, ParallelDims
 from titan_hydra.profiling import build_profiler
@@ -56,22 +59,23 @@ ParametrizationName = choice("ParametrizationName", PARAMETRIZATIONS, __name__)
 
 # Settings that follow another key rather than the owner's default (which serves direct callers).
 SEQ_LEN, SEED = "${training.seq_len}", "${training.seed}"
-# The data options' label (run names, logs); the dataset never sees it (pretrain.build_dataset).
-DATA_NAME = {"name": (str, "custom")}
+# The chosen option's label (``name``: the run header, the planner, logs); no object receives it
+# (errors.instantiate_checked drops it). A model node's labels are its family and flavor.
+LABEL = {errors.LABEL: (str, "custom")}
 
 ParallelismConfig = schema_from(
-    ParallelDims, name="ParallelismConfig", module=__name__,
+    ParallelDims, name="ParallelismConfig", module=__name__, labels=LABEL,
     given=("world_size", "replica_groups", "replica_group"),  # the recipe's: the launch and fault_tolerance
     choices={"fsdp_reshard_after_forward": ReshardPolicy, "pp_schedule": PPSchedule, "cp_rotate_method": RotateMethod})
 LRSchedulerConfig = schema_from(build_lr_scheduler, name="LRSchedulerConfig", module=__name__, partial=True,
-                                given=("optimizer", "total_steps"), choices={"decay_type": DecayType})
+                                labels=LABEL, given=("optimizer", "total_steps"), choices={"decay_type": DecayType})
 Float8Config = schema_from(Float8Converter, name="Float8Config", module=__name__, choices={"recipe": Float8Recipe})
-DataConfig = schema_from(token_data.TokenDataset, name="DataConfig", module=__name__, extra=DATA_NAME,
+DataConfig = schema_from(token_data.TokenDataset, name="DataConfig", module=__name__, labels=LABEL,
                          choices={"source": DataSource}, links={"seq_len": SEQ_LEN, "seed": SEED})
 ImageCaptionDataConfig = schema_from(image_caption.ImageCaptionDataset, name="ImageCaptionDataConfig",
-                                     module=__name__, extra=DATA_NAME, choices={"source": ImageSource},
+                                     module=__name__, labels=LABEL, choices={"source": ImageSource},
                                      links={"seed": SEED})
-MixtureDataConfig = schema_from(MixtureDataset, name="MixtureDataConfig", module=__name__, extra=DATA_NAME,
+MixtureDataConfig = schema_from(MixtureDataset, name="MixtureDataConfig", module=__name__, labels=LABEL,
                                 links={"seq_len": SEQ_LEN, "seed": SEED})
 CheckpointConfig = schema_from(CheckpointSettings, target="titan_hydra.checkpoint.CheckpointManager",
                                name="CheckpointConfig", module=__name__,
@@ -109,32 +113,53 @@ class LoggerConfig:
     wandb: Optional[WandbBackendConfig] = field(default_factory=WandbBackendConfig)  # type: ignore[valid-type]
 
 
-# ``schema_<name>``: what each option file extends (``defaults: [/schema_<name>@_here_, _self_]``)
-SCHEMAS = {
-    "parallelism": ParallelismConfig,
-    "optimizer": OptimizerConfig,
-    "parametrization": ParametrizationConfig,
-    "lr_scheduler": LRSchedulerConfig,
-    "float8": Float8Config,
-    "data": DataConfig,
-    "data_image_caption": ImageCaptionDataConfig,
-    "data_mixture": MixtureDataConfig,
-    "checkpoint": CheckpointConfig,
-    "activation_checkpoint": ActivationCheckpointConfig,
-    "compile": CompileConfig,
-    "logger": LoggerConfig,
-    "profiling": ProfilingConfig,
-    "eval": EvalConfig,
-    "fault_tolerance": FaultToleranceConfig,
-    "health": HealthConfig,
-    "fault_injection": FaultInjectionConfig,
+
+
+def model_schema(family_name: str) -> type:
+    """``schema_model_<family>``: the family's args fields (shape fields MISSING: each flavor's yaml
+    sets them), ``_target_`` its model class, and the node's labels ``family`` / ``flavor``."""
+    family = get_family(family_name)
+    return schema_from(family.args_cls, target=family.model_cls, name=f"Model_{family_name}", module=__name__,
+                       labels={"family": (str, family_name), "flavor": (str, "custom")})
+
+
+# The groups of the primary config, in conf/config.yaml's defaults order, each with the schemas its
+# option files extend ({suffix: schema} stored as ``schema_<group><suffix>``): the one list of groups.
+# The root schema is made from it, and conf/config.yaml's defaults list (Hydra's file, which also picks
+# each group's default option) names the same groups in the same order (tests/test_groups.py).
+GROUPS: dict[str, dict[str, type]] = {
+    "model": {f"_{name}": model_schema(name) for name in BUILTIN},
+    "parallelism": {"": ParallelismConfig},
+    "optimizer": {"": OptimizerConfig},
+    "parametrization": {"": ParametrizationConfig},
+    "lr_scheduler": {"": LRSchedulerConfig},
+    "float8": {"": Float8Config},
+    "cluster": {"": ClusterConfig},
+    "data": {"": DataConfig, "_image_caption": ImageCaptionDataConfig, "_mixture": MixtureDataConfig},
+    "checkpoint": {"": CheckpointConfig},
+    "activation_checkpoint": {"": ActivationCheckpointConfig},
+    "compile": {"": CompileConfig},
+    "logger": {"": LoggerConfig},
+    "profiling": {"": ProfilingConfig},
+    "eval": {"": EvalConfig},
+    "fault_tolerance": {"": FaultToleranceConfig},
+    "health": {"": HealthConfig},
+    "fault_injection": {"": FaultInjectionConfig},
 }
+# Groups whose options write at the root (``# @package _global_``): no node, no schema; last in the
+# defaults list, so that a recipe overrides every group above.
+ROOT_GROUPS = ("experiment",)
+# ``schema_<name>``: what each option file extends (``defaults: [/schema_<name>@_here_, _self_]``)
+SCHEMAS = {group + suffix: schema for group, table in GROUPS.items() for suffix, schema in table.items()}
+TitanConfig = root_schema(GROUPS, name="TitanConfig", module=__name__)
 
 
 def register_configs() -> None:
     """Register every schema and the resolvers with Hydra (idempotent)."""
+    register_resolvers()
     cs = ConfigStore.instance()
-    register_base(cs)
+    # Stored outside the groups (``schema_<name>``), so that ``--help`` lists only real options.
+    cs.store(name="schema_titan", node=TitanConfig)
     for name, schema in SCHEMAS.items():
         cs.store(name=f"schema_{name}", node=schema)
 

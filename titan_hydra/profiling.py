@@ -22,7 +22,6 @@ import json
 import logging
 import os
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -65,20 +64,24 @@ def _step_tracker():
 
 
 class Profiler:
-    """Owns the torch.profiler session and the memory snapshot window of one rank."""
+    """Owns the torch.profiler session and the memory snapshot window of one rank. Its settings
+    are the ``profiling`` group's, passed on by ``build_profiler`` (which holds their defaults)."""
 
-    def __init__(self, cfg, run_dir: str, rank: int, model_parts: list[torch.nn.Module],
-                 optimizer: torch.optim.Optimizer | None, device: torch.device) -> None:
-        self.cfg, self.rank, self.device = cfg, rank, device
+    def __init__(self, run_dir: str, rank: int, model_parts: list[torch.nn.Module],
+                 optimizer: torch.optim.Optimizer | None, device: torch.device, *, enable: bool,
+                 traces_folder: str, profile_freq: int, warmup: int, active: int, enable_memory_snapshot: bool,
+                 memory_snapshot_folder: str) -> None:
+        self.rank, self.device = rank, device
         self.model_parts, self.optimizer = model_parts, optimizer
-        self.freq = int(cfg.profile_freq)
+        self.freq, self.warmup, self.active = int(profile_freq), int(warmup), int(active)
+        self.snapshots = bool(enable_memory_snapshot)
         self.step_num = 0
-        self.trace_dir = Path(run_dir) / cfg.traces_folder
-        self.mem_dir = Path(run_dir) / cfg.memory_snapshot_folder
-        self.torch_profiler = self._start_trace() if cfg.enable else None
+        self.trace_dir = Path(run_dir) / traces_folder
+        self.mem_dir = Path(run_dir) / memory_snapshot_folder
+        self.torch_profiler = self._start_trace() if enable else None
         self.tracker = None
         self.memory_records: list[dict[str, Any]] = []
-        if cfg.enable_memory_snapshot:
+        if self.snapshots:
             if device.type == "cuda":
                 torch.cuda.memory._record_memory_history(max_entries=100_000)
             self._maybe_open_window()
@@ -87,8 +90,8 @@ class Profiler:
     def _start_trace(self):
         from torch.profiler import ProfilerActivity, profile, schedule
 
-        active = max(1, int(self.cfg.active))
-        warmup = max(0, min(int(self.cfg.warmup), self.freq - active))
+        active = max(1, self.active)
+        warmup = max(0, min(self.warmup, self.freq - active))
         wait = max(0, self.freq - warmup - active)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
 
@@ -158,7 +161,7 @@ class Profiler:
         self.step_num += 1
         if self.torch_profiler is not None:
             self.torch_profiler.step()
-        if self.cfg.enable_memory_snapshot:
+        if self.snapshots:
             self._close_window()
             self._dump_cuda_snapshot()
             self._maybe_open_window()
@@ -170,7 +173,7 @@ class Profiler:
         if self.torch_profiler is not None:
             self.torch_profiler.stop()
             self.torch_profiler = None
-        if self.cfg.enable_memory_snapshot and self.device.type == "cuda":
+        if self.snapshots and self.device.type == "cuda":
             torch.cuda.memory._record_memory_history(enabled=None)
 
 
@@ -184,7 +187,6 @@ def build_profiler(*, run_dir: str, rank: int, model_parts, optimizer, device, e
         return None
     if int(profile_freq) < 1:
         raise UserError(f"profiling.profile_freq={profile_freq} must be >= 1")
-    settings = SimpleNamespace(enable=enable, traces_folder=traces_folder, profile_freq=profile_freq, warmup=warmup,
-                               active=active, enable_memory_snapshot=enable_memory_snapshot,
-                               memory_snapshot_folder=memory_snapshot_folder)
-    return Profiler(settings, run_dir, rank, model_parts, optimizer, device)
+    return Profiler(run_dir, rank, model_parts, optimizer, device, enable=enable, traces_folder=traces_folder,
+                    profile_freq=profile_freq, warmup=warmup, active=active,
+                    enable_memory_snapshot=enable_memory_snapshot, memory_snapshot_folder=memory_snapshot_folder)

@@ -5,11 +5,11 @@ composes, before any process starts: every option file under ``conf/<group>/`` e
 group's schema (``defaults: [/schema_<group>@_here_, _self_]``) and the primary config extends
 ``schema_titan``.
 
-Where a default lives: a group whose option builds an object (``_target_``) has its schema derived
-from that object's class (``titan_hydra.groups``, a layer above the classes; it registers every
-schema and composes configs). This package holds what builds nothing (the root, ``training``,
-``cluster``: ``schemas``), the derivation (``derive``), Choice enums, run-dir naming and the
-precision helpers.
+Where a default lives: a group whose option builds an object (``_target_``), a model family
+included, has its schema derived from that object's class (``titan_hydra.groups``, a layer above
+the classes; it holds the group list, registers every schema and composes configs). This package
+holds what builds nothing (the root, ``training``, ``cluster``: ``schemas``), the one derivation
+(``derive``), Choice enums, run-dir naming and the precision helpers.
 """
 
 from titan_hydra.config.choice import Choice, choice
@@ -17,7 +17,7 @@ from titan_hydra.config.derive import schema_from
 from titan_hydra.config.plain import plain, to_container
 from titan_hydra.config.precision import mixed_precision_of, precision_choice_of
 from titan_hydra.config.run_dir import run_subdir
-from titan_hydra.config.schemas import ClusterConfig, TitanConfig, TrainingConfig, register_base
+from titan_hydra.config.schemas import ClusterConfig, TrainingConfig, register_resolvers, root_schema
 
 __all__ = ["Choice", "choice", "schema_from", "plain", "to_container", "mixed_precision_of",
-           "precision_choice_of", "run_subdir", "ClusterConfig", "TitanConfig", "TrainingConfig", "register_base"]
+           "precision_choice_of", "run_subdir", "ClusterConfig", "TrainingConfig", "register_resolvers", "root_schema"]

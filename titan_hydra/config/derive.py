@@ -1,24 +1,31 @@
-"""A group's Hydra schema, derived from the class (or builder function) its ``_target_`` names.
+"""Every Hydra schema, derived from the class (or builder function) its ``_target_`` names.
 
 That class is the one place a setting, its type and its default are written: the schema takes
 its dataclass fields or its keyword parameters (the ``given`` ones, which the recipe passes when
 it builds the object, are left out). A parameter without a default becomes MISSING. What the
 schema adds: the ``_target_`` / ``_partial_`` keys Hydra needs, Choice enums for string settings
 with a fixed set of values (made from the owner's own constants, so composing fails on a typo),
-``links`` (a default that is another key, e.g. ``seq_len: ${training.seq_len}``) and ``extra``
-keys that label the option without reaching the object (the data group's ``name``).
+``links`` (a default that is another key, e.g. ``seq_len: ${training.seq_len}``) and ``labels``:
+keys that name the chosen option without reaching the object (data's ``name``, a model's
+``family`` / ``flavor``). A field holding another dataclass (``moe: MoEArgs | dict``) becomes a
+sub-node typed by that dataclass's own derived schema.
+
+It lives in ``config/`` because it needs only OmegaConf and the owner class handed to it: the
+layer that registers schemas (``titan_hydra.groups``, above every owner) calls it for the group
+owners and the model families alike, so no owner package carries schema code of its own.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import inspect
+import sys
+import types
 import typing
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
 
 from omegaconf import MISSING
-
-from titan_hydra.models.common.schema import omegaconf_type
 
 NO_DEFAULT = inspect.Parameter.empty
 
@@ -53,24 +60,32 @@ def owner_settings(owner: Any, given: Iterable[str] = ()) -> dict[str, tuple[Any
 
 def schema_from(owner: Any, *, name: str, module: str, target: Any = None, partial: bool = False,
                 given: Iterable[str] = (), choices: Optional[Mapping[str, type]] = None,
-                links: Optional[Mapping[str, str]] = None, extra: Optional[Mapping[str, tuple[Any, Any]]] = None,
+                links: Optional[Mapping[str, str]] = None, labels: Optional[Mapping[str, tuple[Any, Any]]] = None,
                 doc: str = "") -> type:
-    """The structured-config dataclass ``module.name`` (``module`` is where the caller binds it, so
-    that it pickles into spawned workers). ``target`` (default: ``owner``; a class or its public
-    dotted path) is what ``_target_`` names when the settings live on a separate dataclass
-    (checkpoint's CheckpointSettings)."""
-    choices, links, extra = dict(choices or {}), dict(links or {}), dict(extra or {})
+    """The structured-config dataclass ``module.name``, bound there (so that a config holding it
+    pickles into spawned workers); a sub-node's schema is bound beside it as ``name_<field>``.
+    ``target`` (default: ``owner``; a class or its public dotted path) is what ``_target_`` names
+    when the settings live on a separate dataclass (checkpoint's CheckpointSettings, a model
+    family's args); False for none (a sub-node)."""
+    choices, links, labels = dict(choices or {}), dict(links or {}), dict(labels or {})
     settings = owner_settings(owner, given)
     unknown = (set(choices) | set(links)) - set(settings)
     if unknown:
         raise TypeError(f"{name}: {sorted(unknown)} are not settings of {target_path(owner)}")
-    target = target if isinstance(target, str) else target_path(target or owner)
-    specs: list[tuple[str, Any, Any]] = [("_target_", str, dataclasses.field(default=target))]
+    specs: list[tuple[str, Any, Any]] = []
+    if target is not False:
+        target = target if isinstance(target, str) else target_path(target or owner)
+        specs.append(("_target_", str, dataclasses.field(default=target)))
     if partial:
         specs.append(("_partial_", bool, dataclasses.field(default=True)))
-    for key, (hint, default) in extra.items():
+    for key, (hint, default) in labels.items():
         specs.append((key, hint, dataclasses.field(default=default)))
     for key, (hint, default) in settings.items():
+        sub = nested_dataclass(hint)
+        if sub is not None:
+            node = schema_from(sub, name=f"{name}_{key}", module=module, target=False)
+            specs.append((key, node, dataclasses.field(default_factory=node)))
+            continue
         kind = omegaconf_type(hint)
         if key in choices:
             kind = choices[key] if default is not None else Optional[choices[key]]
@@ -81,7 +96,39 @@ def schema_from(owner: Any, *, name: str, module: str, target: Any = None, parti
     schema = dataclasses.make_dataclass(name, specs)
     schema.__module__ = module
     schema.__doc__ = doc or f"Hydra schema of {target_path(owner)}'s settings (derived by titan_hydra.config.derive)."
+    schema._derived_from = owner  # what the schema says it mirrors (tests/test_groups.py checks it)
+    setattr(sys.modules[module], name, schema)
     return schema
+
+
+def nested_dataclass(hint: Any) -> Optional[type]:
+    """The dataclass a field holds as a sub-node: ``Args``, or ``Args | dict`` (an owner that
+    takes either); None for any other type."""
+    union = typing.get_origin(hint) in (types.UnionType, typing.Union)
+    options = typing.get_args(hint) if union else (hint,)
+    classes = [a for a in options if dataclasses.is_dataclass(a)]
+    others = [a for a in options if a not in classes and a is not dict
+              and typing.get_origin(a) not in (dict, collections.abc.Mapping)]
+    return classes[0] if len(classes) == 1 and not others else None
+
+
+def omegaconf_type(hint: Any) -> Any:
+    """The annotation OmegaConf checks for a Python type hint: ``X | None`` -> ``Optional[X]``,
+    any sequence of X (``list[X]``, ``tuple[X, ...]``, ``Sequence[X]``) -> ``List[X]``,
+    ``dict[K, V]`` / ``Mapping[K, V]`` -> ``Dict[K, V]``."""
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        others = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(others) != 1:
+            raise TypeError(f"a schema field cannot be the union {hint}; give it a nested schema")
+        return Optional[omegaconf_type(others[0])]
+    if origin in (list, tuple, collections.abc.Sequence, collections.abc.Iterable):
+        item = typing.get_args(hint)[0]
+        return List[omegaconf_type(item)]
+    if origin in (dict, collections.abc.Mapping):
+        key, value = typing.get_args(hint)
+        return Dict[key, omegaconf_type(value)]
+    return hint
 
 
 def _field(default: Any) -> Any:

@@ -1,22 +1,21 @@
 """The schemas of what builds nothing: the root config, ``training`` and ``cluster``.
 
 Every group whose option builds an object (``_target_``) has its schema derived from that object's
-class in ``titan_hydra.groups``, which registers them all; the root types those groups ``Any``
-here (this layer is below the classes), and each option file types its node by extending
-``schema_<group>``.
+class in ``titan_hydra.groups``, which holds the one list of groups and registers every schema; the
+root (``root_schema``, made from that list) types the groups ``Any`` (this layer is below the
+classes), and each option file types its node by extending ``schema_<group>``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, List, Optional
+import sys
+from dataclasses import dataclass, field, make_dataclass
+from typing import Any, Iterable, List, Optional
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from titan_hydra.config.choice import choice
 from titan_hydra.config.run_dir import run_subdir
-from titan_hydra.models.registry import register_schemas
 
 Precision = choice("Precision", "auto bf16 fp32", __name__)  # bf16 autocast / FSDP param dtype, plain fp32, or auto (hardware.py)
 Device = choice("Device", "cpu cuda", __name__)
@@ -107,44 +106,23 @@ class TrainingConfig:
     init_mode: InitMode = InitMode["auto"]
 
 
-@dataclass
-class TitanConfig:
-    """The primary config (``conf/config.yaml`` extends it). A group that builds an object is
-    ``Any`` here and typed by its option's schema (``schema_<group>``, titan_hydra.groups)."""
-
-    # Typed by the chosen option's family schema (schema_model_<family>), or free-form for a
-    # model defined outside titan_hydra (README: bring your own model).
-    model: Any = MISSING
-    parallelism: Any = MISSING
-    optimizer: Any = MISSING
-    parametrization: Any = MISSING  # sp / mup / completep (titan_hydra.models.parametrization)
-    lr_scheduler: Any = MISSING
-    float8: Any = MISSING
-    cluster: ClusterConfig = MISSING
-    # Typed by the chosen option's schema: token data (schema_data), a mixture of prepared
-    # corpora (schema_data_mixture) or image-caption data (schema_data_image_caption).
-    data: Any = MISSING
-    checkpoint: Any = MISSING
-    activation_checkpoint: Any = MISSING
-    compile: Any = MISSING
-    logger: Any = MISSING
-    profiling: Any = MISSING
-    eval: Any = MISSING
-    fault_tolerance: Any = MISSING
-    health: Any = MISSING
-    fault_injection: Any = MISSING
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    dry_run: bool = False
-    run_name: Optional[str] = None
-    tags: List[str] = field(default_factory=list)
+def root_schema(groups: Iterable[str], *, name: str, module: str) -> type:
+    """The primary config's schema (``schema_titan``, which conf/config.yaml extends), bound as
+    ``module.name`` so that a config pickles into spawned workers: a field per config group (``Any``
+    here, typed by the chosen option's own ``schema_<group>``) and the settings of no group."""
+    specs: list[tuple[str, Any, Any]] = [(group, Any, field(default=MISSING)) for group in groups]
+    specs += [("training", TrainingConfig, field(default_factory=TrainingConfig)),
+              ("dry_run", bool, field(default=False)),
+              ("run_name", Optional[str], field(default=None)),
+              ("tags", List[str], field(default_factory=list))]
+    schema = make_dataclass(name, specs)
+    schema.__module__ = module
+    schema.__doc__ = "The primary config: one node per config group, the training settings, the run's name and tags."
+    setattr(sys.modules[module], name, schema)
+    return schema
 
 
-def register_base(cs: ConfigStore) -> None:
-    """Store the root, cluster and model schemas and the run-dir resolver (idempotent)."""
+def register_resolvers() -> None:
+    """The run-dir resolver of ``hydra.run.dir: outputs/${th_run_subdir:}`` (idempotent)."""
     if not OmegaConf.has_resolver("th_run_subdir"):
         OmegaConf.register_new_resolver("th_run_subdir", run_subdir)
-    # Stored outside the groups (``schema_<group>``), so that ``--help`` lists only real options;
-    # each option file extends its schema with ``defaults: [/schema_<group>@_here_, _self_]``.
-    cs.store(name="schema_titan", node=TitanConfig)
-    cs.store(name="schema_cluster", node=ClusterConfig)
-    register_schemas(cs)

@@ -120,6 +120,8 @@ class ModelFamily:
 
     name: str = ""
     args_cls: type | None = None
+    # What ``model._target_`` names: a built-in family's schema is derived from these two classes.
+    model_cls: type | None = None
     hf: HFAdapter | None = None
     # The model's forward takes ``doc_ids`` [B, S] (``data.document_mask=true``): attention within
     # each packed document, positions restarting per document (``models/common/masking.py``).

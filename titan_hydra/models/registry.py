@@ -19,19 +19,10 @@ from titan_hydra.errors import instantiate_checked as instantiate
 from titan_hydra.models.common.hf_decoder import HFConversionError
 from titan_hydra.models.protocol import ModelFamily
 
-# family name -> (module holding FAMILY, module holding its config schema, schema class name)
-BUILTIN: dict[str, tuple[str, str, str]] = {
-    "llama3": ("titan_hydra.models.llama3", "titan_hydra.models.llama3.config", "Llama3Config"),
-    "qwen3": ("titan_hydra.models.qwen3", "titan_hydra.models.qwen3.config", "Qwen3Config"),
-    "qwen3_moe": ("titan_hydra.models.qwen3_moe", "titan_hydra.models.qwen3_moe.config", "Qwen3MoeConfig"),
-    "deepseek_v3": ("titan_hydra.models.deepseek_v3", "titan_hydra.models.deepseek_v3.config", "DeepSeekV3Config"),
-    "gpt_oss": ("titan_hydra.models.gpt_oss", "titan_hydra.models.gpt_oss.config", "GptOssConfig"),
-    "llama4": ("titan_hydra.models.llama4", "titan_hydra.models.llama4.config", "Llama4Config"),
-    "qwen3_5": ("titan_hydra.models.qwen3_5", "titan_hydra.models.qwen3_5.config", "Qwen35Config"),
-    "qwen3_5_moe": ("titan_hydra.models.qwen3_5_moe", "titan_hydra.models.qwen3_5_moe.config", "Qwen35MoeConfig"),
-    "qwen3_next": ("titan_hydra.models.qwen3_next", "titan_hydra.models.qwen3_5_moe.config", "Qwen35MoeConfig"),
-    "flux": ("titan_hydra.models.flux", "titan_hydra.models.flux.config", "FluxConfig"),
-}
+# The built-in families: each is the package ``titan_hydra.models.<name>`` and its ``FAMILY``, whose
+# args class and model class are all its schema is derived from (``schema_model_<name>``, titan_hydra.groups).
+BUILTIN = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4", "qwen3_5", "qwen3_5_moe", "qwen3_next",
+           "flux")
 LABELS = ("_target_", "family", "flavor")
 # Checkpoints written before model families existed hold a Llama and no family name.
 LEGACY_FAMILY = "llama3"
@@ -40,7 +31,7 @@ LEGACY_FAMILY = "llama3"
 def get_family(name: str) -> ModelFamily:
     """The family spec for ``model.family`` (built-in name or dotted path to a ModelFamily)."""
     if name in BUILTIN:
-        return importlib.import_module(BUILTIN[name][0]).FAMILY
+        return importlib.import_module(f"{__package__}.{name}").FAMILY
     module_name, _, attr = str(name).rpartition(".")
     try:
         obj = getattr(importlib.import_module(module_name), attr) if module_name else None
@@ -98,8 +89,3 @@ def build_model(model_cfg: Any) -> tuple[ModelFamily, Any]:
     node = {k: v for k, v in model_node(model_cfg).items() if k not in ("family", "flavor")}
     return family, instantiate(node, _convert_="all")
 
-
-def register_schemas(cs) -> None:
-    """Store each built-in family's schema as ``schema_model_<family>`` (option files extend it)."""
-    for name, (_, module, cls) in BUILTIN.items():
-        cs.store(name=f"schema_model_{name}", node=getattr(importlib.import_module(module), cls))

@@ -44,7 +44,6 @@ class ParallelDims:
     """
 
     world_size: int = 1
-    name: str = "single"
     dp_replicate: int = 1
     dp_shard: int = -1
     tp: int = 1

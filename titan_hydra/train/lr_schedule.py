@@ -53,7 +53,6 @@ def build_lr_scheduler(
     optimizer: torch.optim.Optimizer,
     total_steps: int,
     *,
-    name: str = "warmup_cosine",
     warmup_steps: int | None = None,
     warmup_fraction: float = 0.2,
     decay_ratio: float | None = None,
@@ -66,7 +65,7 @@ def build_lr_scheduler(
     ``warmup_steps=None`` warms up for ``warmup_fraction`` of the run, so the default schedule
     fits a run of any length (``training.steps=5`` warms up for 1 step). ``decay_ratio``: the
     fraction of the steps after warmup spent decaying (None: all of them); the LR decays to
-    ``min_lr_factor`` x the peak. ``name`` labels the option.
+    ``min_lr_factor`` x the peak.
     """
     if warmup_steps is None:
         warmup_steps = round(warmup_fraction * total_steps)

@@ -164,10 +164,8 @@ def logger_backends(spec: RunSpec, run_dir: str) -> dict[str, Any]:
 
 
 def build_dataset(data: DictConfig):
-    """The `data` group's dataset; ``name`` labels the option and is not a constructor argument."""
-    node = OmegaConf.to_container(data, resolve=True, enum_to_str=True)
-    node.pop("name", None)
-    return instantiate(node, _convert_="all")
+    """The `data` group's dataset."""
+    return instantiate(data, _convert_="all")
 
 
 def run(spec: RunSpec, run_dir: str, return_state: bool = False) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 family (MLA + DeepSeekMoE): model.py, hf.py, config.py; flavors in conf/model/deepseek_v3_*.yaml.
+"""DeepSeek-V3 family (MLA + DeepSeekMoE): model.py, hf.py; flavors in conf/model/deepseek_v3_*.yaml.
 
 What the family answers differently from the dense decoders:
 

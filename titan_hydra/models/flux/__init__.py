@@ -1,6 +1,6 @@
 """FLUX.1 family: the MMDiT of black-forest-labs FLUX.1 dev/schnell (model.py), its diffusers
 converter (diffusers_io.py), frozen encoders (encoders.py), the training examples it learns from
-(examples.py), its config schema (config.py) and what the engine asks of it (family.py).
+(examples.py) and what the engine asks of it (family.py).
 ``FAMILY`` is what ``model.family: flux`` resolves to; flavors live in ``conf/model/flux_*.yaml``.
 """
 

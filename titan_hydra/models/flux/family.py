@@ -94,6 +94,7 @@ def has_image_data(data_cfg: Any) -> bool:
 class FluxFamily(ModelFamily, DrawsSamples):
     name = "flux"
     args_cls = FluxArgs
+    model_cls = Flux
     objective = FLOW_MATCHING
     hf = FluxDiffusersAdapter()  # a diffusers FluxTransformer2DModel directory (recipes/convert.py)
 

@@ -1,4 +1,4 @@
-"""GPT-OSS family: model.py, hf.py, config.py; flavors in conf/model/gpt_oss_debug.yaml,
+"""GPT-OSS family: model.py, hf.py; flavors in conf/model/gpt_oss_debug.yaml,
 gpt_oss_20b.yaml, gpt_oss_120b.yaml.
 
 Which layouts support which attention mask (causal / sliding window / sinks):

@@ -1,4 +1,5 @@
-"""Llama 2 / 3 family: the model (model.py), its HF adapter (hf.py), its config schema (config.py).
+"""Llama 2 / 3 family: the model (model.py) and its HF adapter (hf.py); its Hydra schema
+(``schema_model_llama3``) is derived from ``LlamaArgs`` and ``Llama3`` (titan_hydra.groups).
 
 ``FAMILY`` is what ``model.family: llama3`` resolves to. Flavors (published shapes) live in
 ``conf/model/llama*.yaml`` and nowhere else.

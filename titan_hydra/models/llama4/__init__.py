@@ -1,4 +1,4 @@
-"""Llama 4 family (text decoder): model.py, hf.py, config.py; flavors in conf/model/llama4_debug.yaml,
+"""Llama 4 family (text decoder): model.py, hf.py; flavors in conf/model/llama4_debug.yaml,
 llama4_scout.yaml, llama4_maverick.yaml.
 
 Which layouts run which attention (full causal in NoPE layers, chunked in rotary layers):

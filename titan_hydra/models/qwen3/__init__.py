@@ -1,4 +1,4 @@
-"""Qwen3 dense family: model.py, hf.py, config.py; flavors in conf/model/qwen3_*.yaml."""
+"""Qwen3 dense family: model.py, hf.py; flavors in conf/model/qwen3_*.yaml."""
 
 from __future__ import annotations
 

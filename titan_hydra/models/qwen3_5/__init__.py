@@ -1,4 +1,4 @@
-"""Qwen3.5 dense family (text model): model.py, hf.py, config.py, layer_pattern.py; the layout
+"""Qwen3.5 dense family (text model): model.py, hf.py, layer_pattern.py; the layout
 rules in family.py; flavors in conf/model/qwen3_5_*.yaml (the MoE flavor is ``models/qwen3_5_moe``)."""
 
 from __future__ import annotations

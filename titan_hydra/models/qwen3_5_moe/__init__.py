@@ -1,4 +1,4 @@
-"""Qwen3.5-MoE family (text model): model.py, hf.py, config.py; the layout rules are the dense
+"""Qwen3.5-MoE family (text model): model.py, hf.py; the layout rules are the dense
 family's (``qwen3_5/family.py``) with expert parallelism added; flavors in
 conf/model/qwen3_5_moe_debug.yaml and the published sizes."""
 

@@ -1,4 +1,4 @@
-"""Qwen3-MoE family: model.py, hf.py, config.py; flavors in conf/model/qwen3_moe_debug.yaml,
+"""Qwen3-MoE family: model.py, hf.py; flavors in conf/model/qwen3_moe_debug.yaml,
 qwen3_30b_a3b.yaml, qwen3_235b_a22b.yaml."""
 
 from __future__ import annotations
