@@ -32,8 +32,8 @@ def test_registry_resolves_builtin_names_and_dotted_paths():
                             "qwen3_next", "flux"}
     assert get_family("llama3") is LLAMA and get_family("qwen3") is QWEN3
     assert get_family("titan_hydra.models.qwen3.FAMILY") is QWEN3
-    made = get_family("titan_hydra.models.qwen3.Qwen3Family")  # a class is instantiated
-    assert isinstance(made, ModelFamily) and made.name == "qwen3"
+    made = get_family("titan_hydra.models.deepseek_v3.DeepSeekV3Family")  # a class is instantiated
+    assert isinstance(made, ModelFamily) and made.name == "deepseek_v3"
     for bad in ("gpt5", "titan_hydra.models.qwen3.Qwen3", "no.such.module.FAMILY"):
         with pytest.raises(ConfigError, match="neither a built-in family") as err:
             get_family(bad)

@@ -53,6 +53,14 @@ class DecoderFamily(ModelFamily):
     rope_buffers = ("rope_cos", "rope_sin")
     supports_document_mask = True  # Decoder.forward(tokens, doc_ids)
 
+    @classmethod
+    def of(cls, name: str, args_cls: type, model_cls: type, hf: Any) -> "DecoderFamily":
+        """A family that is this class's rules with its own names and classes: most decoders
+        need nothing else, so they are one line instead of a subclass each."""
+        family = cls()
+        family.name, family.args_cls, family.model_cls, family.hf = name, args_cls, model_cls, hf
+        return family
+
     # --- shape --------------------------------------------------------------------------
     def build(self, args: Any) -> nn.Module:
         return self.model_cls(**self.args_fields(args))

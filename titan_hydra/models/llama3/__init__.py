@@ -12,13 +12,6 @@ from titan_hydra.models.llama3.hf import LlamaHFAdapter
 from titan_hydra.models.llama3.model import Llama3, LlamaArgs
 
 
-class Llama3Family(DecoderFamily):
-    name = "llama3"
-    args_cls = LlamaArgs
-    model_cls = Llama3
-    hf = LlamaHFAdapter()
-
-
-FAMILY = Llama3Family()
+FAMILY = DecoderFamily.of("llama3", LlamaArgs, Llama3, LlamaHFAdapter())
 
 __all__ = ["FAMILY", "Llama3", "LlamaArgs"]

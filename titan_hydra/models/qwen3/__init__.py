@@ -7,13 +7,6 @@ from titan_hydra.models.qwen3.hf import Qwen3HFAdapter
 from titan_hydra.models.qwen3.model import Qwen3, Qwen3Args
 
 
-class Qwen3Family(DecoderFamily):
-    name = "qwen3"
-    args_cls = Qwen3Args
-    model_cls = Qwen3
-    hf = Qwen3HFAdapter()
-
-
-FAMILY = Qwen3Family()
+FAMILY = DecoderFamily.of("qwen3", Qwen3Args, Qwen3, Qwen3HFAdapter())
 
 __all__ = ["FAMILY", "Qwen3", "Qwen3Args"]

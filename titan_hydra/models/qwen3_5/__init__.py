@@ -8,13 +8,6 @@ from titan_hydra.models.qwen3_5.hf import Qwen35HFAdapter
 from titan_hydra.models.qwen3_5.model import Qwen35, Qwen35Args
 
 
-class Qwen35Family(HybridFamily):
-    name = "qwen3_5"
-    args_cls = Qwen35Args
-    model_cls = Qwen35
-    hf = Qwen35HFAdapter()
-
-
-FAMILY = Qwen35Family()
+FAMILY = HybridFamily.of("qwen3_5", Qwen35Args, Qwen35, Qwen35HFAdapter())
 
 __all__ = ["FAMILY", "Qwen35", "Qwen35Args"]

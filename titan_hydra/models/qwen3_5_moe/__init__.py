@@ -9,13 +9,6 @@ from titan_hydra.models.qwen3_5_moe.hf import Qwen35MoeHFAdapter
 from titan_hydra.models.qwen3_5_moe.model import Qwen35Moe, Qwen35MoeArgs
 
 
-class Qwen35MoeFamily(HybridFamily):
-    name = "qwen3_5_moe"
-    args_cls = Qwen35MoeArgs
-    model_cls = Qwen35Moe
-    hf = Qwen35MoeHFAdapter()
-
-
-FAMILY = Qwen35MoeFamily()
+FAMILY = HybridFamily.of("qwen3_5_moe", Qwen35MoeArgs, Qwen35Moe, Qwen35MoeHFAdapter())
 
 __all__ = ["FAMILY", "Qwen35Moe", "Qwen35MoeArgs"]

@@ -8,13 +8,6 @@ from titan_hydra.models.qwen3_moe.hf import Qwen3MoeHFAdapter
 from titan_hydra.models.qwen3_moe.model import Qwen3Moe, Qwen3MoeArgs
 
 
-class Qwen3MoeFamily(DecoderFamily):
-    name = "qwen3_moe"
-    args_cls = Qwen3MoeArgs
-    model_cls = Qwen3Moe
-    hf = Qwen3MoeHFAdapter()
-
-
-FAMILY = Qwen3MoeFamily()
+FAMILY = DecoderFamily.of("qwen3_moe", Qwen3MoeArgs, Qwen3Moe, Qwen3MoeHFAdapter())
 
 __all__ = ["FAMILY", "Qwen3Moe", "Qwen3MoeArgs"]

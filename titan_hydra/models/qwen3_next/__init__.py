@@ -4,15 +4,10 @@ conf/model/qwen3_next_80b_a3b.yaml."""
 
 from __future__ import annotations
 
-from titan_hydra.models.qwen3_5_moe import Qwen35MoeFamily
+from titan_hydra.models.qwen3_5.family import HybridFamily
+from titan_hydra.models.qwen3_5_moe.model import Qwen35Moe, Qwen35MoeArgs
 from titan_hydra.models.qwen3_next.hf import Qwen3NextHFAdapter
 
-
-class Qwen3NextFamily(Qwen35MoeFamily):
-    name = "qwen3_next"
-    hf = Qwen3NextHFAdapter()
-
-
-FAMILY = Qwen3NextFamily()
+FAMILY = HybridFamily.of("qwen3_next", Qwen35MoeArgs, Qwen35Moe, Qwen3NextHFAdapter())
 
 __all__ = ["FAMILY"]
