@@ -12,6 +12,8 @@ in fp64 as well, and it is asserted that:
 
 A reference that cannot run in fp64 (transformers' Gated DeltaNet casts to fp32 inside) is
 held to our fp64 instead: its fp32 result may be ``FOREIGN`` times as far from it as ours is.
+The same holds a computation of ours that has no fp64 form (the MoE layer scores and combines
+in fp32 whatever its dtype) to a plain form that has one (``assert_fp32_only``).
 """
 
 from __future__ import annotations
@@ -70,3 +72,10 @@ def assert_same_function(compute: Callable[[torch.dtype], tuple[Tensors, Tensors
     ours32, ref32 = compute(torch.float32)
     ours64, ref64 = compute(torch.float64)
     return assert_rounding_only(ours32, ref32, ours64, ref64, fp64_rel)
+
+
+def assert_fp32_only(fp32_only: Tensors, plain32: Tensors, plain64: Tensors) -> dict[str, float]:
+    """``fp32_only``: a computation that casts to fp32 inside, so it has no fp64 form; held to a
+    plain form of the same function (``plain32`` / ``plain64``, from the same inputs): within
+    ``FOREIGN`` times the plain form's own fp32 distance from its fp64."""
+    return assert_rounding_only(plain32, fp32_only, plain64)
