@@ -79,3 +79,29 @@ def assert_fp32_only(fp32_only: Tensors, plain32: Tensors, plain64: Tensors) -> 
     plain form of the same function (``plain32`` / ``plain64``, from the same inputs): within
     ``FOREIGN`` times the plain form's own fp32 distance from its fp64."""
     return assert_rounding_only(plain32, fp32_only, plain64)
+
+
+def assert_fp32_close(got: Tensors, want: Tensors) -> dict[str, float]:
+    """Neither side has an fp64 form (whole models: their norms and rotary compute in fp32 whatever
+    the dtype; transformers' too): bounded from first principles, ``FP32_REL`` (fp32 unit
+    roundoff times 1e4 terms) of the largest value. A real difference (a swapped, transposed or
+    dropped weight) is off by O(1) of it. Returns each name's gap."""
+    assert got.keys() == want.keys(), (got.keys(), want.keys())
+    gaps = {}
+    for name, ref in want.items():
+        scale = max(ref.abs().max().item(), 1e-30) if ref.numel() else 1.0
+        gaps[name] = distance(got[name], ref)
+        assert gaps[name] <= FP32_REL * scale, f"{name}: fp32 sides differ by {gaps[name]:.2e} (max |value| {scale:.2e})"
+    return gaps
+
+
+def outputs_and_grads(out_of: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor], module: torch.nn.Module,
+                      x: torch.Tensor, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{"out", "x", parameter names}``: ``out_of(module, x)`` and the gradients of
+    ``(out * weight).sum()`` for x and every parameter, in the module's dtype (x, weight cast to it)."""
+    dtype = next(module.parameters()).dtype
+    x = x.detach().to(dtype).requires_grad_()
+    out = out_of(module, x)
+    names, params = zip(*module.named_parameters())
+    grads = torch.autograd.grad((out * weight.to(out.dtype)).sum(), (x, *params))
+    return {"out": out.detach(), **dict(zip(("x", *names), grads))}

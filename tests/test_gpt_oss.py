@@ -20,7 +20,7 @@ from titan_hydra.models.gpt_oss.model import GptOss, GptOssExperts, GptOssRouter
 from titan_hydra.models.registry import args_of
 from titan_hydra.parallel.dims import ParallelDims
 
-from numerics import assert_fp32_only, assert_same_function
+from numerics import assert_fp32_only, assert_same_function, outputs_and_grads
 
 F32, F64 = torch.float32, torch.float64
 EPS32 = torch.finfo(F32).eps
@@ -94,14 +94,6 @@ def sink_attention(window):
     return attn, angles.cos(), angles.sin()
 
 
-def forward_and_grads(fn, module: torch.nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> dict:
-    x = x.detach().to(next(module.parameters()).dtype).requires_grad_()
-    out = fn(module, x)
-    names, params = zip(*module.named_parameters())
-    grads = torch.autograd.grad((out * grad_out.to(out.dtype)).sum(), [x, *params])
-    return {"out": out.detach(), **dict(zip(("x", *names), grads))}
-
-
 @pytest.mark.parametrize("window", [None, 4])
 def test_sink_and_window_attention_equal_a_naive_reference(window):
     """fp32 forward and every gradient (input, weights, biases, sinks) held to the naive reference's
@@ -109,8 +101,8 @@ def test_sink_and_window_attention_equal_a_naive_reference(window):
     attn, cos, sin = sink_attention(window)
     x = torch.randn(2, S, D)
     grad_out = torch.randn(2, S, D)
-    ours = forward_and_grads(lambda m, x: m(x, cos, sin), attn, x, grad_out)
-    ref32, ref64 = (forward_and_grads(lambda m, x: naive_attention(m, x, cos.to(dtype), sin.to(dtype), window),
+    ours = outputs_and_grads(lambda m, x: m(x, cos, sin), attn, x, grad_out)
+    ref32, ref64 = (outputs_and_grads(lambda m, x: naive_attention(m, x, cos.to(dtype), sin.to(dtype), window),
                                       attn.to(dtype), x, grad_out) for dtype in (F32, F64))
     attn.float()
     assert len(ours) == 11  # out, x, four weights and biases, sinks
