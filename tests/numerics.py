@@ -24,6 +24,8 @@ import torch
 
 # fp64's unit roundoff (1.1e-16) times the longest sums of these tests (< 1e5 terms), with room
 FP64_REL = 1e-10
+# fp32's unit roundoff
+U32 = 2.0**-24
 # fp32's unit roundoff (6e-8) times 1e4 terms: what recursive summation may lose, at worst
 FP32_REL = 1e-3
 # another library's fp32 form of the same operations rounds by the same order as ours; its own
@@ -81,17 +83,18 @@ def assert_fp32_only(fp32_only: Tensors, plain32: Tensors, plain64: Tensors) -> 
     return assert_rounding_only(plain32, fp32_only, plain64)
 
 
-def assert_fp32_close(got: Tensors, want: Tensors) -> dict[str, float]:
+def assert_fp32_close(got: Tensors, want: Tensors, rel: float = FP32_REL) -> dict[str, float]:
     """Neither side has an fp64 form (whole models: their norms and rotary compute in fp32 whatever
-    the dtype; transformers' too): bounded from first principles, ``FP32_REL`` (fp32 unit
-    roundoff times 1e4 terms) of the largest value. A real difference (a swapped, transposed or
-    dropped weight) is off by O(1) of it. Returns each name's gap."""
+    the dtype; transformers' too): bounded from first principles, ``rel`` of the largest value:
+    ``FP32_REL`` (fp32 unit roundoff times 1e4 terms), or ``terms * U32`` where the caller counts
+    its terms. A real difference (a swapped, transposed or dropped weight) is off by O(1) of it.
+    Returns each name's gap."""
     assert got.keys() == want.keys(), (got.keys(), want.keys())
     gaps = {}
     for name, ref in want.items():
         scale = max(ref.abs().max().item(), 1e-30) if ref.numel() else 1.0
         gaps[name] = distance(got[name], ref)
-        assert gaps[name] <= FP32_REL * scale, f"{name}: fp32 sides differ by {gaps[name]:.2e} (max |value| {scale:.2e})"
+        assert gaps[name] <= rel * scale, f"{name}: fp32 sides differ by {gaps[name]:.2e} (max |value| {scale:.2e})"
     return gaps
 
 
