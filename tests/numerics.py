@@ -42,10 +42,11 @@ def distance(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def assert_rounding_only(ours32: Tensors, ref32: Tensors, ours64: Tensors, ref64: Optional[Tensors] = None,
-                         fp64_rel: float = FP64_REL) -> dict[str, float]:
+                         fp64_rel: float = FP64_REL, *, labels: tuple[str, str] = ("ours", "the reference")
+                         ) -> dict[str, float]:
     """``ours32`` / ``ref32``: the two computations in fp32; ``ours64`` / ``ref64``: the same in
-    fp64 from the same inputs (``ref64=None``: the reference has no fp64 form). Returns each
-    name's fp32 gap (for a report)."""
+    fp64 from the same inputs (``ref64=None``: the reference has no fp64 form). ``labels``: the
+    two sides' names in messages. Returns each name's fp32 gap (for a report)."""
     assert ours32.keys() == ref32.keys() == ours64.keys(), (ours32.keys(), ref32.keys(), ours64.keys())
     gaps = {}
     for name, truth in (ref64 or ours64).items():
@@ -61,7 +62,8 @@ def assert_rounding_only(ours32: Tensors, ref32: Tensors, ours64: Tensors, ref64
         else:
             own = distance(ref32[name], truth)
             assert own <= FOREIGN * ours_off + ULPS * scale, (
-                f"{name}: the reference's fp32 is {own:.2e} from fp64, ours {ours_off:.2e} (max |value| {scale:.2e})")
+                f"{name}: {labels[1]} (fp32) is {own:.2e} from fp64, {labels[0]} (fp32) {ours_off:.2e} "
+                f"(max |value| {scale:.2e})")
         assert own <= 2 * FP32_REL * scale, f"{name}: fp32 is {own:.2e} from fp64 (max |value| {scale:.2e})"
         gaps[name] = gap
     return gaps
@@ -80,7 +82,7 @@ def assert_fp32_only(fp32_only: Tensors, plain32: Tensors, plain64: Tensors) -> 
     """``fp32_only``: a computation that casts to fp32 inside, so it has no fp64 form; held to a
     plain form of the same function (``plain32`` / ``plain64``, from the same inputs): within
     ``FOREIGN`` times the plain form's own fp32 distance from its fp64."""
-    return assert_rounding_only(plain32, fp32_only, plain64)
+    return assert_rounding_only(plain32, fp32_only, plain64, labels=("the plain form", "the fp32-only one"))
 
 
 def assert_fp32_close(got: Tensors, want: Tensors, rel: float = FP32_REL) -> dict[str, float]:
