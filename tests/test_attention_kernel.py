@@ -45,7 +45,7 @@ def assert_kernel_is_sdpa(got, got_grads, q, k, v, grad, **kw) -> None:
         eps = torch.finfo(torch.float32).eps
         bound = 16 * eps * grad.abs().max() * v.abs().max() * max(q.abs().max(), k.abs().max())
         for name in "qk":
-            assert ref64[name].abs().max() == 0
+            assert ref64[name].abs().max() <= bound * torch.finfo(torch.float64).eps / eps  # the same, in fp64
             assert ours[name].abs().max() <= bound and ref32[name].abs().max() <= bound, name
             for d in (ours, ref32, ref64):
                 del d[name]
