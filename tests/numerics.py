@@ -12,6 +12,8 @@ in fp64 as well, and it is asserted that:
 
 A reference that cannot run in fp64 (transformers' Gated DeltaNet casts to fp32 inside) is
 held to our fp64 instead: its fp32 result may be ``FOREIGN`` times as far from it as ours is.
+The same holds a computation of ours that has no fp64 form (the MoE layer scores and combines
+in fp32 whatever its dtype) to a plain form that has one (``assert_fp32_only``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch
 
 # fp64's unit roundoff (1.1e-16) times the longest sums of these tests (< 1e5 terms), with room
 FP64_REL = 1e-10
+# fp32's unit roundoff
+U32 = 2.0**-24
 # fp32's unit roundoff (6e-8) times 1e4 terms: what recursive summation may lose, at worst
 FP32_REL = 1e-3
 # another library's fp32 form of the same operations rounds by the same order as ours; its own
@@ -38,10 +42,11 @@ def distance(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def assert_rounding_only(ours32: Tensors, ref32: Tensors, ours64: Tensors, ref64: Optional[Tensors] = None,
-                         fp64_rel: float = FP64_REL) -> dict[str, float]:
+                         fp64_rel: float = FP64_REL, *, labels: tuple[str, str] = ("ours", "the reference")
+                         ) -> dict[str, float]:
     """``ours32`` / ``ref32``: the two computations in fp32; ``ours64`` / ``ref64``: the same in
-    fp64 from the same inputs (``ref64=None``: the reference has no fp64 form). Returns each
-    name's fp32 gap (for a report)."""
+    fp64 from the same inputs (``ref64=None``: the reference has no fp64 form). ``labels``: the
+    two sides' names in messages. Returns each name's fp32 gap (for a report)."""
     assert ours32.keys() == ref32.keys() == ours64.keys(), (ours32.keys(), ref32.keys(), ours64.keys())
     gaps = {}
     for name, truth in (ref64 or ours64).items():
@@ -57,7 +62,8 @@ def assert_rounding_only(ours32: Tensors, ref32: Tensors, ours64: Tensors, ref64
         else:
             own = distance(ref32[name], truth)
             assert own <= FOREIGN * ours_off + ULPS * scale, (
-                f"{name}: the reference's fp32 is {own:.2e} from fp64, ours {ours_off:.2e} (max |value| {scale:.2e})")
+                f"{name}: {labels[1]} (fp32) is {own:.2e} from fp64, {labels[0]} (fp32) {ours_off:.2e} "
+                f"(max |value| {scale:.2e})")
         assert own <= 2 * FP32_REL * scale, f"{name}: fp32 is {own:.2e} from fp64 (max |value| {scale:.2e})"
         gaps[name] = gap
     return gaps
@@ -70,3 +76,37 @@ def assert_same_function(compute: Callable[[torch.dtype], tuple[Tensors, Tensors
     ours32, ref32 = compute(torch.float32)
     ours64, ref64 = compute(torch.float64)
     return assert_rounding_only(ours32, ref32, ours64, ref64, fp64_rel)
+
+
+def assert_fp32_only(fp32_only: Tensors, plain32: Tensors, plain64: Tensors) -> dict[str, float]:
+    """``fp32_only``: a computation that casts to fp32 inside, so it has no fp64 form; held to a
+    plain form of the same function (``plain32`` / ``plain64``, from the same inputs): within
+    ``FOREIGN`` times the plain form's own fp32 distance from its fp64."""
+    return assert_rounding_only(plain32, fp32_only, plain64, labels=("the plain form", "the fp32-only one"))
+
+
+def assert_fp32_close(got: Tensors, want: Tensors, rel: float = FP32_REL) -> dict[str, float]:
+    """Neither side has an fp64 form (whole models: their norms and rotary compute in fp32 whatever
+    the dtype; transformers' too): bounded from first principles, ``rel`` of the largest value:
+    ``FP32_REL`` (fp32 unit roundoff times 1e4 terms), or ``terms * U32`` where the caller counts
+    its terms. A real difference (a swapped, transposed or dropped weight) is off by O(1) of it.
+    Returns each name's gap."""
+    assert got.keys() == want.keys(), (got.keys(), want.keys())
+    gaps = {}
+    for name, ref in want.items():
+        scale = max(ref.abs().max().item(), 1e-30) if ref.numel() else 1.0
+        gaps[name] = distance(got[name], ref)
+        assert gaps[name] <= rel * scale, f"{name}: fp32 sides differ by {gaps[name]:.2e} (max |value| {scale:.2e})"
+    return gaps
+
+
+def outputs_and_grads(out_of: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor], module: torch.nn.Module,
+                      x: torch.Tensor, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{"out", "x", parameter names}``: ``out_of(module, x)`` and the gradients of
+    ``(out * weight).sum()`` for x and every parameter, in the module's dtype (x, weight cast to it)."""
+    dtype = next(module.parameters()).dtype
+    x = x.detach().to(dtype).requires_grad_()
+    out = out_of(module, x)
+    names, params = zip(*module.named_parameters())
+    grads = torch.autograd.grad((out * weight.to(out.dtype)).sum(), (x, *params))
+    return {"out": out.detach(), **dict(zip(("x", *names), grads))}

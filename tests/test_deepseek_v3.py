@@ -19,6 +19,8 @@ from titan_hydra.models.deepseek_v3 import FAMILY, DeepSeekV3
 from titan_hydra.models.deepseek_v3.model import rope_frequencies
 from titan_hydra.models.registry import args_of
 
+from numerics import assert_fp32_only
+
 transformers = pytest.importorskip("transformers")
 
 # Published config.json values (deepseek-ai/DeepSeek-V2-Lite, DeepSeek-V2, DeepSeek-V3) in
@@ -102,7 +104,8 @@ def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def naive_mla(attn, x: torch.Tensor, freqs: torch.Tensor, multiplier: float, scale: float) -> torch.Tensor:
-    """MLA written out: complex-number rotary on interleaved pairs, explicit masked softmax per head."""
+    """MLA written out: complex-number rotary on interleaved pairs, explicit masked softmax per head.
+    Plain operations in x's dtype, so it has an fp64 form (the layer's norms and rotary are fp32)."""
     b, s, _ = x.shape
     nope, rope, vd, r = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim, attn.kv_lora_rank
     if attn.q_lora_rank:
@@ -113,7 +116,8 @@ def naive_mla(attn, x: torch.Tensor, freqs: torch.Tensor, multiplier: float, sca
     h = q.shape[2]
     kv_a = x @ attn.wkv_a.weight.T
     kv = (rms(kv_a[..., :r], attn.kv_norm.weight) @ attn.wkv_b.weight.T).view(b, s, h, nope + vd)
-    turn = torch.polar(torch.full((s, rope // 2), multiplier), torch.arange(s)[:, None] * freqs[None, :])
+    turn = torch.polar(torch.full((s, rope // 2), multiplier, dtype=x.dtype),
+                       torch.arange(s, dtype=x.dtype)[:, None] * freqs.to(x.dtype)[None, :])
 
     def rotate(t):  # t [..., s, rope] with s at dim 1
         z = torch.view_as_complex(t.reshape(*t.shape[:-1], rope // 2, 2).contiguous())
@@ -122,7 +126,7 @@ def naive_mla(attn, x: torch.Tensor, freqs: torch.Tensor, multiplier: float, sca
 
     q_full = torch.cat([q[..., :nope], rotate(q[..., nope:])], dim=-1)
     k_rope = rotate(kv_a[..., r:])  # [b, s, rope]: one rotated key slice shared by every head
-    out = torch.zeros(b, s, h, vd)
+    out = torch.zeros(b, s, h, vd, dtype=x.dtype)
     for head in range(h):
         k = torch.cat([kv[:, :, head, :nope], k_rope], dim=-1)
         logits = torch.einsum("bid,bjd->bij", q_full[:, :, head], k) * scale
@@ -147,10 +151,13 @@ def test_mla_matches_a_naive_reference(q_lora_rank):
     x = torch.randn(2, 16, 64)
     scale = (16 + 8) ** -0.5 * yarn_mscale_by_hand(factor, mscale_all_dim) ** 2
     multiplier = yarn_mscale_by_hand(factor, mscale) / yarn_mscale_by_hand(factor, mscale_all_dim)
+    freqs = rope_frequencies(model.args)[0]
     with torch.no_grad():
         got = attn(x, model.rope_cos, model.rope_sin)  # v (12) narrower than q/k (24): the padded path
-        ref = naive_mla(attn, x, rope_frequencies(model.args)[0], multiplier, scale)
-    assert (got - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+        ref32, ref64 = ({"out": naive_mla(attn.to(dtype), x.to(dtype), freqs, multiplier, scale)}
+                        for dtype in (torch.float32, torch.float64))
+        attn.float()
+    assert_fp32_only({"out": got}, ref32, ref64)  # the layer has no fp64 form: held to the reference's
     assert (attn.head_dim, attn.sdpa_dtype) == (24, None)
 
 

@@ -15,6 +15,7 @@ import torch
 from titan_hydra.spec import spec_of
 from titan_hydra.errors import ConfigError
 from titan_hydra.generate import SamplingConfig, filter_logits, generate
+from numerics import assert_fp32_close
 
 transformers = pytest.importorskip("transformers")
 from test_hf_convert import HF_CLASSES, hf_config  # noqa: E402  (tiny random configs per family)
@@ -140,7 +141,9 @@ def test_kv_cache_decoding_equals_full_recomputation(name):
         cache = KVCache()
         steps = [model(tokens[:, :13], cache=cache), model(tokens[:, 13:14], cache=cache), model(tokens[:, 14:], cache=cache)]
     assert cache.length == 30
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
+    # whole models have no fp64 form (norms, rotary, routers compute in fp32): bounded by fp32 unit
+    # roundoff times 1e4 terms (4 layers of ~2000-term sums: projections, FFN, norms), numerics.FP32_REL
+    assert_fp32_close({"logits": torch.cat(steps, dim=1)}, {"logits": full})
     prompt = tokens[:, :11]
     cfg = SamplingConfig(max_new_tokens=12)
     assert torch.equal(generate(model, prompt, cfg, 2048), generate(model, prompt, cfg, 2048, use_cache=False))

@@ -20,6 +20,11 @@ from titan_hydra.models.gpt_oss.model import GptOss, GptOssExperts, GptOssRouter
 from titan_hydra.models.registry import args_of
 from titan_hydra.parallel.dims import ParallelDims
 
+from numerics import assert_fp32_only, assert_same_function, outputs_and_grads
+
+F32, F64 = torch.float32, torch.float64
+EPS32 = torch.finfo(F32).eps
+
 
 def flavor(name: str, *overrides: str):
     return args_of(compose_cfg([f"model={name}", *(f"model.{o}" for o in overrides)]).model)[1]
@@ -59,7 +64,8 @@ def rotate_half(x, cos, sin):
 
 def naive_attention(attn: Attention, x, cos, sin, window):
     """Attention written out: projections with biases, rotary, repeated kv heads, masked scores,
-    the sink logit appended to every row, softmax, sink column dropped."""
+    the sink logit appended to every row, softmax, sink column dropped. Plain operations in x's
+    dtype, so it has an fp64 form (the layer's rotary computes in fp32 whatever the dtype)."""
     b, s, _ = x.shape
     q = (x @ attn.wq.weight.T + attn.wq.bias).view(b, s, -1, HD)
     k = (x @ attn.wk.weight.T + attn.wk.bias).view(b, s, -1, HD)
@@ -90,20 +96,19 @@ def sink_attention(window):
 
 @pytest.mark.parametrize("window", [None, 4])
 def test_sink_and_window_attention_equal_a_naive_reference(window):
-    """fp32 forward and every gradient (input, weights, biases, sinks) within 1e-5 (gradients: of their scale)."""
+    """fp32 forward and every gradient (input, weights, biases, sinks) held to the naive reference's
+    fp64 (the layer has no fp64 form: its rotary computes in fp32): tests/numerics.py."""
     attn, cos, sin = sink_attention(window)
-    x = torch.randn(2, S, D, requires_grad=True)
+    x = torch.randn(2, S, D)
     grad_out = torch.randn(2, S, D)
-    results = []
-    for fn in (lambda: attn(x, cos, sin), lambda: naive_attention(attn, x, cos, sin, window)):
-        out = fn()
-        grads = torch.autograd.grad((out * grad_out).sum(), [x, *attn.parameters()])
-        results.append((out, grads))
-    (out, grads), (ref, ref_grads) = results
-    assert (out - ref).abs().max().item() < 1e-5
-    for g, r in zip(grads, ref_grads):  # 1e-5 relative to the gradient's scale (weight grads reach ~10)
-        assert (g - r).abs().max().item() <= 1e-5 * max(1.0, r.abs().max().item())
-    assert ref_grads[-1].abs().min() > 0  # the sinks learn (last parameter)
+    ours = outputs_and_grads(lambda m, x: m(x, cos, sin), attn, x, grad_out)
+    ref32, ref64 = (outputs_and_grads(lambda m, x: naive_attention(m, x, cos.to(dtype), sin.to(dtype), window),
+                                      attn.to(dtype), x, grad_out) for dtype in (F32, F64))
+    attn.float()
+    assert len(ours) == 11  # out, x, four weights and biases, sinks
+    assert_fp32_only(ours, ref32, ref64)
+    assert ref32["sinks"].abs().min() > 0  # the sinks learn
+    ref = ref32["out"]
     # a sink takes probability mass: without it the output differs
     with torch.no_grad():
         attn.sinks.fill_(-1e4)
@@ -124,8 +129,11 @@ def test_sink_and_window_attention_under_bf16_autocast_track_fp32(sdpa_dtype):
         out = attn(x, cos, sin)
     (sinks,) = torch.autograd.grad((out.float() * grad_out).sum(), [attn.sinks])
     assert out.dtype == torch.bfloat16
-    assert (out.float() - ref).abs().max() <= 2e-2 * ref.abs().max()
-    assert (sinks - ref_sinks).abs().max() <= 5e-2 * ref_sinks.abs().max()
+    # bf16 rounds x and the weights, the projections, the rotated q/k, the scores and the output
+    # (2^-9 relative each, through gains of O(1)): five bf16 roundings (2^-8) of the largest value
+    assert (out.float() - ref).abs().max() <= 5 * 2**-8 * ref.abs().max()
+    # the sinks' gradient: twice that (the backward rounds the output's and the probabilities' gradients too)
+    assert (sinks - ref_sinks).abs().max() <= 2 * 5 * 2**-8 * ref_sinks.abs().max()
 
 
 def test_a_token_beyond_the_window_has_exactly_zero_gradient():
@@ -174,7 +182,10 @@ def test_yarn_tables_equal_transformers():
     rope = GptOssRotaryEmbedding(transformers.GptOssConfig(max_position_embeddings=4096))
     hf_cos, hf_sin = rope(torch.zeros(1, dtype=torch.float32), torch.arange(4096)[None])
     assert rope.attention_scaling == pytest.approx(1 + 0.1 * math.log(32))
-    assert (cos - hf_cos[0]).abs().max() < 1e-6 and (sin - hf_sin[0]).abs().max() < 1e-6
+    # the same fp32 angles (positions x the same fp32 frequencies) through cos / sin (each within
+    # an ulp, vectorized or not) and one product by the magnitude (<= 1.35): four ulps of it
+    bound = 4 * EPS32 * rope.attention_scaling
+    assert (cos - hf_cos[0]).abs().max() <= bound and (sin - hf_sin[0]).abs().max() <= bound
     # truncation would move the ramp (HF's default for other models): the tables differ
     truncated, _ = FAMILY.build(flavor("gpt_oss_debug", "rope_truncate=true", "head_dim=64")).rope_tables("cpu")
     untruncated, _ = FAMILY.build(flavor("gpt_oss_debug", "head_dim=64")).rope_tables("cpu")
@@ -195,7 +206,9 @@ def test_experts_clamped_swiglu_grouped_equals_loop_equals_hf():
     loop.load_state_dict(ours.state_dict())
     counts = torch.tensor([3, 0, 5, 2])
     x = torch.randn(int(counts.sum()), dim)
-    assert (ours(x, counts) - loop(x, counts)).abs().max() < 1e-5
+    # grouped_mm has no fp64 form on CPU: held to the loop's fp64
+    assert_fp32_only({"out": ours(x, counts)}, {"out": loop(x, counts)}, {"out": loop.double()(x.double(), counts)})
+    loop.float()
     hf = HFExperts(transformers.GptOssConfig(hidden_size=dim, intermediate_size=hidden, num_local_experts=e,
                                              swiglu_limit=limit))
     with torch.no_grad():
@@ -205,12 +218,19 @@ def test_experts_clamped_swiglu_grouped_equals_loop_equals_hf():
         hf.down_proj.copy_(ours.w2.transpose(1, 2))
         hf.down_proj_bias.copy_(ours.w2_bias)
     expert_of_row = torch.repeat_interleave(torch.arange(e), counts)
-    ref = hf(x, expert_of_row[:, None], torch.ones(x.shape[0], 1))
-    assert (ours(x, counts) - ref).abs().max() < 1e-5
+
+    def compute(dtype):  # both have fp64 forms (ours: the loop; HF's experts cast nothing)
+        return ({"out": loop.to(dtype)(x.to(dtype), counts)},
+                {"out": hf.to(dtype)(x.to(dtype), expert_of_row[:, None], torch.ones(x.shape[0], 1, dtype=dtype))})
+
+    assert_same_function(compute)
+    assert_fp32_only({"out": ours(x, counts)}, compute(F32)[1], compute(F64)[1])  # and the grouped kernel
     gate, up = torch.tensor([-3.0, 0.2, 9.0]), torch.tensor([-9.0, 0.3, 9.0])
     g = gate.clamp(max=7)
     expected = (up.clamp(-7, 7) + 1) * (g * torch.sigmoid(1.702 * g))
-    assert torch.allclose(clamped_swiglu(gate, up, 1.702, 7.0), expected, rtol=1e-6, atol=0)
+    # the same elementwise operations (a sigmoid within an ulp or two, three products and a sum)
+    # maybe fused or reordered: a few roundings, 8 ulps bound them
+    assert torch.allclose(clamped_swiglu(gate, up, 1.702, 7.0), expected, rtol=8 * EPS32, atol=0)
 
 
 def test_router_is_softmax_over_the_top_k_biased_logits():
@@ -226,7 +246,9 @@ def test_router_is_softmax_over_the_top_k_biased_logits():
     logits = x @ router.gate.weight.T + router.gate.bias
     top, idx = logits.topk(3, dim=-1)
     assert torch.equal(selected, idx)
-    assert (gates - top.softmax(dim=-1)).abs().max() < 1e-6
+    # the router scores in fp32 whatever the dtype: held to the written-out softmax's fp64
+    logits64 = x.double() @ router.gate.weight.double().T + router.gate.bias.double()
+    assert_fp32_only({"gates": gates}, {"gates": top.softmax(dim=-1)}, {"gates": logits64.gather(1, idx).softmax(dim=-1)})
 
 
 # ------------------------------------------------------------------------------- family

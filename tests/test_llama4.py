@@ -22,6 +22,11 @@ from titan_hydra.models.llama4.model import Llama4Attention, rms_normalize
 from titan_hydra.models.registry import args_of
 from titan_hydra.parallel.dims import ParallelDims
 
+from numerics import assert_fp32_only, outputs_and_grads
+
+F32, F64 = torch.float32, torch.float64
+EPS32 = torch.finfo(F32).eps
+
 
 def flavor(name: str, *overrides: str):
     return args_of(compose_cfg([f"model={name}", *(f"model.{o}" for o in overrides)]).model)[1]
@@ -77,7 +82,8 @@ def interleaved_rope(x, cos, sin):
 
 def naive(attn: Llama4Attention, x, cos, sin, chunk, use_rope, qk_norm, temperature):
     """Llama 4 attention written out (HF's order: rotary, then the weightless QK-norm; NoPE: queries
-    scaled by 1 + attn_scale * log1p(floor((pos + 1) / floor_scale)))."""
+    scaled by 1 + attn_scale * log1p(floor((pos + 1) / floor_scale))). Plain operations in x's dtype,
+    so it has an fp64 form (the layer's rotary and norms compute in fp32 whatever the dtype)."""
     b, s, _ = x.shape
     q = (x @ attn.wq.weight.T).view(b, s, -1, HD)
     k = (x @ attn.wk.weight.T).view(b, s, -1, HD)
@@ -89,7 +95,7 @@ def naive(attn: Llama4Attention, x, cos, sin, chunk, use_rope, qk_norm, temperat
             k = k / k.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt()
     elif temperature:
         floor_scale, scale = temperature
-        pos = torch.arange(s, dtype=torch.float32)
+        pos = torch.arange(s, dtype=q.dtype)
         q = q * (1 + scale * torch.log1p(torch.floor((pos + 1) / floor_scale)))[None, :, None, None]
     rep = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
@@ -105,15 +111,18 @@ def naive(attn: Llama4Attention, x, cos, sin, chunk, use_rope, qk_norm, temperat
 @pytest.mark.parametrize("use_rope,qk_norm", [(True, True), (True, False), (False, True)],
                          ids=["rope_chunked_qknorm", "rope_chunked", "nope_temperature"])
 def test_attention_equals_a_naive_reference(use_rope, qk_norm):
+    """Forward and every gradient held to the naive reference's fp64 (tests/numerics.py)."""
     attn, cos, sin = attention(use_rope, qk_norm=qk_norm)
-    x = torch.randn(2, S, D, requires_grad=True)
+    x = torch.randn(2, S, D)
     grad_out = torch.randn(2, S, D)
-    (out, grads), (ref, ref_grads) = [
-        (o, torch.autograd.grad((o * grad_out).sum(), [x, *attn.parameters()]))
-        for o in (attn(x, cos, sin), naive(attn, x, cos, sin, 4, use_rope, qk_norm, (4.0, 0.5)))]
-    assert (out - ref).abs().max().item() < 1e-5
-    for g, r in zip(grads, ref_grads):
-        assert (g - r).abs().max().item() <= 1e-5 * max(1.0, r.abs().max().item())
+    ours = outputs_and_grads(lambda m, x: m(x, cos, sin), attn, x, grad_out)
+    ref32, ref64 = (outputs_and_grads(lambda m, x: naive(m, x, cos.to(dtype), sin.to(dtype), 4, use_rope, qk_norm,
+                                                         (4.0, 0.5)), attn.to(dtype), x, grad_out)
+                    for dtype in (F32, F64))
+    attn.float()
+    assert len(ours) == 6  # out, x, four weights
+    assert_fp32_only(ours, ref32, ref64)
+    ref = ref32["out"]
     if not use_rope:  # the temperature really acts at these positions (floor 4): without it the output differs
         attn.temperature = None
         assert (attn(x, cos, sin) - ref).abs().max() > 1e-3
@@ -137,7 +146,10 @@ def test_chunk_boundary_cuts_gradients_exactly_and_nope_layers_see_everything():
 def test_weightless_qk_norm_is_rms_normalization():
     x = torch.randn(3, 5, 16) * 7
     y = rms_normalize(x, 1e-5)
-    torch.testing.assert_close(y.pow(2).mean(-1), torch.ones(3, 5), atol=1e-4, rtol=0)
+    # exactly ms / (ms + eps) for ms = mean(x^2); fp32 rounds a 16-term mean of squares in y and again
+    # in y^2 (16 u each, u = eps / 2) and the rsqrt and products (a few ulps): within 32 eps of it
+    ms = x.double().pow(2).mean(-1)
+    torch.testing.assert_close(y.pow(2).mean(-1).double(), ms / (ms + 1e-5), atol=32 * EPS32, rtol=0)
 
 
 def test_experts_are_gated_on_their_input():
@@ -150,13 +162,19 @@ def test_experts_are_gated_on_their_input():
     after.load_state_dict(before.state_dict())
     x = torch.randn(2, 6, 8)
     with torch.no_grad():
-        gates, chosen = before.router.choose(before.router.scores(x.view(-1, 8)))
-        w1, w2, w3 = before.experts.w1, before.experts.w2, before.experts.w3
-        rows = x.view(-1, 8) * gates  # top-1: one gate per token
-        ref = torch.stack([w2[e] @ (torch.nn.functional.silu(w1[e] @ r) * (w3[e] @ r))
-                           for r, e in zip(rows, chosen[:, 0])]).view(2, 6, 8)
-        torch.testing.assert_close(before(x), ref, atol=1e-6, rtol=0)
-        assert (after(x) - ref).abs().max() > 1e-4
+        _, chosen = before.router.choose(before.router.scores(x.view(-1, 8)))
+
+        def reference(dtype):  # written out in dtype (the layer scores and combines in fp32 whatever it)
+            tokens = x.view(-1, 8).to(dtype)
+            w1, w2, w3 = (w.to(dtype) for w in (before.experts.w1, before.experts.w2, before.experts.w3))
+            gates = (tokens @ before.router.gate.weight.to(dtype).T).sigmoid().gather(1, chosen)
+            rows = tokens * gates  # top-1: one gate per token
+            return {"out": torch.stack([w2[e] @ (torch.nn.functional.silu(w1[e] @ r) * (w3[e] @ r))
+                                        for r, e in zip(rows, chosen[:, 0])]).view(2, 6, 8)}
+
+        ref32 = reference(F32)
+        assert_fp32_only({"out": before(x)}, ref32, reference(F64))
+        assert (after(x) - ref32["out"]).abs().max() > 1e-4
 
 
 def test_scout_rotary_scaling_equals_transformers():
@@ -171,9 +189,12 @@ def test_scout_rotary_scaling_equals_transformers():
     with torch.device("meta"):
         model = FAMILY.build(args)
     ours = model.rope_frequencies("cpu")
-    torch.testing.assert_close(ours, hf_freqs.float(), atol=0, rtol=1e-6)
+    # ours: the fp64 value rounded once to fp32 (half an ulp); HF's: a pow and a division in fp32
+    # (an ulp or two): within 4 ulps (relative 4 eps)
+    torch.testing.assert_close(ours, hf_freqs.float(), atol=0, rtol=4 * EPS32)
     plain = inverse_frequencies(128, 500000.0).float()
-    torch.testing.assert_close(ours[-8:], plain[-8:] / 16, atol=0, rtol=1e-6)  # long wavelengths divided by 16
+    # long wavelengths divided by 16: a power of two, so round(f / 16) = round(f) / 16 exactly
+    torch.testing.assert_close(ours[-8:], plain[-8:] / 16, atol=0, rtol=0)
     assert torch.equal(ours[:8], plain[:8])  # short ones kept
 
 

@@ -4,6 +4,7 @@ short qwen3_moe_debug training run."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from types import SimpleNamespace
@@ -24,6 +25,14 @@ from titan_hydra.models.gpt_oss.model import GptOssExperts
 from titan_hydra.models.registry import args_of
 from titan_hydra.parallel.ac import checkpoint_block
 from titan_hydra.train.moe_balance import balance_step, moe_balance_hooks
+
+from numerics import assert_fp32_close, assert_fp32_only, assert_same_function
+
+F32, F64 = torch.float32, torch.float64
+EPS32 = torch.finfo(F32).eps
+# the balancing step: elementwise operations and 8-term means on biases of at most 0.02, in fp32:
+# an 8-term sum loses at most 8 u of its terms' sizes (u = eps / 2), so 8 eps of 0.02
+BIAS_ATOL = 8 * EPS32 * 0.02
 
 
 def make_moe(seed: int = 0, dim: int = 32, **moe) -> MoE:
@@ -73,9 +82,9 @@ def test_scores_are_fp32_and_gates_are_normed_then_scaled(score_func):
     router = router_with(score_func=score_func, route_norm=False)
     x = torch.randn(10, 4, dtype=torch.bfloat16)
     scores = router.scores(x)
-    logits = x.float() @ router.gate.weight.float().T
-    expected = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
-    assert scores.dtype == torch.float32 and torch.allclose(scores, expected, atol=1e-6)
+    expected = {dtype: reference_scores(router.gate.weight.to(dtype), x.to(dtype), score_func) for dtype in (F32, F64)}
+    assert scores.dtype == torch.float32
+    assert_fp32_only({"scores": scores}, {"scores": expected[F32]}, {"scores": expected[F64]})
     gates, chosen, counts = router(x)
     assert torch.equal(gates, scores.topk(2, dim=-1).values) and gates.dtype == torch.float32
     assert counts.tolist() == torch.bincount(chosen.flatten(), minlength=8).tolist() and counts.sum() == 20
@@ -83,8 +92,10 @@ def test_scores_are_fp32_and_gates_are_normed_then_scaled(score_func):
     normed.load_state_dict(router.state_dict())
     n_gates, n_chosen, _ = normed(x)
     assert torch.equal(n_chosen, chosen)
-    assert torch.allclose(n_gates.sum(-1), torch.full((10,), 2.5), atol=1e-6)
-    assert torch.allclose(n_gates, 2.5 * gates / gates.sum(-1, keepdim=True), atol=1e-6)
+    # elementwise from the same fp32 gates: a sum of two, a division, a product, each rounded by at
+    # most half an ulp (2^-24 relative), in either order: within 4 ulps (4 eps) of the 2.5 they sum to
+    assert torch.allclose(n_gates.sum(-1), torch.full((10,), 2.5), atol=4 * EPS32 * 2.5, rtol=0)
+    assert torch.allclose(n_gates, 2.5 * gates / gates.sum(-1, keepdim=True), atol=4 * EPS32 * 2.5, rtol=0)
 
 
 def test_bad_moe_args_are_one_line_config_errors():
@@ -100,12 +111,19 @@ def test_bad_moe_args_are_one_line_config_errors():
 # ------------------------------------------------------------------------------- experts
 
 
+def reference_scores(gate: torch.Tensor, x: torch.Tensor, score_func: str = "softmax") -> torch.Tensor:
+    """The router's scores written out, in x's dtype (the router's own are fp32 whatever the dtype)."""
+    logits = x @ gate.T
+    return logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
+
+
 def dense_reference(m: MoE, x: torch.Tensor) -> torch.Tensor:
-    """Token by token: softmax of the gate, top-k, sum of gate x SwiGLU expert, + shared."""
+    """Token by token: softmax (or sigmoid) of the gate, top-k, sum of gate x SwiGLU expert, + shared.
+    Plain operations only, so it has an fp64 form (the MoE layer scores and combines in fp32)."""
     out = torch.zeros_like(x)
     w1, w2, w3 = m.experts.w1, m.experts.w2, m.experts.w3
     for t in range(x.shape[0]):
-        probs = F.softmax(m.router.gate.weight @ x[t], dim=0)
+        probs = reference_scores(m.router.gate.weight, x[t], m.args.score_func)
         top = probs.topk(m.args.top_k)
         gates = top.values / top.values.sum() if m.args.route_norm else top.values
         for g, e in zip(gates, top.indices):
@@ -113,6 +131,32 @@ def dense_reference(m: MoE, x: torch.Tensor) -> torch.Tensor:
         if m.shared_experts is not None:
             out[t] += m.shared_experts(x[t])
     return out
+
+
+def reference_grads(m: MoE, x: torch.Tensor, g: torch.Tensor, dtype: torch.dtype,
+                    aux_coeff: float = 0.0) -> dict[str, torch.Tensor]:
+    """The per-token reference on a ``dtype`` copy of m (plus aux_coeff x the explicit aux loss):
+    its output and the gradients of (out * g).sum() [+ aux] for x and m's parameters, by name."""
+    ref = copy.deepcopy(m).to(dtype)
+    xi = x.to(dtype).requires_grad_()
+    b, s, d = x.shape
+    out = dense_reference(ref, xi.view(-1, d)).view(b, s, d)
+    loss = (out * g.to(dtype)).sum()
+    if aux_coeff:
+        scores = reference_scores(ref.router.gate.weight, xi.view(-1, d), ref.args.score_func)
+        chosen = scores.topk(ref.args.top_k, dim=-1).indices
+        loss = loss + aux_coeff * explicit_aux_loss(scores.view(b, s, -1), chosen.view(b, s, -1), ref.args.num_experts)
+    names, params = zip(*ref.named_parameters())
+    grads = torch.autograd.grad(loss, (xi, *params))
+    return {"out": out.detach(), **dict(zip(("x", *names), grads))}
+
+
+def module_grads(m: MoE, x: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+    xi = x.clone().requires_grad_()
+    y = m(xi)
+    names, params = zip(*m.named_parameters())
+    grads = torch.autograd.grad((y * g).sum(), (xi, *params))
+    return {"out": y.detach(), **dict(zip(("x", *names), grads))}
 
 
 def test_grouped_mm_probe_is_not_fooled_by_no_grad_or_autocast(monkeypatch):
@@ -132,19 +176,13 @@ def test_grouped_mm_equals_loop_equals_per_token_reference():
     assert grouped_mm_works(torch.device("cpu"), torch.float32)  # the path under test really is grouped
     x = torch.randn(3, 7, 32)
     g = torch.randn(3, 7, 32)
-    outs, grads = [], []
-    for m in (grouped, looped):
-        xi = x.clone().requires_grad_()
-        y = m(xi)
-        y.backward(g)
-        outs.append(y.detach())
-        grads.append([xi.grad] + [p.grad for p in m.parameters()])
-    ref = dense_reference(grouped, x.view(-1, 32)).view(3, 7, 32)
-    assert ref.abs().mean() > 1e-2
-    assert (outs[0] - ref).abs().max() < 1e-5 and (outs[1] - ref).abs().max() < 1e-5
-    for a, b in zip(*grads):
-        assert (a - b).abs().max() < 1e-5
-    assert grouped.experts.w1.grad.abs().sum() > 0 and grouped.router.gate.weight.grad.abs().sum() > 0
+    ours = [module_grads(m, x, g) for m in (grouped, looped)]
+    ref32, ref64 = (reference_grads(grouped, x, g, dtype) for dtype in (F32, F64))
+    assert ref64["out"].abs().mean() > 1e-2 and len(ref64) == 9  # out, x, gate, routed and shared w1 w2 w3
+    for got in ours:  # the layer scores and combines in fp32: held to the reference's fp64
+        assert got.keys() == ref64.keys()
+        assert_fp32_only(got, ref32, ref64)
+    assert ours[0]["experts.w1"].abs().sum() > 0 and ours[0]["router.gate.weight"].abs().sum() > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -156,8 +194,12 @@ def test_grouped_kernel_equals_loop_with_empty_experts(dtype):
     counts = torch.tensor([3, 0, 6, 1])  # one expert gets nothing
     x = torch.randn(10, 16, dtype=dtype)
     a, b = grouped_swiglu(x, *w, counts), looped_swiglu(x, *w, counts)
-    tol = 1e-6 if dtype == torch.float32 else 2e-2
-    assert a.dtype == dtype and (a.float() - b.float()).abs().max() <= tol * b.float().abs().max()
+    assert a.dtype == dtype
+    if dtype == torch.float32:  # grouped_mm has no fp64 form on CPU: held to the loop's
+        assert_fp32_only({"out": a}, {"out": b}, {"out": looped_swiglu(x.double(), *(t.double() for t in w), counts)})
+    else:  # each rounds the two projections, their SwiGLU product and the output to bf16 (2^-9
+        # relative each, through gains of O(1)): five bf16 roundings (2^-8) of the largest value
+        assert (a.float() - b.float()).abs().max() <= 5 * 2**-8 * b.float().abs().max()
 
 
 def test_bucket_counts_bound_the_shapes_and_the_padding():
@@ -183,17 +225,23 @@ def test_bucketed_rows_give_the_unpadded_outputs_and_gradients(kind, grouped):
             torch.nn.init.normal_(b, std=0.3)  # nonzero biases: padded rows give nonzero outputs
     counts = torch.tensor([3, 0, 70, 1])  # an empty expert and one past the first bucket
     x, g = torch.randn(74, 16), torch.randn(74, 16)
-    results = []
-    for pads in (False, True):
-        experts.bucket_rows = pads
-        experts.zero_grad()
-        xi = x.clone().requires_grad_()
-        y = experts(xi, counts)
-        y.backward(g)
-        results.append([y.detach(), xi.grad] + [p.grad.clone() for p in experts.parameters()])
-    for a, b in zip(*results):
-        assert a.shape == b.shape and (a - b).abs().max() <= 1e-5 * max(1.0, float(b.abs().max()))
-    assert results[0][0].abs().mean() > 1e-2
+
+    def compute(dtype):  # fp64: the loop (grouped_mm has no fp64 form on CPU), the same function
+        results = []
+        model = copy.deepcopy(experts).to(dtype)
+        for pads in (True, False):
+            model.bucket_rows = pads
+            xi = x.to(dtype).requires_grad_()
+            y = model(xi, counts)
+            names, params = zip(*model.named_parameters())
+            grads = torch.autograd.grad((y * g.to(dtype)).sum(), (xi, *params))
+            results.append({"out": y.detach(), **dict(zip(("x", *names), grads))})
+        return results
+
+    padded, plain = compute(F32)
+    assert padded.keys() == plain.keys() and all(padded[k].shape == plain[k].shape for k in plain)
+    assert_same_function(compute)
+    assert plain["out"].abs().mean() > 1e-2
 
 
 # ------------------------------------------------------------------------------- balancing
@@ -216,20 +264,22 @@ def test_counts_only_in_training_and_balance_step():
     layer0.tokens_per_expert.copy_(torch.tensor([10.0, 2, 2, 2, 2, 2, 2, 2]))  # mean 3
     layer1.tokens_per_expert.copy_(torch.tensor([0.0, 0, 4, 4, 4, 4, 4, 4]))  # mean 3
     metrics = balance_step(parts)
-    assert metrics["moe/layer0/max_over_mean"] == pytest.approx(10 / 3)
-    assert metrics["moe/layer1/max_over_mean"] == pytest.approx(4 / 3)
-    assert metrics["moe/max_over_mean"] == pytest.approx(10 / 3) and metrics["moe/idle_frac"] == 2 / 16
+    # each an fp32 quotient of exact small counts: one rounding, half an ulp
+    assert metrics["moe/layer0/max_over_mean"] == pytest.approx(10 / 3, rel=EPS32)
+    assert metrics["moe/layer1/max_over_mean"] == pytest.approx(4 / 3, rel=EPS32)
+    assert metrics["moe/max_over_mean"] == pytest.approx(10 / 3, rel=EPS32) and metrics["moe/idle_frac"] == 2 / 16
     # expert 0 (above the mean) pushed down by the coefficient, the rest up, then recentred to mean 0
     expected = 0.01 * torch.tensor([-1.0, 1, 1, 1, 1, 1, 1, 1])
     expected -= expected.mean()
-    assert torch.allclose(layer0.expert_bias, expected) and layer0.expert_bias.sum().abs() < 1e-7
+    assert torch.allclose(layer0.expert_bias, expected, rtol=0, atol=BIAS_ATOL)
+    assert layer0.expert_bias.sum().abs() <= 8 * EPS32 * 8 * 0.01  # 8 centred values: 8 eps of their sizes (0.08)
     assert torch.equal(layer1.expert_bias, torch.zeros(8))  # coefficient 0: bias stays
     assert layer0.tokens_per_expert.sum() == 0 and layer1.tokens_per_expert.sum() == 0
     # scale-invariant: a load scaled by a constant reports and moves the same
     layer0.tokens_per_expert.copy_(torch.tensor([20.0, 4, 4, 4, 4, 4, 4, 4]))
     layer1.tokens_per_expert.copy_(torch.tensor([0.0, 0, 8, 8, 8, 8, 8, 8]))
     assert balance_step(parts) == metrics
-    assert torch.allclose(layer0.expert_bias, 2 * expected)
+    assert torch.allclose(layer0.expert_bias, 2 * expected, rtol=0, atol=BIAS_ATOL)
     assert balance_step(parts) == {}  # no tokens counted: nothing to report
 
 
@@ -282,8 +332,8 @@ def test_balance_step_sums_counts_over_the_group(monkeypatch):
     # summed load [6, 2 x 7]: mean 2.5, so only expert 0 is over the mean
     expected = 0.01 * torch.tensor([-1.0, 1, 1, 1, 1, 1, 1, 1])
     expected -= expected.mean()
-    assert torch.allclose(m.expert_bias, expected)
-    assert metrics["moe/max_over_mean"] == pytest.approx(6 / 2.5) and metrics["moe/idle_frac"] == 0.0
+    assert torch.allclose(m.expert_bias, expected, rtol=0, atol=BIAS_ATOL)
+    assert metrics["moe/max_over_mean"] == pytest.approx(6 / 2.5, rel=EPS32) and metrics["moe/idle_frac"] == 0.0
 
 
 def explicit_aux_loss(scores: torch.Tensor, chosen: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -314,7 +364,11 @@ def test_aux_loss_gradient_equals_autograd_of_the_explicit_loss(score_func):
     aux = explicit_aux_loss(scores.view(3, 6, 8), chosen.view(3, 6, 2), 8)
     ((plain(x) * g).sum() + coeff * aux).backward()
     got, want = injected.router.gate.weight.grad, plain.router.gate.weight.grad
-    assert (got - want).abs().max() < 1e-5  # fp32 rounding of O(5) gradients
+    # both held to the per-token reference with the explicit loss, which has an fp64 form
+    ref32, ref64 = ({"gate": reference_grads(plain, x, g, dtype, aux_coeff=coeff)["router.gate.weight"]}
+                    for dtype in (F32, F64))
+    assert_fp32_only({"gate": got}, ref32, ref64)
+    assert_fp32_only({"gate": want}, ref32, ref64)
     assert (want - without_aux).abs().max() > 1e-3  # the aux term is really there
     assert torch.equal(injected.experts.w1.grad, plain.experts.w1.grad)  # experts do not see it
     # eval forwards and no-grad forwards add nothing
@@ -331,7 +385,11 @@ def test_aux_grad_scale_makes_accumulation_equal_one_batch():
     (one(x) * g).sum().backward()
     for half in (slice(0, 2), slice(2, 4)):
         (two(x[half]) * g[half]).sum().backward()  # sum over tokens: no 1/2 on the main term
-    assert (one.router.gate.weight.grad - two.router.gate.weight.grad).abs().max() < 1e-5
+    # both held to the whole batch's per-token reference with the explicit loss (an fp64 form)
+    ref32, ref64 = ({"gate": reference_grads(one, x, g, dtype, aux_coeff=0.5)["router.gate.weight"]}
+                    for dtype in (F32, F64))
+    assert_fp32_only({"gate": one.router.gate.weight.grad}, ref32, ref64)
+    assert_fp32_only({"gate": two.router.gate.weight.grad}, ref32, ref64)
     set_aux_grad_scale([two], 1.0)
     two.zero_grad()
     for half in (slice(0, 2), slice(2, 4)):
@@ -472,4 +530,4 @@ def test_hf_fused_in_memory_layout_imports_too():
     ours.load_state_dict(FAMILY.hf.from_hf_state(sd, args))
     tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert (ours(tokens) - hf(tokens).logits).abs().max() < 1e-4
+        assert_fp32_close({"logits": ours(tokens)}, {"logits": hf(tokens).logits})  # no fp64 forms
