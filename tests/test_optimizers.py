@@ -58,7 +58,7 @@ def test_adamw_default_skips_decay_on_1d_parameters():
 
 
 def test_muon_config_splits_matrices_and_one_schedule_drives_both():
-    from hydra.utils import instantiate
+    from titan_hydra.errors import instantiate_checked as instantiate  # drops the option's ``name`` label
 
     model = debug_model()
     cfg = compose_cfg(["optimizer=muon", "lr_scheduler.warmup_steps=2", "training.steps=10"])

@@ -157,7 +157,7 @@ def test_min_lr_factor_floors_the_decay():
 
 def test_optimizer_and_schedule_come_from_config(tmp_path):
     cfg = compose_cfg(FAST + ["optimizer=adam", "lr_scheduler=wsd", "training.steps=10"])
-    from hydra.utils import instantiate
+    from titan_hydra.errors import instantiate_checked as instantiate  # drops the option's ``name`` label
 
     from titan_hydra.train.optimizers import build_optimizer
 
