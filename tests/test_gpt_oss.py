@@ -248,7 +248,8 @@ def test_router_is_softmax_over_the_top_k_biased_logits():
     assert torch.equal(selected, idx)
     # the router scores in fp32 whatever the dtype: held to the written-out softmax's fp64
     logits64 = x.double() @ router.gate.weight.double().T + router.gate.bias.double()
-    assert_fp32_only({"gates": gates}, {"gates": top.softmax(dim=-1)}, {"gates": logits64.gather(1, idx).softmax(dim=-1)})
+    assert_fp32_only({"gates": gates}, {"gates": top.softmax(dim=-1)},
+                     {"gates": logits64.gather(1, idx).softmax(dim=-1)})
 
 
 # ------------------------------------------------------------------------------- family
