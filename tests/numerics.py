@@ -13,7 +13,10 @@ in fp64 as well, and it is asserted that:
 A reference that cannot run in fp64 (transformers' Gated DeltaNet casts to fp32 inside) is
 held to our fp64 instead: its fp32 result may be ``FOREIGN`` times as far from it as ours is.
 The same holds a computation of ours that has no fp64 form (the MoE layer scores and combines
-in fp32 whatever its dtype) to a plain form that has one (``assert_fp32_only``).
+in fp32 whatever its dtype; the rotary and RMS norms compute in fp32 too) to a plain form that
+has one (``assert_fp32_only``). Where neither side has one (whole models against each other or
+against transformers), the bound is from first principles: fp32 unit roundoff times the terms
+the caller counts, of the largest value (``assert_fp32_close``).
 """
 
 from __future__ import annotations

@@ -278,7 +278,8 @@ def test_block_causal_scores_kernel(seq, blocks):
     # the same fp32 sums in another order (fewer zero terms), rounded to bf16: within one bf16 ulp
     # (2^-7 relative) of the largest gradient
     for name, a, b in zip("qkv", got_grads, whole_grads):
-        assert a.dtype == torch.bfloat16 and (a.float() - b.float()).abs().max().item() <= 2**-7 * b.abs().max().item(), name
+        assert a.dtype == torch.bfloat16, name
+        assert (a.float() - b.float()).abs().max().item() <= 2**-7 * b.abs().max().item(), name
 
 
 def test_scores_kernel_picks_query_blocks():
@@ -338,5 +339,5 @@ def test_mla_with_the_scores_kernel_matches_padded_sdpa():
     assert_fp32_close({"logits": out_b}, {"logits": out_a})
     out_a.square().mean().backward()
     out_b.square().mean().backward()
-    names = [name for name, _ in a.named_parameters()]
-    assert_fp32_close(dict(zip(names, (p.grad for p in b.parameters()))), dict(zip(names, (p.grad for p in a.parameters()))))
+    grads_a, grads_b = ({name: p.grad for name, p in m.named_parameters()} for m in (a, b))
+    assert_fp32_close(grads_b, grads_a)

@@ -130,7 +130,7 @@ def test_sink_and_window_attention_under_bf16_autocast_track_fp32(sdpa_dtype):
     (sinks,) = torch.autograd.grad((out.float() * grad_out).sum(), [attn.sinks])
     assert out.dtype == torch.bfloat16
     # bf16 rounds x and the weights, the projections, the rotated q/k, the scores and the output
-    # (2^-9 relative each, through gains of O(1)): five bf16 roundings (2^-8) of the largest value
+    # (2^-8 relative each, through gains of O(1)): five bf16 roundings of the largest value
     assert (out.float() - ref).abs().max() <= 5 * 2**-8 * ref.abs().max()
     # the sinks' gradient: twice that (the backward rounds the output's and the probabilities' gradients too)
     assert (sinks - ref_sinks).abs().max() <= 2 * 5 * 2**-8 * ref_sinks.abs().max()
@@ -248,7 +248,8 @@ def test_router_is_softmax_over_the_top_k_biased_logits():
     assert torch.equal(selected, idx)
     # the router scores in fp32 whatever the dtype: held to the written-out softmax's fp64
     logits64 = x.double() @ router.gate.weight.double().T + router.gate.bias.double()
-    assert_fp32_only({"gates": gates}, {"gates": top.softmax(dim=-1)}, {"gates": logits64.gather(1, idx).softmax(dim=-1)})
+    assert_fp32_only({"gates": gates}, {"gates": top.softmax(dim=-1)},
+                     {"gates": logits64.gather(1, idx).softmax(dim=-1)})
 
 
 # ------------------------------------------------------------------------------- family

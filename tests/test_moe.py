@@ -197,8 +197,8 @@ def test_grouped_kernel_equals_loop_with_empty_experts(dtype):
     assert a.dtype == dtype
     if dtype == torch.float32:  # grouped_mm has no fp64 form on CPU: held to the loop's
         assert_fp32_only({"out": a}, {"out": b}, {"out": looped_swiglu(x.double(), *(t.double() for t in w), counts)})
-    else:  # each rounds the two projections, their SwiGLU product and the output to bf16 (2^-9
-        # relative each, through gains of O(1)): five bf16 roundings (2^-8) of the largest value
+    else:  # each rounds the two projections, the SiLU, their product and the output to bf16 (2^-8
+        # relative each, through gains of O(1)): five bf16 roundings of the largest value
         assert (a.float() - b.float()).abs().max() <= 5 * 2**-8 * b.float().abs().max()
 
 
