@@ -356,6 +356,13 @@ def floor_bound(floor: float, values: Iterable[float]) -> float:
     return FLOOR_FACTOR * floor + LOSS_ULPS * fp32_ulp(max(abs(v) for v in values))
 
 
+def machine_bound(run_cache: RunCache, values: Iterable[float]) -> float:
+    """The bound for a run of similar size and precision whose own floor is not measured (a user's
+    model, torchft groups, the plain loop): the standard tiny Llama's floor on this machine,
+    applied to the compared ``values``."""
+    return floor_bound(rounding_floor(run_cache), values)
+
+
 def parity_bound(run_cache: RunCache, extra: tuple[str, ...] = (), family: str = "llama3") -> float:
     """The loss-parity bound of a layout of ``family`` with ``extra`` against one process."""
     return floor_bound(rounding_floor(run_cache, extra, family), reference_losses(run_cache, extra, family))

@@ -11,14 +11,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from helpers import REPO, TINY, run_launch, series
+from helpers import REPO, TINY, machine_bound, run_launch, series
 
 # No warm-up: the plain loop runs AdamW at its configured lr throughout.
 FP32 = [o for o in TINY if not o.startswith("lr_scheduler.")] + ["training.mixed_precision=fp32"]
 STEPS = 6
 
 
-def test_plain_loop_losses_equal_the_trainer_in_fp32(tmp_path):
+def test_plain_loop_losses_equal_the_trainer_in_fp32(tmp_path, run_cache):
     plain = subprocess.run(
         [sys.executable, str(REPO / "recipes" / "plain_loop.py"), f"--steps={STEPS}",
          f"--run-dir={tmp_path / 'plain'}", *FP32],
@@ -31,6 +31,7 @@ def test_plain_loop_losses_equal_the_trainer_in_fp32(tmp_path):
     plain_losses = series(tmp_path / "plain", "loss")
     titan_losses = series(tmp_path / "titan", "loss")
     assert len(plain_losses) == len(titan_losses) == STEPS
+    bound = machine_bound(run_cache, titan_losses)
     for a, b in zip(plain_losses, titan_losses):
-        assert abs(a - b) < 1e-5, (plain_losses, titan_losses)
+        assert abs(a - b) <= bound, (plain_losses, titan_losses)
     assert plain_losses[-1] < plain_losses[0]  # and it trains
