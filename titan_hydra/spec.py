@@ -87,6 +87,7 @@ class RunSpec:
     world_size: int
     dims: ParallelDims  # degrees and batch slicing; the rank builds its DeviceMesh on it
     family: ModelFamily
+    family_ref: str  # model.family: a built-in name or the dotted path the family is looked up by
     model_args: Any  # with the parametrization's multipliers: every model of the run is built from them
     model_target: str  # the model node's ``_target_``: the class ``model_args`` build
     flavor: str  # the model option's published name, or "custom"
@@ -133,7 +134,7 @@ class RunSpec:
     def model_node(self) -> dict:
         """The node ``registry.build_model`` builds this run's model from: ``model_target`` with
         ``model_args``' fields, multipliers included."""
-        return {"_target_": self.model_target, "family": self.resolved["model"]["family"], "flavor": self.flavor,
+        return {"_target_": self.model_target, "family": self.family_ref, "flavor": self.flavor,
                 **self.family.args_fields(self.model_args)}
 
     def with_dims(self, dims: ParallelDims) -> RunSpec:
@@ -142,7 +143,7 @@ class RunSpec:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["family"] = self.resolved["model"]["family"]  # by name: looked up again in the worker
+        state["family"] = self.family_ref  # by name: looked up again in the worker
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -195,11 +196,11 @@ def batch_plan_of(dims: ParallelDims, t: TrainingConfig) -> BatchPlan:
     return BatchPlan(int(t.local_batch_size), global_batch, grad_accum, int(t.seq_len))
 
 
-def parametrized(parametrization: Parametrization, family: ModelFamily, args: Any) -> Any:
-    """``args`` with the parametrization's model multipliers (muP's logit and attention scales,
-    CompleteP's residual scale); sp sets none. The config is left as composed: every model of the
-    run (the run, its evaluation, a checkpoint's marker, an export) is built from these args."""
-    return with_multipliers(args, parametrization.model_multipliers(family, args))
+def multipliers_of(parametrization: Parametrization, family: ModelFamily, args: Any) -> dict[str, float]:
+    """The parametrization's model multipliers (muP's logit and attention scales, CompleteP's
+    residual scale; sp sets none). They go into the spec's model args, not the config: every
+    model of the run (the run, its evaluation, a checkpoint's marker, an export) is built from them."""
+    return parametrization.model_multipliers(family, args)
 
 
 def spec_of(cfg: DictConfig) -> RunSpec:
@@ -214,9 +215,11 @@ def spec_of(cfg: DictConfig) -> RunSpec:
     node = OmegaConf.select(cfg, "parametrization", default=None)  # a hand-made config may lack it: sp
     parametrization = Parametrization() if node is None else instantiate(node, _convert_="all")
     family, args = args_of(cfg.model)
+    multipliers = multipliers_of(parametrization, family, args)
     resolved = to_container(cfg)
+    resolved["model"].update(multipliers)  # the logged model is the one the run builds
     return RunSpec(
-        world_size=world_size, dims=dims, family=family, model_args=parametrized(parametrization, family, args),
+        world_size=world_size, dims=dims, family=family, family_ref=str(cfg.model.family), model_args=with_multipliers(args, multipliers),
         model_target=str(cfg.model._target_), flavor=flavor_of(cfg.model),
         precision=precision_choice_of(cfg), batch=batch_plan_of(dims, training),
         training=training, cluster=cluster, data=DataSettings(resolved["data"]),
