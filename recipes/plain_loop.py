@@ -34,14 +34,15 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
     from titan_hydra.groups import compose_config
-    from titan_hydra.models.registry import build_model
+    from titan_hydra.models.registry import model_from_args
     from titan_hydra.spec import spec_of
     from titan_hydra.train.optimizers import build_optimizer
     from titan_hydra.train.services import build_dataset
 
     torch.set_num_threads(args.threads)
     spec = spec_of(compose_config(args.overrides))
-    family, model = build_model(spec.model_node)
+    family = spec.family
+    model = model_from_args(spec.model_target, family, spec.model_args)
     torch.manual_seed(spec.training.seed)  # after construction, as the trainer's init does
     model.init_weights()
     optimizer = build_optimizer(spec.optimizer, list(model.named_parameters()))  # the trainer's groups

@@ -99,6 +99,13 @@ def build_model(model_cfg: Any) -> tuple[ModelFamily, Any]:
     return family, instantiate(node, _convert_="all")
 
 
+def model_from_args(target: str, family: ModelFamily, args: Any) -> Any:
+    """The model class ``target`` names, built from ``args`` (on the current default device): the
+    run's model with whatever the args carry that its config node does not (a parametrization's
+    multipliers)."""
+    return instantiate({"_target_": target, **family.args_fields(args)}, _convert_="all")
+
+
 def register_schemas(cs) -> None:
     """Store each built-in family's schema as ``schema_model_<family>`` (option files extend it)."""
     for name, (_, module, cls) in BUILTIN.items():

@@ -13,7 +13,7 @@ from titan_hydra.kernels.attention_policy import apply_attention_kernel
 from titan_hydra.kernels.attention_precision import apply_attention_precision
 from titan_hydra.kernels.gated_delta_policy import apply_gated_delta_kernel, delta_layers
 from titan_hydra.models.parametrization import Geometry, rescale_init
-from titan_hydra.models.registry import build_model
+from titan_hydra.models.registry import model_from_args
 from titan_hydra.parallel.apply import parallelize
 from titan_hydra.spec import RunSpec
 from titan_hydra.train.built import BuiltModel, Optimization
@@ -27,7 +27,7 @@ def build_parallel_model(spec: RunSpec, device: torch.device, rank: int, dataset
     """Model on meta -> attention precision -> float8 -> layout -> materialized and initialized."""
     dims, family, mp, training = spec.dims, spec.family, spec.mixed_precision, spec.training
     with torch.device("meta"):
-        _, model = build_model(spec.model_node)
+        model = model_from_args(spec.model_target, family, spec.model_args)
     seq_len = spec.batch.seq_len
     attention_dtype = apply_attention_precision(model, str(training.attention_precision), mp, device, seq_len)
     sdpa_dtype = attention_dtype or (torch.bfloat16 if mp == "bf16" else torch.float32)
@@ -91,7 +91,7 @@ def init_weights(spec: RunSpec, parts: list[torch.nn.Module], device: torch.devi
     full_sd: dict[str, torch.Tensor] = {}
     if rank == 0:
         with torch.device("cpu"):
-            _, full = build_model(spec.model_node)
+            full = model_from_args(spec.model_target, spec.family, spec.model_args)
             torch.manual_seed(seed)  # after construction: same RNG stream as the meta path above
             full.init_weights()
             rescaled(full, geometry or {})

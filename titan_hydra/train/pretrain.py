@@ -76,7 +76,7 @@ def _run(spec: RunSpec, run_dir: str, where: Placement, return_state: bool = Fal
         print(header_of(spec, data, built, run_dir, services), flush=True)
     monitors = services.monitors
     try:
-        summary = _train(trainer, where.rank)
+        summary = _train(trainer)
     finally:
         spec.fault_tolerance.close()
         outputs = monitors.metric_logger.outputs()
@@ -91,13 +91,13 @@ def _run(spec: RunSpec, run_dir: str, where: Placement, return_state: bool = Fal
     return summary
 
 
-def _train(trainer: Trainer, rank: int) -> dict[str, Any]:
+def _train(trainer: Trainer) -> dict[str, Any]:
     """Restore, join the torchft quorum (after the restore: it compares the groups' steps), train."""
     checkpointer, health = trainer.checkpointer, trainer.health
     checkpointer.restore()
     if checkpointer.seed_only:
         trainer.steps = 0
-    trainer.fault_tolerance.start(*live_state_fns(checkpointer.run), rank=rank, world_size=trainer.dims.world_size,
+    trainer.fault_tolerance.start(*live_state_fns(checkpointer.run), rank=trainer.rank, world_size=trainer.dims.world_size,
                                   step=trainer.state.step, device=trainer.device, model_parts=trainer.model.parts,
                                   optimizer=trainer.optimizer)
     health.start()  # the watchdog counts from the restored step

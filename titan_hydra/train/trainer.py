@@ -58,7 +58,7 @@ class Trainer:
                  services: Services, state: TrainState, where: Placement) -> None:
         self.model, self.data, self.schedule, self.state = model, data, schedule, state
         self.optimizer, self.lr_scheduler = optim.optimizer, optim.lr_scheduler
-        self.dims, self.device = where.dims, where.device
+        self.rank, self.dims, self.device = where.rank, where.dims, where.device
         self.monitors, self.checkpointer, self.step_hooks = services.monitors, services.checkpointer, services.step_hooks
         self.periodic_eval, self.fault_tolerance = services.periodic_eval, services.fault_tolerance
         self.health, self.preemption = services.health, services.preemption
