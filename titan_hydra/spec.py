@@ -169,7 +169,8 @@ def world_size_of(cfg: DictConfig) -> int:
 
 
 def cluster_of(node: DictConfig) -> ClusterConfig:
-    """The ``cluster`` node, typed, with the values no constructor checks refused in one line."""
+    """The ``cluster`` node as its schema dataclass; what nothing else checks (the start method's
+    environment default, the planner's memory headroom) refused in one line."""
     try:
         str(node.start_method)  # its default reads TITAN_HYDRA_START_METHOD
     except Exception as e:  # omegaconf's ValidationError, raised on access
@@ -196,13 +197,6 @@ def batch_plan_of(dims: ParallelDims, t: TrainingConfig) -> BatchPlan:
     return BatchPlan(int(t.local_batch_size), global_batch, grad_accum, int(t.seq_len))
 
 
-def multipliers_of(parametrization: Parametrization, family: ModelFamily, args: Any) -> dict[str, float]:
-    """The parametrization's model multipliers (muP's logit and attention scales, CompleteP's
-    residual scale; sp sets none). They go into the spec's model args, not the config: every
-    model of the run (the run, its evaluation, a checkpoint's marker, an export) is built from them."""
-    return parametrization.model_multipliers(family, args)
-
-
 def spec_of(cfg: DictConfig) -> RunSpec:
     """The RunSpec of a composed config: its structural errors (degrees that do not multiply to the
     world size, a model node its family rejects, a group's own value rules) as one-line
@@ -215,12 +209,14 @@ def spec_of(cfg: DictConfig) -> RunSpec:
     node = OmegaConf.select(cfg, "parametrization", default=None)  # a hand-made config may lack it: sp
     parametrization = Parametrization() if node is None else instantiate(node, _convert_="all")
     family, args = args_of(cfg.model)
-    multipliers = multipliers_of(parametrization, family, args)
+    # muP's logit and attention scales, CompleteP's residual scale (sp: none) go into the args, not
+    # the config: every model of the run (its evaluation, a checkpoint's marker, an export) agrees
+    multipliers = parametrization.model_multipliers(family, args)
     resolved = to_container(cfg)
     resolved["model"].update(multipliers)  # the logged model is the one the run builds
     return RunSpec(
-        world_size=world_size, dims=dims, family=family, family_ref=str(cfg.model.family), model_args=with_multipliers(args, multipliers),
-        model_target=str(cfg.model._target_), flavor=flavor_of(cfg.model),
+        world_size=world_size, dims=dims, family=family, family_ref=str(cfg.model.family),
+        model_args=with_multipliers(args, multipliers), model_target=str(cfg.model._target_), flavor=flavor_of(cfg.model),
         precision=precision_choice_of(cfg), batch=batch_plan_of(dims, training),
         training=training, cluster=cluster, data=DataSettings(resolved["data"]),
         logger=LoggerSettings(resolved["logger"], resolved.get("run_name"), tuple(resolved.get("tags") or ())),
