@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from titan_hydra.config import ClusterConfig, TrainingConfig, precision_choice_of, to_container
+from titan_hydra.config import ClusterConfig, TrainingConfig, precision_choice_of, run_settings, to_container
 from titan_hydra.errors import ConfigError
 from titan_hydra.errors import instantiate_checked as instantiate
 from titan_hydra.float8 import Float8Converter
@@ -212,7 +212,7 @@ def spec_of(cfg: DictConfig) -> RunSpec:
     # muP's logit and attention scales, CompleteP's residual scale (sp: none) go into the args, not
     # the config: every model of the run (its evaluation, a checkpoint's marker, an export) agrees
     multipliers = parametrization.model_multipliers(family, args)
-    resolved = to_container(cfg)
+    resolved = run_settings(cfg)
     resolved["model"].update(multipliers)  # the logged model is the one the run builds
     return RunSpec(
         world_size=world_size, dims=dims, family=family, family_ref=str(cfg.model.family),
