@@ -36,7 +36,7 @@ def prediction(spec: RunSpec, p: Plan, law_path: Path) -> dict:
     fit, record = load_fit(law_path)
     params = record.get("params", "non_embedding")
     n = p.non_embedding_params if params == "non_embedding" else p.params
-    steps = int(spec.config.training.steps)
+    steps = int(spec.training.steps)
     d = steps * p.tokens_per_step
     loss, lo, hi = fit.predict(n, d)
     wall = steps * estimated_step_time(spec, p) if p.step_time_s_at_mfu40 is not None else None

@@ -34,18 +34,20 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
     from titan_hydra.groups import compose_config
-    from titan_hydra.models.registry import args_of, build_model
+    from titan_hydra.models.registry import model_from_args
+    from titan_hydra.spec import spec_of
     from titan_hydra.train.optimizers import build_optimizer
-    from titan_hydra.train.pretrain import build_dataset
+    from titan_hydra.train.services import build_dataset
 
     torch.set_num_threads(args.threads)
-    cfg = compose_config(args.overrides)
-    family, model = build_model(cfg.model)
-    torch.manual_seed(cfg.training.seed)  # after construction, as the trainer's init does
+    spec = spec_of(compose_config(args.overrides))
+    family = spec.family
+    model = model_from_args(spec.model_target, family, spec.model_args)
+    torch.manual_seed(spec.training.seed)  # after construction, as the trainer's init does
     model.init_weights()
-    optimizer = build_optimizer(cfg.optimizer, list(model.named_parameters()))  # the trainer's groups
-    loader = build_dataset(cfg.data).loader("train", cfg.training.local_batch_size)
-    fpt = family.flops_per_token(args_of(cfg.model)[1], cfg.training.seq_len)
+    optimizer = build_optimizer(spec.optimizer, list(model.named_parameters()))  # the trainer's groups
+    loader = build_dataset(spec.data).loader("train", spec.training.local_batch_size)
+    fpt = family.flops_per_token(spec.model_args, spec.training.seq_len)
 
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -57,7 +59,7 @@ def main() -> None:
             logits = model(inputs)
             loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), spec.training.max_norm)
             optimizer.step()
             loss_value = loss.item()
             tps = inputs.numel() / (time.perf_counter() - t0)

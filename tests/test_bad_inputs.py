@@ -55,7 +55,7 @@ class Row:
 
 def refuse(overrides: list[str]) -> None:
     """What a run does before the model exists: validate the config, build the data and loaders."""
-    from titan_hydra.train.pretrain import build_data
+    from titan_hydra.train.services import build_data
 
     cfg = compose_cfg(TINY + overrides)
     validate(cfg)

@@ -18,6 +18,7 @@ import pytest
 
 from titan_hydra.config.schemas import ClusterConfig
 from titan_hydra.errors import ConfigError
+from titan_hydra.launch.resolve import resolve_auto
 from titan_hydra.planner.plan import plan
 from titan_hydra.spec import spec_of
 from helpers import compose_cfg
@@ -142,7 +143,7 @@ def test_auto_picks_a_fitting_layout_no_more_parallel_than_published(row):
     from titan_hydra.planner import auto
 
     cfg = compose_cfg(_auto_overrides(row) + ["cluster.memory_headroom=0"])
-    cands = [auto.evaluate(cfg, c) for c in auto.enumerate_candidates(cfg)]
+    cands = auto.candidates(spec_of(cfg))
     chosen = auto.choose(cands)
     assert chosen is not None, f"{row['id']}: no layout fits\n{auto.table(cands, DEVICE_GIB)}"
     assert chosen.mem_gib <= DEVICE_GIB
@@ -179,8 +180,8 @@ def test_auto_with_the_default_headroom_on_the_published_groups(row):
     expected = DEFAULT_HEADROOM_CHOICE[row["id"]]
     if expected is None:
         with pytest.raises(ConfigError, match=r"of which 73\.0 GiB usable \(cluster\.memory_headroom=0\.24\)"):
-            auto.resolve_auto(cfg)
+            resolve_auto(cfg)
         return
-    auto.resolve_auto(cfg)
+    resolve_auto(cfg)
     assert cfg.parallelism.name == "auto:" + expected.replace(" ", ",")
     assert plan(spec_of(cfg)).mem_total_gib <= DEVICE_GIB * (1 - ClusterConfig.memory_headroom)

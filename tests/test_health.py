@@ -24,7 +24,8 @@ from titan_hydra.train.health.recheck import GradRecheck
 from titan_hydra.train.health.sdc import SilentCorruption
 from titan_hydra.train.health.settings import FaultInjection, Health
 from titan_hydra.train.health.watchdog import DECISION, Watchdog, attempt_id, hang_line
-from titan_hydra.train.pretrain import health_of, run
+from titan_hydra.train.pretrain import run
+from titan_hydra.train.services import health_of
 
 FAST = TINY + ["logger=minimal", "training.val_freq=0", "cluster.threads_per_proc=1",
                "training.mixed_precision=fp32", "training.steps=4"]

@@ -333,7 +333,8 @@ def test_initial_load_path_reads_an_hf_directory(tmp_path, kind):
     from helpers import compose_cfg
 
     from titan_hydra.models.objective import cross_entropy_loss
-    from titan_hydra.train.pretrain import build_dataset, run
+    from titan_hydra.train.pretrain import run
+    from titan_hydra.train.services import build_dataset
 
     overrides, hf_fields = RUN_SHAPES[kind]
     rope = hf_fields.pop("rope_theta")
@@ -349,7 +350,7 @@ def test_initial_load_path_reads_an_hf_directory(tmp_path, kind):
         "training.mixed_precision=fp32", "lr_scheduler.warmup_steps=0", "data.max_documents=40", "logger=minimal",
         f"checkpoint.initial_load_path={tmp_path / 'hf'}",
     ])
-    inputs, labels = next(build_dataset(cfg.data).loader("train", 2))
+    inputs, labels = next(build_dataset(spec_of(cfg).data).loader("train", 2))
     with torch.no_grad():
         expected = cross_entropy_loss(hf_model(inputs).logits, labels).item()
     got = run(spec_of(cfg), str(tmp_path / "run"))["losses"][0]

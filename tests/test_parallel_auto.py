@@ -15,6 +15,7 @@ from helpers import (BASE, GLOBAL_BATCH, STEPS, assert_parity, compose_cfg, pari
 
 from titan_hydra.config.schemas import ClusterConfig
 from titan_hydra.errors import ConfigError
+from titan_hydra.launch.resolve import resolve_auto
 from titan_hydra.planner import auto
 from titan_hydra.planner.plan import plan
 from titan_hydra.validate import validate
@@ -24,7 +25,7 @@ H100 = ["cluster=slurm_h100", "parallelism=auto", "training.seq_len=8192"]
 
 def resolved(overrides):
     cfg = compose_cfg(overrides)
-    auto.resolve_auto(cfg)
+    resolve_auto(cfg)
     return cfg, plan(spec_of(cfg))
 
 
@@ -56,7 +57,7 @@ def test_llama3_8b_one_h100_node(capsys):
 
 def test_choice_is_the_fastest_fitting_candidate():
     cfg = compose_cfg(["model=llama3_8b", *H100, "training.local_batch_size=2"])
-    cands = [auto.evaluate(cfg, c) for c in auto.enumerate_candidates(cfg)]
+    cands = auto.candidates(spec_of(cfg))
     assert [c.tp for c in cands] == [1, 2, 4, 8]  # one node: tp over the divisors of 8 only
     for c in cands:  # each row agrees with plan() on the same degrees
         p = fixed_layout_plan(["model=llama3_8b", *H100, "training.local_batch_size=2"], **c.degrees())
@@ -74,7 +75,7 @@ def test_llama3_70b_one_node_does_not_fit():
     mems = {tp: fixed_layout_plan(ov, tp=tp).mem_total_gib for tp in (1, 2, 4, 8)}
     assert min(mems.values()) > 80.0  # the estimator: no TP degree inside a node fits
     with pytest.raises(ConfigError) as e:
-        auto.resolve_auto(compose_cfg(ov))
+        resolve_auto(compose_cfg(ov))
     msg = str(e.value)
     assert "\n" not in msg
     assert msg.startswith("parallelism=auto: model=llama3_70b does not fit on 1x8 devices")
@@ -122,7 +123,7 @@ def test_deepseek_v3_671b_keeps_expert_parallel_when_compiled_or_selectively_che
     ov = ["model=deepseek_v3_671b", *H100[:2], "cluster.nnodes=32", "training.seq_len=4096",
           "training.local_batch_size=2", *features]
     cfg = compose_cfg(ov)
-    cands = [auto.evaluate(cfg, c) for c in auto.enumerate_candidates(cfg)]
+    cands = auto.candidates(spec_of(cfg))
     reasons = {c.invalid for c in cands if c.ep > 1 and c.invalid}
     assert not [r for r in reasons if "compile" in r or "activation_checkpoint" in r], reasons
     assert any(c.ep > 1 and not c.invalid for c in cands)
@@ -136,10 +137,10 @@ def test_resolution_is_deterministic_and_idempotent():
     a, _ = resolved(ov)
     b, _ = resolved(ov)
     assert a.parallelism == b.parallelism
-    again = auto.resolve_auto(a)  # a SLURM task re-entering launch(): already concrete
+    again = resolve_auto(a)  # a SLURM task re-entering launch(): already concrete
     assert again.parallelism == b.parallelism
     fixed = compose_cfg(["parallelism=fsdp_tp"])
-    assert auto.resolve_auto(fixed).parallelism == compose_cfg(["parallelism=fsdp_tp"]).parallelism
+    assert resolve_auto(fixed).parallelism == compose_cfg(["parallelism=fsdp_tp"]).parallelism
 
 
 # 8B at 2 x 8192 tokens with torchtitan's selective AC on one 80 GB node: pure FSDP is estimated
@@ -171,7 +172,7 @@ def test_a_layout_that_fits_only_without_headroom_is_not_chosen(capsys):
 @pytest.mark.parametrize("value", ["-0.1", "1", "1.5"])
 def test_memory_headroom_out_of_range_is_a_one_line_error(value):
     """Checked by auto (before validation) and by validation (for the runs that never plan)."""
-    for check in (auto.resolve_auto, lambda cfg: validate(cfg, environment=False)):
+    for check in (resolve_auto, lambda cfg: validate(cfg, environment=False)):
         with pytest.raises(ConfigError) as e:
             check(compose_cfg([*EDGE, f"cluster.memory_headroom={value}"]))
         assert str(e.value) == (f"cluster.memory_headroom={float(value)} must be within [0, 1): the fraction of "
@@ -181,10 +182,10 @@ def test_memory_headroom_out_of_range_is_a_one_line_error(value):
 def test_long_sequences_consider_context_parallel():
     cfg = compose_cfg(["model=llama3_8b", "cluster=slurm_h100", "parallelism=auto", "training.seq_len=65536",
                        "training.local_batch_size=1"])
-    cands = auto.enumerate_candidates(cfg)
+    cands = auto.enumerate_candidates(spec_of(cfg))
     assert {c.cp for c in cands} == {1, 2, 4, 8}
     assert all(c.tp * c.cp <= 8 for c in cands)
-    short = auto.enumerate_candidates(compose_cfg(["model=llama3_8b", *H100]))
+    short = auto.enumerate_candidates(spec_of(compose_cfg(["model=llama3_8b", *H100])))
     assert {c.cp for c in short} == {1}
 
 

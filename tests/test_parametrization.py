@@ -19,6 +19,7 @@ from titan_hydra.checkpoint.storage import save_plain
 from titan_hydra.errors import ConfigError, UserError
 from titan_hydra.errors import instantiate_checked as instantiate
 from titan_hydra.models.parametrization import Parametrization, rescale_init
+from titan_hydra.models.registry import build_model
 from titan_hydra.spec import spec_of
 from titan_hydra.train.muon import Muon
 from titan_hydra.train.optimizers import OptimizerList, build_optimizer
@@ -227,12 +228,15 @@ def test_mup_at_its_base_width_is_sp_bit_for_bit(tmp_path):
 
 def test_completep_scales_residual_branches():
     cfg = compose_cfg(["parametrization=completep", "parametrization.base_width=128", "parametrization.base_depth=3"])
-    args = spec_of(cfg).model_args
+    spec = spec_of(cfg)
+    args = spec.model_args
     assert (args.residual_mult, args.logit_mult) == (0.5, 0.5) and args.attn_mult == pytest.approx(0.5**0.5)
-    assert cfg.model.residual_mult == 0.5  # written into the node: every rebuild from it agrees
-    model = spec_of(cfg).family.build(args)
-    assert {b.residual_mult for b in model.layers.values()} == {0.5}
-    assert {b.attention.score_mult for b in model.layers.values()} == {args.attn_mult}
+    assert cfg.model.residual_mult == 1.0  # the config stays as composed
+    # in the spec's model node: every rebuild of the run's model (registry.build_model) agrees
+    assert spec.model_node["residual_mult"] == 0.5
+    for model in (spec.family.build(args), build_model(spec.model_node)[1]):
+        assert {b.residual_mult for b in model.layers.values()} == {0.5}
+        assert {b.attention.score_mult for b in model.layers.values()} == {args.attn_mult}
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -10,6 +10,7 @@ from helpers import compose_cfg
 from test_estimator import measured_peak_gib
 
 from titan_hydra.errors import ConfigError
+from titan_hydra.launch.resolve import resolve_auto
 from titan_hydra.models.registry import args_of
 from titan_hydra.planner import auto
 from titan_hydra.planner.activations import linear_attention_bytes
@@ -89,11 +90,11 @@ def test_auto_plans_the_published_moe_flavor_without_tensor_parallel():
     with the one-line reason (MoE models have no expert TP plan). One node cannot hold its fp32 state (~34.7B params x 16 B
     over 8 ranks > 60.8 GiB usable): refused in one line naming the remedies."""
     cfg = compose_cfg(["model=qwen3_5_35b_a3b", "parallelism=auto", "cluster=slurm_h100", "cluster.nnodes=2"])
-    cands = [auto.evaluate(cfg, c) for c in auto.enumerate_candidates(cfg)]
+    cands = auto.candidates(spec_of(cfg))
     tp = [c for c in cands if c.tp > 1]
     assert tp and all("parallelism.tp=2 is not supported for Mixture-of-Experts models" in c.invalid for c in tp)
     chosen = auto.choose(cands)
     assert chosen is not None and chosen.tp == 1 and chosen.fits
     one_node = compose_cfg(["model=qwen3_5_35b_a3b", "parallelism=auto", "cluster=slurm_h100"])
     with pytest.raises(ConfigError, match=r"does not fit on 1x8 devices.*add nodes \(cluster.nnodes\)"):
-        auto.resolve_auto(one_node)
+        resolve_auto(one_node)

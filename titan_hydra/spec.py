@@ -1,32 +1,40 @@
 """``RunSpec``: one run, described once, handed down from the launcher to every rank.
 
 The route is compose (Hydra) -> resolve (``auto`` layouts, a sweep job's identity: the only
-changes made to the config) -> ``validate`` -> ``RunSpec`` -> build -> train. What several
-layers need to know about a run (the degrees, the model family and its args, the precision the
-device settles on, the batch plan) is worked out here, once, instead of each layer re-deriving
-it from the raw config: ``ParallelDims`` is constructed once per process, the model node is
-parsed once. Each group's object is still built from its own node (``spec.config.<group>``).
+changes made to the config) -> ``validate`` -> ``RunSpec`` -> build -> train. ``spec_of`` is the
+one reader of the composed config: it parses the model node, types ``training`` / ``cluster`` /
+``data``, and builds every group's object (or its partial, where the rank adds what only it
+has) exactly once. Everything after it (the planner, the launchers, the rank's program) reads
+spec fields, never the config; the plain resolved config travels along only to be logged.
 
-The spec pickles into spawned workers: the family travels by name (a family is a module-level
-object, looked up again on arrival) and the rest as plain data.
+Pickling into spawned workers: the family travels by name (a module-level object, looked up
+again on arrival); every other field pickles as it is. The built group objects are settings
+holders that own no process state until a rank starts them (a FaultTolerance's manager, a
+Float8Converter's converted layers), so each worker receives fresh copies and builds them
+no second time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from titan_hydra.config import precision_choice_of
+from titan_hydra.config import ClusterConfig, TrainingConfig, precision_choice_of, run_settings, to_container
 from titan_hydra.errors import ConfigError
 from titan_hydra.errors import instantiate_checked as instantiate
+from titan_hydra.float8 import Float8Converter
 from titan_hydra.hardware import Resolved
-from titan_hydra.models.parametrization import with_multipliers
+from titan_hydra.models.parametrization import Parametrization, with_multipliers
 from titan_hydra.models.protocol import ModelFamily
 from titan_hydra.models.registry import args_of, get_family
+from titan_hydra.parallel.ac import ActivationCheckpointing
+from titan_hydra.parallel.compile import Compiler
 from titan_hydra.parallel.dims import ParallelDims
+from titan_hydra.runtime.fault_tolerance import FaultTolerance
 
 
 @dataclass(frozen=True)
@@ -40,17 +48,69 @@ class BatchPlan:
 
 
 @dataclass(frozen=True)
+class DataSettings:
+    """The ``data`` group as plain values: the dataset is built from ``node`` on each rank (it
+    reads files), and the family's data checks read the same mapping."""
+
+    node: dict  # resolved, with the option's label ``name``
+
+    @property
+    def name(self) -> str:
+        return str(self.node.get("name", "custom"))
+
+    @property
+    def dataset_node(self) -> dict:
+        """What the dataset's constructor takes: the node less its label."""
+        return {k: v for k, v in self.node.items() if k != "name"}
+
+    @property
+    def token_data(self) -> bool:
+        """A tokenized corpus (False: the family's own samples, e.g. images)."""
+        return self.node.get("tokenizer") is not None
+
+    @property
+    def document_mask(self) -> bool:
+        return bool(self.node.get("document_mask"))
+
+
+@dataclass(frozen=True)
+class LoggerSettings:
+    """The metric sinks' nodes (built per rank, with its run dir) and the run's W&B identity."""
+
+    backends: dict  # sink name -> its node, or None when off
+    run_name: str | None
+    tags: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class RunSpec:
-    config: DictConfig  # resolved and validated; groups build their objects from their own nodes
     world_size: int
     dims: ParallelDims  # degrees and batch slicing; the rank builds its DeviceMesh on it
     family: ModelFamily
-    model_args: Any
+    family_ref: str  # model.family: a built-in name or the dotted path the family is looked up by
+    model_args: Any  # with the parametrization's multipliers: every model of the run is built from them
+    model_target: str  # the model node's ``_target_``: the class ``model_args`` build
     flavor: str  # the model option's published name, or "custom"
     precision: Resolved  # training.mixed_precision as the device runs it, with the reason
     batch: BatchPlan
-    token_data: bool  # a tokenized corpus (False: the family's own samples, e.g. images)
-    fault_tolerant: bool  # one of several torchft replica groups
+    training: TrainingConfig
+    cluster: ClusterConfig
+    data: DataSettings
+    logger: LoggerSettings
+    fault_tolerance: FaultTolerance
+    parametrization: Parametrization
+    eval: Any  # train.eval.PeriodicEval (a layer above: typed loosely here)
+    health: Any  # train.health.settings.Health
+    fault_injection: Any  # train.health.settings.FaultInjection
+    float8: Float8Converter
+    activation_checkpoint: ActivationCheckpointing
+    compiler: Compiler
+    optimizer: dict  # the optimizer node: built over the rank's parameters (train/optimizers.py)
+    lr_scheduler: Callable[..., Any]  # partial: (optimizer, total_steps) -> LRScheduler
+    checkpoint: Callable[..., Any]  # partial: the rank's parts and state -> CheckpointManager
+    profiler: Callable[..., Any]  # partial: the rank's parts -> Profiler or None
+    resolved: dict  # the plain resolved config: logged (W&B) and written to disk, never read for settings
+    dry_run: bool = False
 
     @property
     def shape(self) -> Any:
@@ -62,12 +122,28 @@ class RunSpec:
         return self.precision.value
 
     @property
-    def dry_run(self) -> bool:
-        return bool(self.config.dry_run)
+    def token_data(self) -> bool:
+        return self.data.token_data
+
+    @property
+    def fault_tolerant(self) -> bool:
+        """One of several torchft replica groups."""
+        return self.fault_tolerance.enabled
+
+    @property
+    def model_node(self) -> dict:
+        """The node ``registry.build_model`` builds this run's model from: ``model_target`` with
+        ``model_args``' fields, multipliers included."""
+        return {"_target_": self.model_target, "family": self.family_ref, "flavor": self.flavor,
+                **self.family.args_fields(self.model_args)}
+
+    def with_dims(self, dims: ParallelDims) -> RunSpec:
+        """This run on another layout (``parallelism=auto``'s candidates): the batch plan follows."""
+        return dataclasses.replace(self, dims=dims, batch=batch_plan_of(dims, self.training))
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["family"] = state["config"].model.family  # by name: looked up again in the worker
+        state["family"] = self.family_ref  # by name: looked up again in the worker
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -76,7 +152,7 @@ class RunSpec:
             object.__setattr__(self, key, value)
 
 
-def flavor_of(model: DictConfig) -> str:
+def flavor_of(model: Any) -> str:
     """The model option's published name (``model.flavor``), or "custom" for a hand-made shape."""
     return str(model.get("flavor") or "custom")
 
@@ -92,43 +168,65 @@ def world_size_of(cfg: DictConfig) -> int:
     return int(cfg.cluster.nnodes) * int(cfg.cluster.nproc_per_node)
 
 
-def dims_of(cfg: DictConfig, world_size: int) -> ParallelDims:
+def cluster_of(node: DictConfig) -> ClusterConfig:
+    """The ``cluster`` node as its schema dataclass; what nothing else checks (the start method's
+    environment default, the planner's memory headroom) refused in one line."""
+    try:
+        str(node.start_method)  # its default reads TITAN_HYDRA_START_METHOD
+    except Exception as e:  # omegaconf's ValidationError, raised on access
+        raise ConfigError(f"TITAN_HYDRA_START_METHOD={os.environ.get('TITAN_HYDRA_START_METHOD')!r} is not a "
+                          "start method; set it to spawn, fork or forkserver (or unset it)") from e
+    cluster = ClusterConfig(**to_container(node))
+    h = float(cluster.memory_headroom)
+    if not 0.0 <= h < 1.0:
+        raise ConfigError(f"cluster.memory_headroom={h} must be within [0, 1): the fraction of device memory "
+                          "the planner keeps free (0 = none)")
+    return cluster
+
+
+def dims_of(node: DictConfig, world_size: int, ft: FaultTolerance) -> ParallelDims:
     """The ``parallelism`` node's ParallelDims for ``world_size``; torchft replica groups split the batch."""
-    dims = instantiate(cfg.parallelism, world_size=world_size, _convert_="all")
-    ft = instantiate(cfg.fault_tolerance)
+    dims = instantiate(node, world_size=world_size, _convert_="all")
     if ft.enabled:
         dims.replica_groups, dims.replica_group = ft.replica_groups, ft.group
     return dims
 
 
-def parametrized(cfg: DictConfig, family: ModelFamily, args: Any) -> tuple[ModelFamily, Any]:
-    """(family, args) with the ``parametrization`` group's model multipliers (muP's logit and
-    attention scales, CompleteP's residual scale), written into ``cfg.model`` as well: every
-    model built from the node or from the args (the run, its evaluation, a checkpoint's marker,
-    an export) computes the same function. sp sets nothing. Idempotent."""
-    node = OmegaConf.select(cfg, "parametrization", default=None)
-    if node is None:
-        return family, args
-    values = instantiate(node, _convert_="all").model_multipliers(family, args)
-    for key, value in values.items():
-        cfg.model[key] = value
-    return family, with_multipliers(args, values)
+def batch_plan_of(dims: ParallelDims, t: TrainingConfig) -> BatchPlan:
+    global_batch, grad_accum = dims.batch_plan(int(t.local_batch_size), int(t.global_batch_size))
+    return BatchPlan(int(t.local_batch_size), global_batch, grad_accum, int(t.seq_len))
 
 
 def spec_of(cfg: DictConfig) -> RunSpec:
     """The RunSpec of a composed config: its structural errors (degrees that do not multiply to the
-    world size, a model node its family rejects) as one-line ConfigErrors; the cross-field rules
-    are ``validate``'s, which calls this."""
+    world size, a model node its family rejects, a group's own value rules) as one-line
+    ConfigErrors; the cross-field rules are ``validate``'s, which calls this."""
     world_size = world_size_of(cfg)
-    dims = dims_of(cfg, world_size)
-    family, args = parametrized(cfg, *args_of(cfg.model))
-    t = cfg.training
-    global_batch, grad_accum = dims.batch_plan(int(t.local_batch_size), int(t.global_batch_size))
+    cluster = cluster_of(cfg.cluster)
+    training = TrainingConfig(**to_container(cfg.training))
+    ft = instantiate(cfg.fault_tolerance)
+    dims = dims_of(cfg.parallelism, world_size, ft)
+    node = OmegaConf.select(cfg, "parametrization", default=None)  # a hand-made config may lack it: sp
+    parametrization = Parametrization() if node is None else instantiate(node, _convert_="all")
+    family, args = args_of(cfg.model)
+    # muP's logit and attention scales, CompleteP's residual scale (sp: none) go into the args, not
+    # the config: every model of the run (its evaluation, a checkpoint's marker, an export) agrees
+    multipliers = parametrization.model_multipliers(family, args)
+    resolved = run_settings(cfg)
+    resolved["model"].update(multipliers)  # the logged model is the one the run builds
     return RunSpec(
-        config=cfg, world_size=world_size, dims=dims, family=family, model_args=args,
-        flavor=flavor_of(cfg.model),
-        precision=precision_choice_of(cfg),
-        batch=BatchPlan(int(t.local_batch_size), global_batch, grad_accum, int(t.seq_len)),
-        token_data=OmegaConf.select(cfg, "data.tokenizer") is not None,
-        fault_tolerant=cfg.fault_tolerance.name == "torchft",
+        world_size=world_size, dims=dims, family=family, family_ref=str(cfg.model.family),
+        model_args=with_multipliers(args, multipliers), model_target=str(cfg.model._target_), flavor=flavor_of(cfg.model),
+        precision=precision_choice_of(cfg), batch=batch_plan_of(dims, training),
+        training=training, cluster=cluster, data=DataSettings(resolved["data"]),
+        logger=LoggerSettings(resolved["logger"], resolved.get("run_name"), tuple(resolved.get("tags") or ())),
+        fault_tolerance=ft, parametrization=parametrization,
+        eval=instantiate(cfg.eval), health=instantiate(cfg.health), fault_injection=instantiate(cfg.fault_injection),
+        float8=instantiate(cfg.float8, _convert_="all"),
+        activation_checkpoint=instantiate(cfg.activation_checkpoint), compiler=instantiate(cfg.compile),
+        optimizer=resolved["optimizer"],
+        lr_scheduler=instantiate(cfg.lr_scheduler, _convert_="all"),
+        checkpoint=instantiate(cfg.checkpoint, _convert_="all"),
+        profiler=instantiate(cfg.profiling, _convert_="all"),
+        resolved=resolved, dry_run=bool(cfg.dry_run),
     )

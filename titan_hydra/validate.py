@@ -6,7 +6,6 @@ Each rule raises ConfigError with one line: what is wrong, and which key fixes i
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -17,10 +16,7 @@ from titan_hydra.data import dataset as token_data
 from titan_hydra.data.mixture import check_sources
 from titan_hydra.data.tokenizer import Tokenizer
 from titan_hydra.errors import ConfigError, DataError, check_writable_dir  # check_writable_dir: also imported from here
-from titan_hydra.errors import instantiate_checked as instantiate
-from titan_hydra.parallel import ac as activation_checkpoint
-from titan_hydra.parallel import compile as compile_rules
-from titan_hydra.parallel import cp, ep, fsdp, pp, tp
+from titan_hydra.layout import check_layout
 from titan_hydra.runtime.device import check_backend, check_device, check_start_method
 from titan_hydra.spec import RunSpec, spec_of
 
@@ -39,21 +35,21 @@ def validate(cfg: DictConfig, environment: bool = True) -> RunSpec:
     run) skips what only the machine that runs it can answer: devices, start method, local paths."""
     _validate_counts(cfg)
     _validate_schedule(cfg.training, cfg.lr_scheduler)
-    spec = spec_of(cfg)  # degrees vs world size, the model node against its family's args
+    spec = spec_of(cfg)  # every group built once: degrees vs world size, the model node, each group's own rules
     check_layout(spec)
-    if OmegaConf.select(cfg, "data.document_mask"):
+    if spec.data.document_mask:
         _validate_document_mask(spec.family, spec.dims)
-    here = environment and not cfg.dry_run  # a dry run sizes a GPU cluster from any machine
+    here = environment and not spec.dry_run  # a dry run sizes a GPU cluster from any machine
     if here:
-        _validate_environment(cfg)
+        _validate_environment(spec)
     if spec.token_data:  # (image data checks itself on build)
         _validate_data(cfg, spec.shape.vocab_size)
-    if cfg.eval.freq or cfg.eval.sample_every or cfg.eval.get("fidelity_every"):
-        instantiate(cfg.eval).check(spec.family)  # lm-eval installed, tasks known, pictures drawable: before any model
+    if spec.eval.enabled:
+        spec.eval.check(spec.family)  # lm-eval installed, tasks known, pictures drawable: before any model
     _validate_ranges(cfg)
     _validate_checkpoint(cfg.checkpoint, spec.world_size, local_paths=here)
     _validate_fault_tolerance(cfg)
-    _validate_health(cfg, spec.world_size)
+    spec.fault_injection.check_ranks(spec.world_size)  # the health settings' own rules ran in spec_of
     _validate_float8(cfg)
     return spec
 
@@ -91,9 +87,8 @@ def _validate_float8(cfg: DictConfig) -> None:
 
 def _validate_fault_tolerance(cfg: DictConfig) -> None:
     ft = cfg.fault_tolerance
-    if ft.name == "none":
+    if ft.name == "none":  # (its own value rules were spec_of's, when it built the group)
         return
-    instantiate(ft)  # its own value rules (name, replica_groups, min_replicas, group, semi_sync), one line each
     if ft.group is not None and not ft.lighthouse:
         raise ConfigError(f"fault_tolerance.group={ft.group} starts that replica group on its own: it needs the "
                           "Lighthouse every group meets at, fault_tolerance.lighthouse=http://host:port "
@@ -102,14 +97,6 @@ def _validate_fault_tolerance(cfg: DictConfig) -> None:
         raise ConfigError("fault_tolerance=torchft on SLURM runs one job per replica group: submit them as a sweep, "
                           "-m fault_tolerance.group=0,1,... with fault_tolerance.lighthouse=http://host:port of a "
                           "Lighthouse you run beside them (torchft_lighthouse --bind 0.0.0.0:<port>)")
-
-
-def _validate_health(cfg: DictConfig, world_size: int) -> None:
-    """The ``health`` and ``fault_injection`` settings' own rules (their ``__post_init__``, one line
-    each) and the faults' ranks against the world size, here: each rank builds them only after it
-    started, and a fault aimed at a missing rank would otherwise run a drill with no fault."""
-    instantiate(cfg.health)
-    instantiate(cfg.fault_injection).check_ranks(world_size)
 
 
 def _validate_document_mask(family, dims) -> None:
@@ -122,46 +109,9 @@ def _validate_document_mask(family, dims) -> None:
                           "or data.document_mask=false")
 
 
-def check_layout(spec: RunSpec) -> None:
-    """The rules the layout (``spec.dims``) must keep for this model and data: the family's own
-    (tp vs heads, pp vs tied embeddings, cp vs image tokens) and each parallelism module's.
-    ``parallelism=auto`` asks the same of every candidate layout."""
-    dims, seq_len = spec.dims, spec.batch.seq_len
-    spec.family.check(spec.model_args, dims, seq_len)
-    spec.family.check_data(spec.model_args, dims, spec.config.data)
-    if spec.token_data and dims.cp > 1 and seq_len % (2 * dims.cp) != 0:
-        raise ConfigError(
-            f"training.seq_len={seq_len} must be divisible by 2*parallelism.cp={2 * dims.cp} "
-            "(causal load balancing splits each sequence into 2*cp chunks); change training.seq_len or parallelism.cp"
-        )
-    validate_parallel_modules(spec)
-
-
-def validate_parallel_modules(spec: RunSpec) -> None:
-    """Each parallelism module's own rules, called with the values they need: a parallel module
-    receives objects and numbers, never the config tree (this function is the one place that reads
-    across groups for them)."""
-    cfg, dims, shape = spec.config, spec.dims, spec.shape
-    compile_mode = str(cfg.compile.mode)
-    ac = cfg.activation_checkpoint
-    fsdp.check_layout(dims)
-    tp.check_layout(dims, device=str(cfg.cluster.device), backend=str(cfg.cluster.backend),
-                    compiled=compile_mode != "none", seq_len=int(cfg.training.seq_len))
-    pp.check_layout(dims, int(shape.n_layers), int(cfg.training.local_batch_size))
-    cp.check_layout(dims, str(cfg.cluster.device))
-    ep.check_layout(dims, int(getattr(shape, "n_experts", 0) or 0))
-    activation_checkpoint.check_settings(str(ac.mode), int(ac.selective_layer_freq))
-    compile_rules.check_settings(compile_mode, str(cfg.compile.backend), dims, str(ac.mode))
-
-
-def _validate_environment(cfg: DictConfig) -> None:
-    c = cfg.cluster
-    try:
-        str(c.start_method)  # its default reads TITAN_HYDRA_START_METHOD
-    except Exception as e:  # omegaconf's ValidationError, raised on access
-        raise ConfigError(f"TITAN_HYDRA_START_METHOD={os.environ.get('TITAN_HYDRA_START_METHOD')!r} is not a "
-                          "start method; set it to spawn, fork or forkserver (or unset it)") from e
-    device = str(c.device)
+def _validate_environment(spec: RunSpec) -> None:
+    """The machine's answers: a visible GPU, a start method and backend it can use."""
+    device, c = str(spec.cluster.device), spec.cluster
     check_device(device)
     check_start_method(device, str(c.start_method))
     check_backend(device, str(c.backend))
@@ -225,22 +175,11 @@ def _validate_ranges(cfg: DictConfig) -> None:
     betas = OmegaConf.select(cfg, "optimizer.betas")
     if betas is not None and not all(0.0 <= float(b) < 1.0 for b in betas):
         raise ConfigError(f"optimizer.betas={list(betas)} must each be within [0, 1)")
-    memory_headroom(cfg.cluster)
     p = cfg.profiling
     if p.enable:
         for key in ("profile_freq", "active"):
             _positive(cfg, f"profiling.{key}")
         _positive(cfg, "profiling.warmup", allow_zero=True)
-
-
-def memory_headroom(cluster: DictConfig) -> float:
-    """``cluster.memory_headroom``, checked: the planner (parallelism=auto, the plan's fit check)
-    reads it before validation runs, so both ask here."""
-    h = float(cluster.memory_headroom)
-    if not 0.0 <= h < 1.0:
-        raise ConfigError(f"cluster.memory_headroom={h} must be within [0, 1): the fraction of device memory "
-                          "the planner keeps free (0 = none)")
-    return h
 
 
 def _validate_checkpoint(c: DictConfig, world_size: int, local_paths: bool) -> None:

@@ -14,10 +14,10 @@ holds what builds nothing (the root, ``training``, ``cluster``: ``schemas``), th
 
 from titan_hydra.config.choice import Choice, choice
 from titan_hydra.config.derive import schema_from
-from titan_hydra.config.plain import plain, to_container
+from titan_hydra.config.plain import plain, run_settings, to_container
 from titan_hydra.config.precision import mixed_precision_of, precision_choice_of
 from titan_hydra.config.run_dir import run_subdir
 from titan_hydra.config.schemas import ClusterConfig, TrainingConfig, register_resolvers, root_schema
 
-__all__ = ["Choice", "choice", "schema_from", "plain", "to_container", "mixed_precision_of",
+__all__ = ["Choice", "choice", "schema_from", "plain", "run_settings", "to_container", "mixed_precision_of",
            "precision_choice_of", "run_subdir", "ClusterConfig", "TrainingConfig", "register_resolvers", "root_schema"]

@@ -23,7 +23,7 @@ from titan_hydra.launch.run_lock import RunDirLock, owns_run
 from titan_hydra.launch.slurm import export_dist_env, in_slurm_step, in_submitit_job, submit
 from titan_hydra.launch.submitit_jobs import JobFailed
 from titan_hydra.launch.sweep import apply_sweep_identity
-from titan_hydra.planner.auto import resolve_auto
+from titan_hydra.launch.resolve import resolve_auto
 from titan_hydra.planner.plan import plan
 from titan_hydra.runtime.fault_tolerance import GROUP_ENV
 from titan_hydra.train.pretrain import run
@@ -62,7 +62,7 @@ def launch(cfg: DictConfig, run_dir: str | None = None) -> float | None:
     # torchft: this process starts the replica groups (each a launch.py run of its own)
     # (a rank that torchrun started is already inside its group: TITAN_HYDRA_FT_GROUP, or group 0)
     # (fault_tolerance.group=<g>: this launch is that one group, started on its own)
-    ft_groups = (spec.fault_tolerant and cfg.fault_tolerance.group is None
+    ft_groups = (spec.fault_tolerant and not spec.fault_tolerance.starts_alone
                  and GROUP_ENV not in os.environ and "LOCAL_RANK" not in os.environ)
     lock = RunDirLock(run_dir)
     try:

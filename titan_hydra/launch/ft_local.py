@@ -22,10 +22,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from omegaconf import DictConfig
 
 from titan_hydra.errors import RankFailed, UserError
-from titan_hydra.runtime.fault_tolerance import GROUP_ENV, LIGHTHOUSE_ENV, START_BARRIER_ENV, check_lighthouse
+from titan_hydra.runtime.fault_tolerance import (
+    GROUP_ENV, LIGHTHOUSE_ENV, START_BARRIER_ENV, FaultTolerance, check_lighthouse,
+)
 from titan_hydra.runtime.rendezvous import free_port
 from titan_hydra.runtime.threads import launches_env, threads_here
 from titan_hydra.spec import RunSpec
@@ -48,7 +49,7 @@ def lighthouse_binary() -> str:
     return found
 
 
-def start_lighthouse(ft: DictConfig, log: Path) -> tuple[subprocess.Popen, str]:
+def start_lighthouse(ft: FaultTolerance, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [lighthouse_binary(), "--min_replicas", str(int(ft.min_replicas)), "--quorum_tick_ms", "100",
            "--join_timeout_ms", str(int(ft.join_timeout_ms)), "--bind", f"127.0.0.1:{port}"]
@@ -59,8 +60,7 @@ def start_lighthouse(ft: DictConfig, log: Path) -> tuple[subprocess.Popen, str]:
 def run_groups(spec: RunSpec, run_dir: str, overrides: list[str]) -> dict[str, Any]:
     """Start the Lighthouse and every group (each a ``launch.py`` run of its own, with the same
     ``overrides``), restart groups that fail, return group 0's summary."""
-    cfg = spec.config
-    ft = cfg.fault_tolerance
+    ft, cluster = spec.fault_tolerance, spec.cluster
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     if ft.lighthouse:
         check_lighthouse(str(ft.lighthouse))
@@ -74,7 +74,7 @@ def run_groups(spec: RunSpec, run_dir: str, overrides: list[str]) -> dict[str, A
     barrier.mkdir(parents=True)
     # the groups share this host's cores: each of their processes gets its share, not all of them
     shared = launches_env(int(ft.replica_groups))
-    threads = threads_here(cfg.cluster.threads_per_proc, local_processes=int(cfg.cluster.nproc_per_node),
+    threads = threads_here(cluster.threads_per_proc, local_processes=int(cluster.nproc_per_node),
                            environ={**os.environ, **shared})
     shared["OMP_NUM_THREADS"] = str(threads.n)
 

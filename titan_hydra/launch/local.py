@@ -25,15 +25,15 @@ import uuid
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from titan_hydra.config import ClusterConfig
 from titan_hydra.errors import RankFailed, UserError
 from titan_hydra.runtime.rendezvous import free_port
 from titan_hydra.runtime.threads import exported, threads_here
 from titan_hydra.spec import RunSpec
 from titan_hydra.train.health.watchdog import HANG_EXIT_CODE
-from titan_hydra.train.pretrain import build_dataset
+from titan_hydra.train.services import build_dataset
 
 
 # The per-rank program the workers run, as "module:function" (a string pickles to any start
@@ -67,8 +67,8 @@ def worker_main(spec: RunSpec, run_dir: str, return_state: bool = False, program
     gc.enable()
     # A forked worker keeps the launcher's thread count (OMP_NUM_THREADS is read once, at import)
     # and Hydra's logging (console format, the launcher's log file): make it a fresh worker's.
-    torch.set_num_threads(threads_here(spec.config.cluster.threads_per_proc).n)  # its share (LOCAL_WORLD_SIZE)
-    if str(spec.config.cluster.start_method) == "fork":
+    torch.set_num_threads(threads_here(spec.cluster.threads_per_proc).n)  # its share (LOCAL_WORLD_SIZE)
+    if str(spec.cluster.start_method) == "fork":
         for handler in list(logging.root.handlers):
             logging.root.removeHandler(handler)
         logging.root.setLevel(logging.WARNING)
@@ -91,16 +91,16 @@ def run_local(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    cfg = spec.config
-    if int(cfg.cluster.nnodes) != 1:
+    cluster = spec.cluster
+    if int(cluster.nnodes) != 1:
         raise UserError(
-            f"cluster.nnodes={cfg.cluster.nnodes} needs a multi-node launcher; use a slurm cluster "
+            f"cluster.nnodes={cluster.nnodes} needs a multi-node launcher; use a slurm cluster "
             "or start each node with torchrun"
         )
     # Forked workers inherit the tokenizer's thread pool state; this keeps HF tokenizers from
     # warning about it in every worker (they tokenize little: the cache below did the work).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if str(cfg.cluster.start_method) == "forkserver":
+    if str(cluster.start_method) == "forkserver":
         # The server imports the program once (a clean, single-threaded process) and forks
         # every worker from it: one import per launch instead of one per rank. torch._dynamo too,
         # which every rank would import when it first makes a tensor on the meta device. Started
@@ -110,11 +110,11 @@ def run_local(
         from multiprocessing import forkserver
 
         forkserver.ensure_running()
-    build_dataset(cfg.data)  # fills the token cache; bad data fails here, before any worker starts
+    build_dataset(spec.data)  # fills the token cache; bad data fails here, before any worker starts
     _quiet_join_tracebacks()
-    entry = elastic_launch(launch_config_of(cfg.cluster), worker_main)
+    entry = elastic_launch(launch_config_of(cluster), worker_main)
     # torch elastic hands the workers this process's OMP_NUM_THREADS: make it their share of the cores
-    threads = threads_here(cfg.cluster.threads_per_proc, local_processes=int(cfg.cluster.nproc_per_node))
+    threads = threads_here(cluster.threads_per_proc, local_processes=int(cluster.nproc_per_node))
     try:
         with exported({"OMP_NUM_THREADS": str(threads.n)}):
             results = entry(spec, run_dir, return_state, program or DEFAULT_PROGRAM)
@@ -123,7 +123,7 @@ def run_local(
     return results[0]
 
 
-def launch_config_of(cluster: DictConfig):
+def launch_config_of(cluster: ClusterConfig):
     """One node, c10d rendezvous on a free local port, spawned workers."""
     from torch.distributed.launcher.api import LaunchConfig
 

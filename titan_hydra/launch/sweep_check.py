@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 
 from titan_hydra.errors import UserError
 from titan_hydra.launch.slurm_check import check_slurm
-from titan_hydra.planner.auto import resolve_auto
+from titan_hydra.launch.resolve import resolve_auto
 from titan_hydra.validate import validate
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"

@@ -89,3 +89,10 @@ def build_model(model_cfg: Any) -> tuple[ModelFamily, Any]:
     node = {k: v for k, v in model_node(model_cfg).items() if k not in ("family", "flavor")}
     return family, instantiate(node, _convert_="all")
 
+
+def model_from_args(target: str, family: ModelFamily, args: Any) -> Any:
+    """The model class ``target`` names, built from ``args`` (on the current default device): the
+    run's model with whatever the args carry that its config node does not (a parametrization's
+    multipliers)."""
+    return instantiate({"_target_": target, **family.args_fields(args)}, _convert_="all")
+

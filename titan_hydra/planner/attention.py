@@ -23,9 +23,9 @@ def small_head_kernel_applies(spec: RunSpec, dtype: torch.dtype = torch.bfloat16
     """Whether ``training.attention_kernel`` would install the small-head kernel (its policy's
     static conditions: CPU, 16-wide heads, no context parallel, not forced to SDPA; under auto,
     also this CPU's measurement of the kernel against SDPA)."""
-    cfg, args = spec.config, spec.shape
-    choice = str(cfg.training.attention_kernel)
-    if choice == "sdpa" or str(cfg.cluster.device) != "cpu" or args.head_dim != HEAD_DIM or spec.dims.cp != 1:
+    args = spec.shape
+    choice = str(spec.training.attention_kernel)
+    if choice == "sdpa" or str(spec.cluster.device) != "cpu" or args.head_dim != HEAD_DIM or spec.dims.cp != 1:
         return False
     return choice == "small_head" or auto_picks_kernel(args.n_heads, spec.batch.seq_len, dtype)
 
@@ -35,10 +35,10 @@ def fp32_attention_bytes(spec: RunSpec, tokens: float, layers: int) -> float:
 
     The small-head CPU kernel (kernels/attention_policy.py) replaces the upcast where it applies:
     it widens bf16 q/k/v inside and saves only them, the output and an fp32 logsumexp, as SDPA."""
-    cfg, args, mp, tp = spec.config, spec.shape, spec.mixed_precision, spec.dims.tp
-    ac = cfg.activation_checkpoint
-    mode = str(cfg.training.attention_precision)
-    if mp != "bf16" or attention_dtype(mode, mp, cfg.cluster.device, args.head_dim, spec.batch.seq_len) is None:
+    args, mp, tp = spec.shape, spec.mixed_precision, spec.dims.tp
+    ac = spec.activation_checkpoint
+    mode = str(spec.training.attention_precision)
+    if mp != "bf16" or attention_dtype(mode, mp, str(spec.cluster.device), args.head_dim, spec.batch.seq_len) is None:
         return 0.0
     if small_head_kernel_applies(spec, torch.float32):  # the upcast SDPA it would replace
         return 0.0
@@ -46,6 +46,6 @@ def fp32_attention_bytes(spec: RunSpec, tokens: float, layers: int) -> float:
     if ac.mode in ATTN_FP32_EXTRA:  # none / selective_op: every block keeps its copies
         return layers * per_block * ATTN_FP32_EXTRA[ac.mode]
     if ac.mode == "selective_layer":
-        plain = layers - math.ceil(layers / max(int(ac.selective_layer_freq), 1))
+        plain = layers - math.ceil(layers / max(ac.freq, 1))
         return max(plain, 1) * per_block * ATTN_FP32_EXTRA["none"]
     return per_block * ATTN_FP32_EXTRA["none"]  # full: the one block being recomputed

@@ -25,27 +25,24 @@ How the choice is made:
     link its group spans. Within ``TIE_TOLERANCE`` of the best, fewer model-parallel
     dimensions win (the model is rough; a simpler layout is the safer bet).
 
-The chosen degrees are written into ``cfg.parallelism`` and its ``name`` becomes
-``auto:<degrees>``, which records the choice in the run's logged config and makes a second
-call (a SLURM task re-entering ``launch``) a no-op.
+Candidates are the spec's own dims with the degrees replaced (``RunSpec.with_dims``): nothing is
+composed or copied per candidate. The launcher writes the chosen degrees into the config
+(``launch/resolve.py``), which records the choice in the run's logged config.
 """
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
 
-from omegaconf import DictConfig, OmegaConf, open_dict
-
 from titan_hydra.errors import ConfigError, UserError
-from titan_hydra.models.registry import args_of
+from titan_hydra.layout import check_layout
 from titan_hydra.planner.devices import device_memory_of, peak_tflops_of, usable_memory_of
 from titan_hydra.planner.plan import ASSUMED_MFU, plan
 from titan_hydra.planner.shape import stage_params
-from titan_hydra.spec import RunSpec, flavor_of, spec_of, world_size_of
-from titan_hydra.validate import check_layout
+from titan_hydra.spec import RunSpec
 
 CP_MIN_SEQ_LEN = 32768  # consider context parallel only above this sequence length
 TIE_TOLERANCE = 0.02  # candidates within 2% of the best estimate count as tied
@@ -85,30 +82,27 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def topology(cfg: DictConfig) -> tuple[int, int]:
+def topology(spec: RunSpec) -> tuple[int, int]:
     """(nodes, ranks per node) of this run; the world size comes from the environment under torchrun."""
-    world, per_node = world_size_of(cfg), int(cfg.cluster.nproc_per_node)
+    world, per_node = spec.world_size, int(spec.cluster.nproc_per_node)
     if per_node < 1 or world % per_node:
         return 1, world
     return world // per_node, per_node
 
 
-def pp_microbatches_for(cfg: DictConfig, pp: int) -> int | None:
+def pp_microbatches_for(spec: RunSpec, pp: int) -> int | None:
     """The user's value, else one microbatch per sample (smallest bubble and in-flight memory)."""
-    if pp == 1:
-        return cfg.parallelism.pp_microbatches
-    if cfg.parallelism.pp_microbatches:
-        return int(cfg.parallelism.pp_microbatches)
-    return int(cfg.training.local_batch_size)
+    if pp == 1 or spec.dims.pp_microbatches:
+        return spec.dims.pp_microbatches
+    return spec.batch.local
 
 
-def enumerate_candidates(cfg: DictConfig) -> list[Candidate]:
+def enumerate_candidates(spec: RunSpec) -> list[Candidate]:
     """Every layout that respects the topology rules (TP in a node, PP across nodes)."""
-    nodes, per_node = topology(cfg)
-    family, args = args_of(cfg.model)
-    m = family.shape(args)
+    nodes, per_node = topology(spec)
+    m = spec.shape
     heads = math.gcd(m.n_heads, m.n_kv_heads)
-    long_seq = int(cfg.training.seq_len) > CP_MIN_SEQ_LEN
+    long_seq = spec.batch.seq_len > CP_MIN_SEQ_LEN
     out = []
     for pp in divisors(nodes):
         if pp > int(m.n_layers):
@@ -119,7 +113,7 @@ def enumerate_candidates(cfg: DictConfig) -> list[Candidate]:
             for cp in divisors(per_node // tp) if long_seq else [1]:
                 in_node = per_node // (tp * cp)  # data-parallel ranks inside one node
                 groups = nodes // pp  # nodes per pipeline stage
-                mb = pp_microbatches_for(cfg, pp)
+                mb = pp_microbatches_for(spec, pp)
                 shapes = [(1, in_node * groups)]
                 if groups > 1:  # HSDP: shard inside the node, replicate across nodes
                     shapes.append((groups, in_node))
@@ -137,20 +131,11 @@ def expert_degrees(n_experts: int, shard_ranks: int, tp: int) -> list[int]:
     return [d for d in divisors(shard_ranks) if n_experts % d == 0]
 
 
-def candidate_cfg(cfg: DictConfig, c: Candidate) -> DictConfig:
-    """A copy of ``cfg`` with the candidate's degrees."""
-    new = copy.deepcopy(cfg)
-    set_degrees(new, c)
-    return new
-
-
-def set_degrees(cfg: DictConfig, c: Candidate) -> None:
-    with open_dict(cfg):
-        for k, v in c.degrees().items():
-            if k != "ep" or v > 1 or "ep" in cfg.parallelism:
-                cfg.parallelism[k] = v
-        cfg.parallelism.pp_microbatches = c.pp_microbatches
-        cfg.parallelism.name = "auto:" + c.describe(",")
+def candidate_spec(spec: RunSpec, c: Candidate) -> RunSpec:
+    """The run on the candidate's layout; ConfigError when its degrees or batch plan do not hold."""
+    dims = dataclasses.replace(spec.dims, **c.degrees(), pp_microbatches=c.pp_microbatches,
+                               name="auto:" + c.describe(","))
+    return spec.with_dims(dims)
 
 
 def layout_problem(spec: RunSpec) -> str:
@@ -164,19 +149,18 @@ def layout_problem(spec: RunSpec) -> str:
 
 def estimated_step_time(spec: RunSpec, p) -> float:
     """Seconds per step: compute at ``ASSUMED_MFU`` (``plan``) + what the layout adds."""
-    cfg, dims, args = spec.config, spec.dims, spec.shape
-    t = cfg.training
+    dims, args = spec.dims, spec.shape
     compute = p.flops_per_step / dims.world_size / (ASSUMED_MFU * NOMINAL_PEAK_TFLOPS * 1e12)
     if p.step_time_s_at_mfu40 is not None:
         compute = p.step_time_s_at_mfu40
-    intra, inter = LINK_BYTES_PER_S.get(str(cfg.cluster.device), LINK_BYTES_PER_S["cpu"])
-    nodes, per_node = topology(cfg)
+    intra, inter = LINK_BYTES_PER_S.get(str(spec.cluster.device), LINK_BYTES_PER_S["cpu"])
+    nodes, per_node = topology(spec)
     if dims.pp > 1:  # slowest stage sets the pace; 1F1B-style bubble (pp-1)/(m+pp-1)
         m = dims.pp_microbatches or dims.pp
         imbalance = math.ceil(args.n_layers / dims.pp) / (args.n_layers / dims.pp)
         compute *= imbalance * (m + dims.pp - 1) / m
     layers = math.ceil(args.n_layers / dims.pp)
-    tokens = t.local_batch_size * t.seq_len / dims.cp * p.grad_accum_steps  # per rank per step
+    tokens = spec.batch.local * spec.batch.seq_len / dims.cp * p.grad_accum_steps  # per rank per step
     exposed = 0.0
     if dims.tp > 1:  # SP: all-gather + reduce-scatter around attention and FFN, fwd and bwd
         act = tokens * args.dim * 2
@@ -204,11 +188,10 @@ def estimated_step_time(spec: RunSpec, p) -> float:
     return max(compute, overlapped) + exposed
 
 
-def evaluate(cfg: DictConfig, c: Candidate) -> Candidate:
+def evaluate(base: RunSpec, c: Candidate) -> Candidate:
     """Fill memory, fit and estimated tokens/s of one candidate (or why it is invalid)."""
-    ccfg = candidate_cfg(cfg, c)
     try:
-        spec = spec_of(ccfg)  # degrees vs world size, batch plan
+        spec = candidate_spec(base, c)  # degrees vs world size, batch plan
     except UserError as e:
         c.invalid = str(e).splitlines()[0]
         return c
@@ -218,6 +201,11 @@ def evaluate(cfg: DictConfig, c: Candidate) -> Candidate:
     c.fits = p.fits
     c.tokens_per_s = p.tokens_per_step / estimated_step_time(spec, p)
     return c
+
+
+def candidates(spec: RunSpec) -> list[Candidate]:
+    """Every candidate layout of the run, evaluated."""
+    return [evaluate(spec, c) for c in enumerate_candidates(spec)]
 
 
 def choose(cands: list[Candidate]) -> Candidate | None:
@@ -261,44 +249,42 @@ def is_launcher_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def resolve_auto(cfg: DictConfig) -> DictConfig:
-    """Replace ``parallelism=auto`` by concrete degrees (in place); other layouts pass through."""
-    if OmegaConf.select(cfg, "parallelism.name") != "auto":
-        return cfg
-    cands = [evaluate(cfg, c) for c in enumerate_candidates(cfg)]
-    usable = usable_memory_of(cfg.cluster)
+def choose_layout(spec: RunSpec) -> Candidate:
+    """``parallelism=auto``'s layout for the run ``spec`` describes (its dims' degrees are
+    replaced); the launching rank prints the candidates and why; ConfigError when none fits."""
+    cands = candidates(spec)
+    usable = usable_memory_of(spec.cluster)
     chosen = choose(cands)
     if chosen is None:
-        raise ConfigError(no_fit_message(cfg, cands))
+        raise ConfigError(no_fit_message(spec, cands))
     if is_launcher_rank():
         print(f"parallelism=auto candidates ({len(cands)}):\n{table(cands, usable)}", flush=True)
         if usable is not None:
-            print(f"parallelism=auto memory: {budget(cfg)}", flush=True)
-        peak = peak_tflops_of(cfg.cluster) is not None
+            print(f"parallelism=auto memory: {budget(spec)}", flush=True)
+        peak = peak_tflops_of(spec.cluster) is not None
         print(f"parallelism=auto chose {chosen.describe()}: {reason(chosen, cands, peak)}", flush=True)
-    set_degrees(cfg, chosen)
-    return cfg
+    return chosen
 
 
-def budget(cfg: DictConfig) -> str:
+def budget(spec: RunSpec) -> str:
     """The fit check's limit in words: device memory, headroom, what is left."""
-    c = cfg.cluster
+    c = spec.cluster
     return (f"estimated peak per rank <= {usable_memory_of(c):.1f} GiB usable ({device_memory_of(c):.0f} GiB device, "
             f"cluster.memory_headroom={c.memory_headroom} kept free)")
 
 
-def no_fit_message(cfg: DictConfig, cands: list[Candidate]) -> str:
-    nodes, per_node = topology(cfg)
+def no_fit_message(spec: RunSpec, cands: list[Candidate]) -> str:
+    nodes, per_node = topology(spec)
     valid = [c for c in cands if not c.invalid]
     if not valid:  # every layout breaks a launch rule (memory was not the problem)
         why = f": {cands[0].describe()} is refused ({cands[0].invalid})" if cands else ""
-        return f"parallelism=auto found no valid layout for model={flavor_of(cfg.model)} on {nodes}x{per_node} devices{why}"
+        return f"parallelism=auto found no valid layout for model={spec.flavor} on {nodes}x{per_node} devices{why}"
     best = min(valid, key=lambda c: c.mem_gib)
     return (
-        f"parallelism=auto: model={flavor_of(cfg.model)} does not fit on {nodes}x{per_node} devices: the "
+        f"parallelism=auto: model={spec.flavor} does not fit on {nodes}x{per_node} devices: the "
         f"smallest layout ({best.describe()}) needs {best.mem_gib:.1f} GiB/rank, the device has "
-        f"{device_memory_of(cfg.cluster):.0f} GiB of which {usable_memory_of(cfg.cluster):.1f} GiB usable "
-        f"(cluster.memory_headroom={cfg.cluster.memory_headroom}); add nodes (cluster.nnodes), set "
+        f"{device_memory_of(spec.cluster):.0f} GiB of which {usable_memory_of(spec.cluster):.1f} GiB usable "
+        f"(cluster.memory_headroom={spec.cluster.memory_headroom}); add nodes (cluster.nnodes), set "
         "activation_checkpoint=full, or lower training.local_batch_size (or, at the risk of an OOM, "
         "cluster.memory_headroom)"
     )

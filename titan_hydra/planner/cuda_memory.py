@@ -101,10 +101,10 @@ class StepTerms:
 
 def step_terms(spec: RunSpec) -> StepTerms:
     """What FSDP unshards and what AC recomputes, from the run's groups and its layout."""
-    cfg, dims, args = spec.config, spec.dims, spec.shape
+    dims, args = spec.dims, spec.shape
     tp = dims.tp
-    f8 = cfg.float8
-    fp8_gather = bool(str(f8.recipe) != "none" and f8.enable_fsdp_float8_all_gather)
+    f8 = spec.float8
+    fp8_gather = bool(f8.enabled and f8.enable_fsdp_float8_all_gather)
     # One block as FSDP unshards it: for MoE the largest (a MoE block with its 1/ep of the routed
     # experts); per layer on average for what a pipeline stage holds unsharded.
     ep = int(getattr(dims, "ep", 1))
@@ -117,11 +117,11 @@ def step_terms(spec: RunSpec) -> StepTerms:
     if not dims.fsdp_enabled:
         block_w = 0.0  # the local params are already whole; counted in the static state
     root_w = (args.embedding_params + args.head_params) / tp * 2 if dims.fsdp_enabled else 0.0
-    ac = cfg.activation_checkpoint
-    mode = str(ac.mode)
+    ac = spec.activation_checkpoint
+    mode = ac.mode
     return StepTerms(
         tp=tp, ac_mode="none" if mode == "selective_layer" else mode,
-        sac_policy=str(ac.selective_op_policy), compiled=str(cfg.compile.mode) != "none",
+        sac_policy=ac.policy, compiled=spec.compiler.enabled,
         fsdp=bool(dims.fsdp_enabled), weight_bytes=w_bytes, block_weights=block_w, root_weights=root_w,
         block_grads=blk / tp * (2 + 4), layer_params=avg_blk,
     )

@@ -7,16 +7,15 @@ peak is written down once.
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
 
 from titan_hydra.metrics.throughput import PEAK_TFLOPS
-from titan_hydra.validate import memory_headroom
+from titan_hydra.config import ClusterConfig
 
 # Device memory (GiB) by GPU name in cluster.name / cluster.constraint.
 DEVICE_MEMORY_GIB = {"h200": 141.0, "h100": 80.0, "a100": 80.0, "b200": 180.0, "l40s": 48.0}
 
 
-def device_memory_of(c: DictConfig) -> float | None:
+def device_memory_of(c: ClusterConfig) -> float | None:
     """GiB of one device of the ``cluster`` node: ``gpu_mem_gib``, else by the GPU's name; None on CPU."""
     if c.device != "cuda":
         return None
@@ -29,14 +28,14 @@ def device_memory_of(c: DictConfig) -> float | None:
     return None
 
 
-def usable_memory_of(c: DictConfig) -> float | None:
+def usable_memory_of(c: ClusterConfig) -> float | None:
     """GiB a rank's estimated peak may use: the device's memory less ``cluster.memory_headroom``
     (the estimator's measured error; config/schemas.py says how it was derived); None on CPU."""
     device = device_memory_of(c)
-    return None if device is None else device * (1 - memory_headroom(c))
+    return None if device is None else device * (1 - float(c.memory_headroom))
 
 
-def peak_tflops_of(c: DictConfig) -> float | None:
+def peak_tflops_of(c: ClusterConfig) -> float | None:
     """Dense bf16 peak per device in TFLOP/s: ``cluster.peak_tflops`` if set, else on CUDA the
     ``PEAK_TFLOPS`` entry whose GPU name appears in cluster.name / cluster.constraint (longest name
     first, as metrics/throughput.py matches device names); None when unknown (CPU)."""

@@ -33,7 +33,6 @@ from titan_hydra.planner.devices import device_memory_of, peak_tflops_of, usable
 from titan_hydra.planner.runtime import TITAN_HYDRA, Runtime
 from titan_hydra.planner.shape import largest_block_params, stage_params
 from titan_hydra.spec import RunSpec
-from titan_hydra.validate import memory_headroom
 
 GIB = 1024**3
 ASSUMED_MFU = 0.4  # the model FLOP utilization a plan's step time assumes (Plan.step_time_s_at_mfu40)
@@ -140,10 +139,10 @@ def plan(spec: RunSpec, runtime: Runtime = TITAN_HYDRA) -> Plan:
     at the start of backward), and a third candidate peak at the end of backward (sharded grads
     + one unsharded group being reduce-scattered).
     """
-    cfg, dims, family, margs, args = spec.config, spec.dims, spec.family, spec.model_args, spec.shape
+    dims, family, margs, args, cluster = spec.dims, spec.family, spec.model_args, spec.shape, spec.cluster
     mp, seq_len = spec.mixed_precision, spec.batch.seq_len
-    seq = family.sample_tokens(margs, cfg.data, seq_len)  # positions per sample
-    per_sample = family.flops_per_sample(margs, cfg.data, seq_len)
+    seq = family.sample_tokens(margs, spec.data.node, seq_len)  # positions per sample
+    per_sample = family.flops_per_sample(margs, spec.data.node, seq_len)
     fpt = per_sample / seq
     global_bs, accum = spec.batch.global_, spec.batch.grad_accum
     tokens = global_bs * seq
@@ -151,11 +150,11 @@ def plan(spec: RunSpec, runtime: Runtime = TITAN_HYDRA) -> Plan:
     ep = int(getattr(dims, "ep", 1))
     a2a = alltoall_bytes(args, precision_kind(mp, dims.fsdp_enabled), spec.batch.local * seq / dims.cp * accum,
                          math.ceil(args.moe_layers / dims.pp), ep)
-    peak_tflops = peak_tflops_of(cfg.cluster)
+    peak_tflops = peak_tflops_of(cluster)
     flops_rank = fpt * tokens / dims.world_size
     step_time = flops_rank / (ASSUMED_MFU * peak_tflops * 1e12) if peak_tflops else None
     per_unit = family.objective.unit == "token"
-    device_gib = device_memory_of(cfg.cluster)
+    device_gib = device_memory_of(cluster)
     return Plan(
         flavor=spec.flavor, params=args.params,
         active_params=args.active_params, non_embedding_params=args.params - args.embedding_params,
@@ -163,9 +162,9 @@ def plan(spec: RunSpec, runtime: Runtime = TITAN_HYDRA) -> Plan:
         layout=layout_label(dims, ep), grad_accum_steps=accum, mem_params_gib=mem.params / GIB,
         mem_grads_gib=mem.grads / GIB, mem_optimizer_gib=mem.optimizer / GIB,
         mem_activations_gib=mem.activations / GIB, mem_total_gib=mem.peak / GIB,
-        mixed_precision=mp, ac_mode=str(cfg.activation_checkpoint.mode), mem_transient_gib=mem.transient / GIB,
-        device_memory_gib=device_gib, memory_headroom=memory_headroom(cfg.cluster),
-        usable_memory_gib=usable_memory_of(cfg.cluster),
+        mixed_precision=mp, ac_mode=spec.activation_checkpoint.mode, mem_transient_gib=mem.transient / GIB,
+        device_memory_gib=device_gib, memory_headroom=float(cluster.memory_headroom),
+        usable_memory_gib=usable_memory_of(cluster),
         tflops_per_rank_at_mfu40=ASSUMED_MFU * peak_tflops if peak_tflops else 0.0, step_time_s_at_mfu40=step_time,
         expert_parallel=ep, alltoall_gib_per_step=a2a / GIB, unit=family.objective.unit,
         flops_per_unit=fpt if per_unit else per_sample, units_per_step=tokens if per_unit else global_bs,
@@ -192,8 +191,8 @@ class RankMemory:
 
 def rank_memory(spec: RunSpec, runtime: Runtime, seq: int) -> RankMemory:
     """Per-rank memory of a step (``plan``'s docstring) for ``seq`` positions per sample."""
-    cfg, dims, args, mp = spec.config, spec.dims, spec.shape, spec.mixed_precision
-    ac = cfg.activation_checkpoint
+    dims, args, mp = spec.dims, spec.shape, spec.mixed_precision
+    ac = spec.activation_checkpoint
     fsdp_shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
     params_local = stage_params(args, dims.pp) / dims.tp / fsdp_shard
     mem_params = params_local * 4  # fp32 master weights
@@ -204,14 +203,14 @@ def rank_memory(spec: RunSpec, runtime: Runtime, seq: int) -> RankMemory:
     act = saved_activation_bytes(spec, kind, local_tokens, params_local)
     transient, end_of_backward = fsdp_unsharded_bytes(args, dims, kind, mem_grads)
     optimizer_step = optimizer_step_bytes(spec, params_local, mem_grads, fsdp_shard)
-    if cfg.cluster.device == "cuda" and kind == "bf16_params":
+    if spec.cluster.device == "cuda" and kind == "bf16_params":
         # CUDA: what the run holds (cuda_dynamic_peak) times the caching allocator's reserve.
         dyn, unsharded = cuda_dynamic_peak(spec, runtime, seq_len=seq)
         dyn += math.ceil(args.moe_layers / dims.pp) * moe_activation_bytes(args, kind, ac.mode, local_tokens)
         dyn += math.ceil(args.linear_layers / dims.pp) * linear_attention_bytes(args, kind, ac.mode, local_tokens,
                                                                                 dims.tp)
         act, transient = dyn - unsharded, unsharded
-        compiled = str(cfg.compile.mode) != "none"
+        compiled = spec.compiler.enabled
         reserve = ALLOCATOR_RESERVE_COMPILED if compiled else ALLOCATOR_RESERVE_EAGER
         peak = mem_params + mem_optim + reserve * max(dyn, optimizer_step, end_of_backward)
     else:
@@ -232,10 +231,9 @@ def in_flight_tokens(local_batch_size: int, seq: int, dims) -> float:
 def saved_activation_bytes(spec: RunSpec, kind: str, local_tokens: float, params_local: float) -> float:
     """Activations saved for backward on one rank (the measured CPU coefficients)."""
     dims, args = spec.dims, spec.shape
-    ac = spec.config.activation_checkpoint
+    ac = spec.activation_checkpoint
     layers = math.ceil(args.n_layers / dims.pp)
-    act = activation_bytes(args, kind, ac.mode, local_tokens, layers, int(ac.selective_layer_freq), dims.tp,
-                           str(ac.selective_op_policy))
+    act = activation_bytes(args, kind, ac.mode, local_tokens, layers, ac.freq, dims.tp, ac.policy)
     act += math.ceil(args.moe_layers / dims.pp) * moe_activation_bytes(args, kind, ac.mode, local_tokens)
     act += math.ceil(args.linear_layers / dims.pp) * linear_attention_bytes(args, kind, ac.mode, local_tokens,
                                                                             dims.tp)
@@ -268,4 +266,4 @@ def optimizer_step_bytes(spec: RunSpec, params_local: float, mem_grads: float, f
     args, dims = spec.shape, spec.dims
     expert_tensor = args.expert_params / max(3 * args.moe_layers, 1)  # one of w1/w2/w3 of a layer
     largest = max(args.embedding_params, args.dim * args.ffn_dim, expert_tensor) / dims.tp / fsdp_shard
-    return mem_grads + 4 * (params_local if spec.config.cluster.device == "cuda" else largest)
+    return mem_grads + 4 * (params_local if spec.cluster.device == "cuda" else largest)

@@ -114,6 +114,12 @@ class FaultTolerance:
             return int(os.environ[GROUP_ENV])
         return int(self._group or 0)
 
+    @property
+    def starts_alone(self) -> bool:
+        """``fault_tolerance.group`` is set: this launch is that one group, meeting the others at the
+        Lighthouse (else the launcher starts every group)."""
+        return self._group is not None
+
     def lighthouse_addr(self) -> str:
         addr = os.environ.get(LIGHTHOUSE_ENV) or self.lighthouse
         if not addr:

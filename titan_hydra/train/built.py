@@ -86,3 +86,35 @@ class BoundEval:
 
     def run(self, step: int, last: bool) -> tuple[dict[str, float], dict[str, tuple[np.ndarray, list[str]]]]:
         return self.evaluator.run(self.model.parts, self.model.family, self.model.args, self.dataset, step, last)
+
+
+@dataclass(frozen=True)
+class Optimization:
+    """The optimizer over this rank's parameters and its LR schedule."""
+
+    optimizer: Any
+    lr_scheduler: Any
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this rank runs: its rank, its device and the layout it is one rank of."""
+
+    rank: int
+    device: torch.device
+    dims: Any  # titan_hydra.parallel.dims.ParallelDims
+
+
+@dataclass(frozen=True)
+class Services:
+    """What runs around the loop's steps. The optional ones (periodic eval, fault tolerance,
+    health, preemption) are null objects when off (``train/nulls.py``), with the same methods."""
+
+    monitors: Monitors
+    checkpointer: Any  # titan_hydra.checkpoint.CheckpointManager
+    periodic_eval: Any  # BoundEval or NoEval
+    fault_tolerance: Any  # runtime.fault_tolerance.FaultTolerance or NoFaultTolerance
+    health: Any  # train.health.monitor.HealthMonitor or NoHealth
+    preemption: Any  # runtime.preemption.Preemption or NoPreemption
+    # per-optimizer-step work returning metrics (the family's, e.g. MoE load balancing; compile's)
+    step_hooks: tuple = ()

@@ -18,7 +18,7 @@ import torch
 
 from titan_hydra.errors import TrainingDiverged
 from titan_hydra.metrics.memory import state_memory_gib
-from titan_hydra.train.built import BoundEval, BuiltModel, DataPlan, Monitors, Schedule
+from titan_hydra.train.built import BuiltModel, DataPlan, Optimization, Placement, Schedule, Services
 from titan_hydra.train.grad_clip import clip_grad_norm_
 
 
@@ -49,24 +49,19 @@ class TrainState:
 
 class Trainer:
     """The loop. ``model.runner`` (``parallel/runner.py`` or ``parallel/pp.py``) runs each
-    microbatch for whatever layout this rank has; ``checkpointer`` (a CheckpointManager holding
-    ``state``), ``preemption`` (a SLURM watcher), ``periodic_eval`` and ``fault_tolerance``
-    (torchft's quorum, gradient average and commit around each step) and ``health``
-    (``train/health``) are None when off."""
+    microbatch for whatever layout this rank has; ``services`` holds the checkpointer (holding
+    ``state``), the monitors and the optional services (periodic eval, torchft's quorum /
+    gradient average / commit around each step, the health checks, a SLURM preemption watcher),
+    which are null objects when off."""
 
-    def __init__(self, *, model: BuiltModel, optimizer: torch.optim.Optimizer,
-                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler, data: DataPlan, dims, schedule: Schedule,
-                 monitors: Monitors, state: TrainState, device: torch.device, checkpointer=None,
-                 preemption=None, step_hooks=(), periodic_eval: BoundEval | None = None,
-                 fault_tolerance=None, health=None) -> None:
-        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
-        self.data, self.dims, self.schedule, self.monitors = data, dims, schedule, monitors
-        self.state, self.device = state, device
-        self.checkpointer, self.preemption = checkpointer, preemption
-        # per-optimizer-step work returning metrics (the family's, e.g. MoE load balancing; compile's)
-        self.step_hooks = list(step_hooks)
-        self.periodic_eval, self.fault_tolerance = periodic_eval, fault_tolerance
-        self.health = health  # a train.health.HealthMonitor: skips bad steps, watches for stragglers and hangs
+    def __init__(self, *, model: BuiltModel, optim: Optimization, data: DataPlan, schedule: Schedule,
+                 services: Services, state: TrainState, where: Placement) -> None:
+        self.model, self.data, self.schedule, self.state = model, data, schedule, state
+        self.optimizer, self.lr_scheduler = optim.optimizer, optim.lr_scheduler
+        self.rank, self.dims, self.device = where.rank, where.dims, where.device
+        self.monitors, self.checkpointer, self.step_hooks = services.monitors, services.checkpointer, services.step_hooks
+        self.periodic_eval, self.fault_tolerance = services.periodic_eval, services.fault_tolerance
+        self.health, self.preemption = services.health, services.preemption
         self.steps = schedule.steps  # a seed-checkpoint run sets it to 0
         self.last_val_loss: float | None = None
 
@@ -79,7 +74,7 @@ class Trainer:
         """The step's micro-batches forward and backward: (their losses, units, data seconds). On a
         recheck step the health monitor runs the same micro-batches again and compares the gradients."""
         step = self.state.step + 1
-        recheck = self.health is not None and self.health.recheck.due(step)
+        recheck = self.health.recheck.due(step)
         losses, batches, tokens, data_time = [], [], 0, 0.0
         for _ in range(self.schedule.grad_accum_steps):
             t0 = time.perf_counter()
@@ -97,21 +92,18 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One optimizer step; the metrics say ``committed: False`` when torchft dropped it."""
         ft = self.fault_tolerance
-        if ft is not None:
-            ft.begin_step()
-        if self.health is not None:
-            self.health.begin_step(self.state.step + 1)
+        ft.begin_step()
+        self.health.begin_step(self.state.step + 1)
         self.optimizer.zero_grad(set_to_none=True)
         losses, tokens, data_time = self.accumulate()
         params = [p for m in self.model.parts for p in m.parameters()]
         local_loss = torch.stack(losses).mean()
-        if ft is not None:  # the other replica groups' gradients (and losses, for the log)
-            ft.reduce_gradients(params)
-            local_loss = ft.mean(local_loss)
+        ft.reduce_gradients(params)  # the other replica groups' gradients (and losses, for the log)
+        local_loss = ft.mean(local_loss)
         grad_norm = clip_grad_norm_(params, self.schedule.max_norm, pp_group=self.dims.pp_group())
         loss = self.dims.global_mean(local_loss)
         # decided from reduced values, so every rank applies or skips the step alike
-        apply = self.health is None or self.health.judge(loss, float(grad_norm.item()))
+        apply = self.health.judge(loss, float(grad_norm.item()))
         lr = self.optimizer.param_groups[0]["lr"]
         # named groups (optimizer.param_groups) with their own LR (Muon's peak differs): lr/<name>
         first_peak = self.optimizer.param_groups[0].get("initial_lr")
@@ -120,7 +112,7 @@ class Trainer:
             if "group_name" in g and g.get("initial_lr") != first_peak}
         for hook in self.step_hooks if apply else ():
             hook_metrics.update(hook())
-        committed = (ft is None or ft.commit()) and apply
+        committed = ft.commit() and apply
         if committed:
             self.optimizer.step()
             self.lr_scheduler.step()
@@ -141,7 +133,7 @@ class Trainer:
             "data_time": data_time,
             "committed": committed,
             **hook_metrics,
-            **(ft.metrics() if ft is not None else {}),
+            **ft.metrics(),
         }
 
     # --- validation ------------------------------------------------------------------
@@ -181,8 +173,7 @@ class Trainer:
             self.state.step += 1
             self.state.losses.append(metrics["loss"])
             step = self.state.step
-            if self.health is not None:
-                self.health.end_step(step)
+            self.health.end_step(step)
             if step % self.schedule.log_freq == 0 or step == self.steps or step == 1:
                 metrics.update(self.monitors.throughput.report())
                 mem = self.monitors.memory.report()
@@ -197,18 +188,16 @@ class Trainer:
                 self.last_val_loss = val["val/loss"]
                 self.monitors.metric_logger.log(val, step)
                 self.monitors.throughput.reset()  # validation time is not training throughput
-            if self.periodic_eval is not None and self.periodic_eval.due(step, step == self.steps):
+            if self.periodic_eval.due(step, step == self.steps):
                 scores, pictures = self.periodic_eval.run(step, step == self.steps)
                 if scores:
                     self.monitors.metric_logger.log(scores, step)
                 for key, (images, captions) in pictures.items():
                     self.monitors.metric_logger.log_images(key, images, step, captions)
                 self.monitors.throughput.reset()
-            if self.checkpointer is not None:
-                self.checkpointer.maybe_save(step, last=step == self.steps)
-            if self.monitors.profiler is not None:
-                self.monitors.profiler.step()
-            if self.preemption is not None and step < self.steps and self.preemption.should_stop():
+            self.checkpointer.maybe_save(step, last=step == self.steps)
+            self.monitors.profiler.step()
+            if step < self.steps and self.preemption.should_stop():
                 self.preemption.save_and_requeue(self.checkpointer, step)  # all ranks; ends this attempt
         return {
             "steps": self.state.step,

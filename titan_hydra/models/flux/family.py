@@ -86,9 +86,9 @@ DEV_GUIDANCE = 3.5
 
 
 def has_image_data(data_cfg: Any) -> bool:
-    """Whether ``data_cfg`` is an image-caption group (an example builder and an image size)."""
-    return (data_cfg is not None and getattr(data_cfg, "examples", None) is not None
-            and getattr(data_cfg, "image_size", None) is not None)
+    """Whether ``data_cfg`` (the data group as a mapping) is an image-caption group (an example
+    builder and an image size)."""
+    return data_cfg is not None and data_cfg.get("examples") is not None and data_cfg.get("image_size") is not None
 
 
 class FluxFamily(ModelFamily, DrawsSamples):
@@ -133,7 +133,7 @@ class FluxFamily(ModelFamily, DrawsSamples):
         """(image, text) tokens of one sample of an image-caption data config, before any data is read."""
         if not has_image_data(data_cfg):
             raise ConfigError(f"{NEEDS_IMAGE_DATA}: set {IMAGE_DATA} ({OWN_IMAGES})")
-        return image_tokens_of(int(data_cfg.image_size)), int(data_cfg.examples.max_text_len)
+        return image_tokens_of(int(data_cfg["image_size"])), int(data_cfg["examples"]["max_text_len"])
 
     def require(self, args: FluxArgs, data_cfg: Any) -> None:
         """Everything this flavor needs from the data config and lacks, named in one line with the
@@ -141,7 +141,7 @@ class FluxFamily(ModelFamily, DrawsSamples):
         missing = []  # (why, the override that supplies it)
         if not has_image_data(data_cfg):
             missing.append((NEEDS_IMAGE_DATA, IMAGE_DATA))
-        examples = getattr(data_cfg, "examples", None) if data_cfg is not None else None
+        examples = data_cfg.get("examples") if data_cfg is not None else None
         guidance = examples.get("guidance") if hasattr(examples, "get") else None
         if args.guidance_embed and guidance is None:
             missing.append(("model.guidance_embed=true (a guidance-distilled flavor like flux_dev) needs the scale "
@@ -152,7 +152,7 @@ class FluxFamily(ModelFamily, DrawsSamples):
         if not has_image_data(data_cfg):
             message += f" ({OWN_IMAGES})"
         if args.guidance_embed:
-            data = getattr(data_cfg, "name", None) if has_image_data(data_cfg) else None
+            data = data_cfg.get("name") if has_image_data(data_cfg) else None
             message += (f", e.g. python launch.py model=flux_dev data={data or 'flux_shapes'} "
                         f"data.examples.guidance={DEV_GUIDANCE} dry_run=true")
         raise ConfigError(message)
@@ -188,7 +188,7 @@ class FluxFamily(ModelFamily, DrawsSamples):
         image and the text tokens of each sample into 2*cp equal chunks."""
         self.require(args, data_cfg)
         image, text = self.tokens_of(data_cfg)
-        guidance = data_cfg.examples.get("guidance") if hasattr(data_cfg.examples, "get") else None
+        guidance = data_cfg["examples"].get("guidance") if hasattr(data_cfg["examples"], "get") else None
         if not args.guidance_embed and guidance is not None:
             raise ConfigError(f"data.examples.guidance={guidance}: model.guidance_embed=false has no guidance "
                               "embedding to feed; set data.examples.guidance=null (or use model=flux_dev)")
