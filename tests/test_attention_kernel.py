@@ -130,7 +130,7 @@ def tiny_llama(n_layers: int = 2) -> Llama3:
 
 @pytest.mark.parametrize("mode,calls_per_block", [("none", 1), ("selective_op", 1), ("full", 2)])
 def test_activation_checkpointing_saves_the_kernel_output(mode, calls_per_block):
-    from titan_hydra.parallel.ac import checkpoint_block
+    from titan_hydra.parallel.activation_checkpoint import checkpoint_block
 
     model = tiny_llama()
     assert apply_attention_kernel(model, "small_head", torch.device("cpu")).name == "small_head"

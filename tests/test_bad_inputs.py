@@ -120,8 +120,8 @@ SEQ = 16
 def manager(run_dir: Path, overrides: list[str] = (), loader=None, world_size: int = 1, **settings) -> CheckpointManager:
     """A CheckpointManager over the TINY model of ``overrides`` (one process, a real optimizer state)."""
     from titan_hydra.models.registry import args_of, build_model
-    from titan_hydra.parallel.dims import ParallelDims
-    from titan_hydra.train.lr_schedule import build_lr_scheduler
+    from titan_hydra.parallel.parallelism import ParallelDims
+    from titan_hydra.train.lr_scheduler import build_lr_scheduler
     from titan_hydra.train.trainer import TrainState
 
     cfg = compose_cfg(TINY + list(overrides))

@@ -178,8 +178,8 @@ def test_seed_checkpoint_and_initial_load(tmp_path):
 def _manager(tmp_path: Path, dim: int = 32, n_layers: int = 2) -> CheckpointManager:
     from titan_hydra.models.llama3 import FAMILY, Llama3
     from titan_hydra.train.trainer import TrainState
-    from titan_hydra.parallel.dims import ParallelDims
-    from titan_hydra.train.lr_schedule import build_lr_scheduler
+    from titan_hydra.parallel.parallelism import ParallelDims
+    from titan_hydra.train.lr_scheduler import build_lr_scheduler
 
     torch.manual_seed(0)
     model = Llama3(dim=dim, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32)
@@ -262,7 +262,7 @@ def test_extended_run_takes_its_learning_rates_from_the_new_schedule(tmp_path):
     the checkpoint holds the 4-step schedule's value, which must not leak into step 5)."""
     import json
 
-    from titan_hydra.train.lr_schedule import lr_multiplier
+    from titan_hydra.train.lr_scheduler import lr_multiplier
 
     def lrs(run_dir):
         rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]

@@ -23,7 +23,7 @@ from omegaconf import MISSING, OmegaConf
 from helpers import CONF, REPO, compose_cfg
 from titan_hydra import groups
 from titan_hydra.checkpoint.manager import CheckpointManager, CheckpointSettings
-from titan_hydra.parallel.dims import PP_SCHEDULES
+from titan_hydra.parallel.parallelism import PP_SCHEDULES
 
 # Where a target takes its settings as **kwargs, the dataclass that lists them.
 SETTINGS_OF = {CheckpointManager: CheckpointSettings}

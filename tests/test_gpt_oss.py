@@ -18,7 +18,7 @@ from titan_hydra.models.common.attention import Attention
 from titan_hydra.models.gpt_oss import FAMILY
 from titan_hydra.models.gpt_oss.model import GptOss, GptOssExperts, GptOssRouter, clamped_swiglu
 from titan_hydra.models.registry import args_of
-from titan_hydra.parallel.dims import ParallelDims
+from titan_hydra.parallel.parallelism import ParallelDims
 
 from numerics import assert_fp32_only, assert_same_function, outputs_and_grads
 

@@ -26,8 +26,8 @@ from titan_hydra.checkpoint.manager import CheckpointManager, CheckpointSettings
 from titan_hydra.errors import instantiate_checked
 from titan_hydra.models.parametrization import Parametrization
 from titan_hydra.models.registry import BUILTIN, get_family
-from titan_hydra.parallel.dims import ParallelDims
-from titan_hydra.train.lr_schedule import build_lr_scheduler
+from titan_hydra.parallel.parallelism import ParallelDims
+from titan_hydra.train.lr_scheduler import build_lr_scheduler
 
 PACKAGE = REPO / "titan_hydra"
 HAND_WRITTEN = {"optimizer", "logger", "cluster"}  # see tests/test_defaults_once.py
@@ -135,7 +135,7 @@ def test_name_labels_the_option_and_reaches_no_constructor_that_ignores_it():
     assert "name" not in inspect.signature(build_lr_scheduler).parameters
     for group in ("parallelism", "lr_scheduler", "data", "data_image_caption", "data_mixture"):
         assert OmegaConf.structured(groups.SCHEMAS[group]).name == "custom", group
-    dims = instantiate_checked({"_target_": "titan_hydra.parallel.dims.ParallelDims", "name": "fsdp",
+    dims = instantiate_checked({"_target_": "titan_hydra.parallel.parallelism.ParallelDims", "name": "fsdp",
                                 "world_size": 2, "dp_shard": 2})
     assert dims.dp_shard == 2 and not hasattr(dims, "name")
     # an object that acts on the chosen option takes it as a parameter

@@ -20,7 +20,7 @@ from titan_hydra.models.common.rotary import inverse_frequencies
 from titan_hydra.models.llama4 import FAMILY
 from titan_hydra.models.llama4.model import Llama4Attention, rms_normalize
 from titan_hydra.models.registry import args_of
-from titan_hydra.parallel.dims import ParallelDims
+from titan_hydra.parallel.parallelism import ParallelDims
 
 from numerics import assert_fp32_only, outputs_and_grads
 

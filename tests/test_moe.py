@@ -23,7 +23,7 @@ from titan_hydra.models.common.moe import (
 )
 from titan_hydra.models.gpt_oss.model import GptOssExperts
 from titan_hydra.models.registry import args_of
-from titan_hydra.parallel.ac import checkpoint_block
+from titan_hydra.parallel.activation_checkpoint import checkpoint_block
 from titan_hydra.train.moe_balance import balance_step, moe_balance_hooks
 
 from numerics import assert_fp32_close, assert_fp32_only, assert_same_function

@@ -79,7 +79,7 @@ def _model_diffs(method: str, rank: int) -> dict[str, float]:
 
     from titan_hydra.models.llama3 import FAMILY, Llama3
     from titan_hydra.parallel.cp import cp_context
-    from titan_hydra.parallel.dims import ParallelDims
+    from titan_hydra.parallel.parallelism import ParallelDims
     from titan_hydra.models.objective import cross_entropy_loss
 
     torch.manual_seed(0)

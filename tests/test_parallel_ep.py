@@ -78,7 +78,7 @@ def _check_style(rank: int, world: int, ep: int, idle_upper: bool = False) -> di
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from titan_hydra.models.protocol import ModelFamily
-    from titan_hydra.parallel.dims import ParallelDims
+    from titan_hydra.parallel.parallelism import ParallelDims
     from titan_hydra.parallel.ep import apply_ep
     from titan_hydra.parallel.fsdp import apply_data_parallel
     from titan_hydra.train.grad_clip import clip_grad_norm_

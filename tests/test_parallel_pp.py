@@ -20,7 +20,7 @@ import pytest
 from helpers import (BASE, FAMILIES, GLOBAL_BATCH, UNTIED, compose_cfg, floor_bound, norm_bound, param_count,
                      read_metrics, run_launch, run_layout, run_single, series)
 from titan_hydra.errors import ConfigError
-from titan_hydra.parallel.dims import ParallelDims
+from titan_hydra.parallel.parallelism import ParallelDims
 from titan_hydra.parallel.pp import stage_ids_for_rank, stage_layer_ranges
 from titan_hydra.validate import validate
 

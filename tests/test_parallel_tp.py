@@ -112,7 +112,7 @@ def _shape_worker(rank: int, out: dict) -> None:
     from torch.distributed.tensor import DTensor
 
     from titan_hydra.models.llama3 import FAMILY, Llama3
-    from titan_hydra.parallel.dims import ParallelDims
+    from titan_hydra.parallel.parallelism import ParallelDims
     from titan_hydra.parallel.tp import apply_tp
 
     torch.manual_seed(0)

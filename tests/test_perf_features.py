@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from titan_hydra.errors import UserError
 from titan_hydra.models.llama3 import Llama3
 from titan_hydra.models.qwen3 import Qwen3
-from titan_hydra.parallel.ac import ActivationCheckpointing
+from titan_hydra.parallel.activation_checkpoint import ActivationCheckpointing
 from titan_hydra.parallel.compile import apply_compile, build_loss_fn
 from titan_hydra.float8 import Float8Converter
 from titan_hydra.models.objective import cross_entropy_loss

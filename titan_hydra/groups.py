@@ -30,15 +30,16 @@ from titan_hydra.data.mixture import MixtureDataset
 from titan_hydra.logger.backends import WANDB_MODES, ConsoleBackend, JsonlBackend, TensorBoardBackend, WandbBackend
 from titan_hydra.models.parametrization import KINDS as PARAMETRIZATIONS, Parametrization
 from titan_hydra.models.registry import BUILTIN, get_family
-from titan_hydra.parallel import ac, compile as compiling
-from titan_hydra.parallel.dims import CP_ROTATE_METHODS, PP_SCHEDULES, RESHARD_POLICIES, ParallelDims
+from titan_hydra.parallel import activation_checkpoint, compile as compiling
+from titan_hydra.parallel.parallelism import CP_ROTATE_METHODS, PP_SCHEDULES, RESHARD_POLICIES, ParallelDims
 from titan_hydra.profiling import build_profiler
 from titan_hydra.float8 import Float8Converter
 from titan_hydra.runtime.fault_tolerance import FaultTolerance
-from titan_hydra.train.lr_schedule import DECAY_TYPES, build_lr_scheduler
+from titan_hydra.train.lr_scheduler import DECAY_TYPES, build_lr_scheduler
 from titan_hydra.train.optimizers import OptimizerConfig
 from titan_hydra.train.eval import PeriodicEval
-from titan_hydra.train.health.settings import CHECKSUM_ACTIONS, SPIKE_ACTIONS, FaultInjection, Health
+from titan_hydra.train.health.fault_injection import FaultInjection
+from titan_hydra.train.health.settings import CHECKSUM_ACTIONS, SPIKE_ACTIONS, Health
 
 ReshardPolicy = choice("ReshardPolicy", RESHARD_POLICIES, __name__)
 RotateMethod = choice("RotateMethod", CP_ROTATE_METHODS, __name__)
@@ -49,8 +50,8 @@ DataSource = choice("DataSource", token_data.SOURCES, __name__)
 ImageSource = choice("ImageSource", image_caption.SOURCES, __name__)
 AsyncMode = choice("AsyncMode", ASYNC_MODES, __name__)
 ExportDtype = choice("ExportDtype", EXPORT_DTYPES, __name__)
-ACMode = choice("ACMode", ac.MODES, __name__)
-SACPolicy = choice("SACPolicy", ac.SAC_POLICIES, __name__)
+ACMode = choice("ACMode", activation_checkpoint.MODES, __name__)
+SACPolicy = choice("SACPolicy", activation_checkpoint.SAC_POLICIES, __name__)
 CompileMode = choice("CompileMode", compiling.MODES, __name__)
 WandbMode = choice("WandbMode", WANDB_MODES, __name__)
 SpikeAction = choice("SpikeAction", SPIKE_ACTIONS, __name__)
@@ -80,7 +81,7 @@ MixtureDataConfig = schema_from(MixtureDataset, name="MixtureDataConfig", module
 CheckpointConfig = schema_from(CheckpointSettings, target="titan_hydra.checkpoint.CheckpointManager",
                                name="CheckpointConfig", module=__name__,
                                partial=True, choices={"async_mode": AsyncMode, "export_dtype": ExportDtype})
-ActivationCheckpointConfig = schema_from(ac.ActivationCheckpointing, name="ActivationCheckpointConfig", module=__name__,
+ActivationCheckpointConfig = schema_from(activation_checkpoint.ActivationCheckpointing, name="ActivationCheckpointConfig", module=__name__,
                                          choices={"mode": ACMode, "selective_op_policy": SACPolicy})
 CompileConfig = schema_from(compiling.Compiler, name="CompileConfig", module=__name__, choices={"mode": CompileMode})
 ParametrizationConfig = schema_from(Parametrization, name="ParametrizationConfig", module=__name__,

@@ -7,7 +7,7 @@ validation) asks the same of every candidate layout, and validation asks it of t
 from __future__ import annotations
 
 from titan_hydra.errors import ConfigError
-from titan_hydra.parallel import ac as activation_checkpoint
+from titan_hydra.parallel import activation_checkpoint
 from titan_hydra.parallel import compile as compile_rules
 from titan_hydra.parallel import cp, ep, fsdp, pp, tp
 from titan_hydra.spec import RunSpec

@@ -31,9 +31,9 @@ from titan_hydra.hardware import Resolved
 from titan_hydra.models.parametrization import Parametrization, with_multipliers
 from titan_hydra.models.protocol import ModelFamily
 from titan_hydra.models.registry import args_of, get_family
-from titan_hydra.parallel.ac import ActivationCheckpointing
+from titan_hydra.parallel.activation_checkpoint import ActivationCheckpointing
 from titan_hydra.parallel.compile import Compiler
-from titan_hydra.parallel.dims import ParallelDims
+from titan_hydra.parallel.parallelism import ParallelDims
 from titan_hydra.runtime.fault_tolerance import FaultTolerance
 
 
@@ -101,7 +101,7 @@ class RunSpec:
     parametrization: Parametrization
     eval: Any  # train.eval.PeriodicEval (a layer above: typed loosely here)
     health: Any  # train.health.settings.Health
-    fault_injection: Any  # train.health.settings.FaultInjection
+    fault_injection: Any  # train.health.fault_injection.FaultInjection
     float8: Float8Converter
     activation_checkpoint: ActivationCheckpointing
     compiler: Compiler

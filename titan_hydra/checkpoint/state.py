@@ -105,7 +105,7 @@ class RunParts:
     lr_scheduler: Any
     train_loader: Any
     train_state: Any  # the trainer's progress (step, tokens, losses)
-    dims: Any  # titan_hydra.parallel.dims.ParallelDims
+    dims: Any  # titan_hydra.parallel.parallelism.ParallelDims
     family: Any  # titan_hydra.models.protocol.ModelFamily
     model_args: Any
     flavor: str

@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_hydra.parallel.cp import cp_context
-from titan_hydra.parallel.dims import ParallelDims
+from titan_hydra.parallel.parallelism import ParallelDims
 from titan_hydra.parallel.ep import apply_ep
 from titan_hydra.parallel.fsdp import apply_data_parallel
 from titan_hydra.parallel.pp import build_pipeline

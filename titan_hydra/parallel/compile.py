@@ -29,7 +29,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from titan_hydra.errors import ConfigError
 from titan_hydra.hardware import inductor_cache_for_isa
-from titan_hydra.parallel.ac import push_checkpoint_down
+from titan_hydra.parallel.activation_checkpoint import push_checkpoint_down
 
 MODES = ("none", "model", "model_loss")
 

@@ -27,7 +27,7 @@ import torch
 
 from titan_hydra.errors import ConfigError
 from titan_hydra.parallel import cp_cpu_attention  # its functions through the module: tests replace them
-from titan_hydra.parallel.dims import ParallelDims
+from titan_hydra.parallel.parallelism import ParallelDims
 
 # part -> its full-length rope tables, so that a later, longer sequence can be served again.
 _FULL_ROPE: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[torch.Tensor, ...]]" = weakref.WeakKeyDictionary()

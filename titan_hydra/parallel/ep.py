@@ -139,7 +139,7 @@ def check_layout(dims, n_experts: int) -> None:
     have routed experts, and ep must divide their number. (ep | dp_shard*cp and tp=1 are
     ParallelDims' own rules.) Compile and every activation-checkpointing mode work under EP:
     compile leaves the experts module eager (parallel/compile.py) and selective-op AC lets
-    FSDP's profiler ranges through (parallel/ac.py)."""
+    FSDP's profiler ranges through (parallel/activation_checkpoint.py)."""
     if dims.ep <= 1:
         return
     if n_experts == 0:

@@ -42,7 +42,7 @@ import torch
 
 
 from titan_hydra.errors import ConfigError
-from titan_hydra.parallel.dims import ParallelDims
+from titan_hydra.parallel.parallelism import ParallelDims
 
 
 

@@ -102,7 +102,7 @@ class Placement:
 
     rank: int
     device: torch.device
-    dims: Any  # titan_hydra.parallel.dims.ParallelDims
+    dims: Any  # titan_hydra.parallel.parallelism.ParallelDims
 
 
 @dataclass(frozen=True)
