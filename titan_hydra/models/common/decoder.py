@@ -105,9 +105,14 @@ class Decoder(nn.Module):
     def make_block(self, layer_id: int) -> nn.Module:
         raise NotImplementedError
 
+    # a family whose rotary is YaRN-like sets ``scaled_rope`` to its ``args -> (frequencies, magnitude)``
+    scaled_rope = None
+
     def rope_frequencies(self, device=None) -> torch.Tensor:
         """Inverse frequencies [rotary_dim/2]."""
-        raise NotImplementedError
+        if self.scaled_rope is None:
+            raise NotImplementedError
+        return type(self).scaled_rope(self.args, device)[0]
 
     # --- shared behaviour ----------------------------------------------------------------
     def apply_multipliers(self) -> None:
@@ -122,7 +127,7 @@ class Decoder(nn.Module):
 
     def rope_magnitude(self) -> float:
         """Multiplier of the cos/sin tables (YaRN's attention temperature); 1.0 = none."""
-        return 1.0
+        return 1.0 if self.scaled_rope is None else type(self).scaled_rope(self.args)[1]
 
     def rope_tables(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = tables_from_frequencies(self.rope_frequencies(device), self.args.max_seq_len, device)

@@ -121,3 +121,12 @@ def yarn_frequencies(rotary_dim: int, theta: float, factor: float, original_max_
     else:
         multiplier = yarn_mscale(factor)
     return freqs, multiplier
+
+
+def check_rotary_heads(n_heads: int, n_kv_heads: int | None, head_dim: int) -> None:
+    """The head rules of a rotary attention's args, as one-line ValueErrors naming the key: kv heads
+    that group the query heads evenly, and a head dim rotary can pair."""
+    if n_kv_heads is not None and (n_kv_heads < 1 or n_heads % n_kv_heads):
+        raise ValueError(f"model.n_kv_heads={n_kv_heads} must divide model.n_heads={n_heads}")
+    if head_dim % 2 or head_dim <= 0:
+        raise ValueError(f"model.head_dim={head_dim} must be even and positive for rotary")

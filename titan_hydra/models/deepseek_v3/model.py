@@ -113,6 +113,8 @@ def rope_frequencies(args: DeepSeekV3Args, device=None) -> tuple[torch.Tensor, f
 class DeepSeekV3(MultiTokenDecoder):
     """``DeepSeekV3(dim=..., moe={...}, ...)``: fields of ``DeepSeekV3Args`` (conf/model/deepseek_v3_*.yaml)."""
 
+    scaled_rope = rope_frequencies  # YaRN: the args' frequencies and table magnitude
+
     def __init__(self, **fields):
         super().__init__(DeepSeekV3Args(**fields))
 
@@ -129,8 +131,3 @@ class DeepSeekV3(MultiTokenDecoder):
         return TransformerBlock(layer_id, attention, ffn, a.dim, a.norm_eps,
                                 residual_out_std(layer_id, a.n_layers, a.depth_init))
 
-    def rope_frequencies(self, device=None) -> torch.Tensor:
-        return rope_frequencies(self.args, device)[0]
-
-    def rope_magnitude(self) -> float:
-        return rope_frequencies(self.args)[1]

@@ -28,7 +28,7 @@ from titan_hydra.kernels.grouped_mm import grouped_mm_works
 from titan_hydra.models.common.attention import Attention
 from titan_hydra.models.common.decoder import Decoder, Multipliers, TransformerBlock, residual_out_std
 from titan_hydra.models.common.moe import GroupedExperts, MoE, MoEArgs, TokenChoiceRouter
-from titan_hydra.models.common.rotary import inverse_frequencies, yarn_frequencies
+from titan_hydra.models.common.rotary import check_rotary_heads, inverse_frequencies, yarn_frequencies
 
 ROPE_TYPES = ("default", "yarn")
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -70,10 +70,7 @@ class GptOssArgs(Multipliers):
 
     def __post_init__(self) -> None:
         self.moe = MoEArgs.of(self.moe)
-        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
-            raise ValueError(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
-        if self.head_dim % 2 or self.head_dim <= 0:
-            raise ValueError(f"model.head_dim={self.head_dim} must be even and positive for rotary")
+        check_rotary_heads(self.n_heads, self.n_kv_heads, self.head_dim)
         if self.sliding_window < 1:
             raise ValueError(f"model.sliding_window={self.sliding_window} must be >= 1")
         if self.rope_type not in ROPE_TYPES:
@@ -185,6 +182,8 @@ class GptOss(Decoder):
     """``GptOss(dim=2880, n_layers=24, moe={...}, ...)``: fields of ``GptOssArgs``
     (conf/model/gpt_oss_debug.yaml, gpt_oss_20b.yaml, gpt_oss_120b.yaml)."""
 
+    scaled_rope = rope_frequencies  # YaRN: the args' frequencies and table magnitude
+
     def __init__(self, **fields):
         super().__init__(GptOssArgs(**fields))
 
@@ -196,12 +195,6 @@ class GptOss(Decoder):
         ffn = GptOssMoE(a.dim, a.moe, a.swiglu_alpha, a.swiglu_limit)
         return TransformerBlock(layer_id, attention, ffn, a.dim, a.norm_eps,
                                 residual_out_std(layer_id, a.n_layers, a.depth_init))
-
-    def rope_frequencies(self, device=None) -> torch.Tensor:
-        return rope_frequencies(self.args, device)[0]
-
-    def rope_magnitude(self) -> float:
-        return rope_frequencies(self.args)[1]
 
 
 __all__ = ["GptOss", "GptOssArgs", "GptOssExperts", "GptOssMoE", "GptOssRouter", "clamped_swiglu",

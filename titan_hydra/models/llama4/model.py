@@ -31,7 +31,7 @@ from titan_hydra.models.common.decoder import Decoder, Multipliers, TransformerB
 from titan_hydra.models.common.layers import FeedForward
 from titan_hydra.models.common.masking import positions_in_documents
 from titan_hydra.models.common.moe import MoE, MoEArgs
-from titan_hydra.models.common.rotary import apply_rope, inverse_frequencies, llama3_scaled
+from titan_hydra.models.common.rotary import apply_rope, check_rotary_heads, inverse_frequencies, llama3_scaled
 
 ROPE_SCALINGS = ("none", "llama3")
 
@@ -71,10 +71,7 @@ class Llama4Args(Multipliers):
 
     def __post_init__(self) -> None:
         self.moe = MoEArgs.of(self.moe)
-        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
-            raise ValueError(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
-        if self.head_dim % 2 or self.head_dim <= 0:
-            raise ValueError(f"model.head_dim={self.head_dim} must be even and positive for rotary")
+        check_rotary_heads(self.n_heads, self.n_kv_heads, self.head_dim)
         if self.rope_scaling not in ROPE_SCALINGS:
             raise ValueError(f"model.rope_scaling={self.rope_scaling!r} is not one of {', '.join(ROPE_SCALINGS)}")
         if self.attention_chunk_size is not None and self.attention_chunk_size < 1:
