@@ -133,8 +133,7 @@ def expert_degrees(n_experts: int, shard_ranks: int, tp: int) -> list[int]:
 
 def candidate_spec(spec: RunSpec, c: Candidate) -> RunSpec:
     """The run on the candidate's layout; ConfigError when its degrees or batch plan do not hold."""
-    dims = dataclasses.replace(spec.dims, **c.degrees(), pp_microbatches=c.pp_microbatches,
-                               name="auto:" + c.describe(","))
+    dims = dataclasses.replace(spec.dims, **c.degrees(), pp_microbatches=c.pp_microbatches)
     return spec.with_dims(dims)
 
 
