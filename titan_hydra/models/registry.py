@@ -22,7 +22,7 @@ from titan_hydra.models.protocol import ModelFamily
 # The built-in families: each is the package ``titan_hydra.models.<name>`` and its ``FAMILY``, whose
 # args class and model class are all its schema is derived from (``schema_model_<name>``, titan_hydra.groups).
 BUILTIN = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4", "qwen3_5", "qwen3_5_moe", "qwen3_next",
-           "flux")
+           "flux", "hf")
 LABELS = ("_target_", "family", "flavor")
 # Checkpoints written before model families existed hold a Llama and no family name.
 LEGACY_FAMILY = "llama3"

@@ -82,3 +82,24 @@ class PrepareInputShardParams(PrepareModuleInput):
             dt = distribute_tensor(param, device_mesh, [Shard(0)])
             owner.register_parameter(leaf, nn.Parameter(dt, requires_grad=param.requires_grad))
         return super()._apply(module, device_mesh)
+
+
+def _gather_sequence(x):
+    if isinstance(x, DTensor):
+        return x.redistribute(placements=[Replicate()]).to_local()
+    return x
+
+
+class GatherSequence(ParallelStyle):
+    """Sequence parallel's entry into a sub-layer whose call signature the plan does not know
+    (positional or keyword ``hidden_states``): every sequence-sharded DTensor argument is
+    all-gathered and handed in as a plain tensor; the sub-layer's row-wise output projection
+    scatters it back."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def hook(_mod, args, kwargs):
+            return (tuple(_gather_sequence(a) for a in args),
+                    {k: _gather_sequence(v) for k, v in kwargs.items()})
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module

@@ -1,0 +1,196 @@
+"""``HFFamily``: the model protocol for any transformers causal LM (``model=hf``).
+
+Everything is read off the architecture itself, never written per architecture:
+
+* counting: the model is built on the meta device and its parameters counted (embedding, blocks,
+  final norm + head; routed experts are the modules transformers' expert-parallel plan names, of
+  which a token uses ``num_experts_per_tok`` of the config's expert count);
+* FLOPs per token: 6 x active matmul parameters + attention's 12 x heads x head_dim per layer
+  times the span each layer attends over (a sliding-window layer: at most its window);
+* layout: the blocks are ``model.layers`` (``LayerDict``), FSDP wraps the embedding, each layer
+  and norm + head (one unit with the embedding when they are tied); TP comes from the config's
+  ``base_model_tp_plan`` (``plans.py``); pipeline stages from ``base_model_pp_plan``'s ends.
+* refusals, each one line before any process starts: TP without a plan or with a style that has
+  no torch counterpart here, PP without a plan or for a model whose forward rescales its input
+  embeddings (the stage after the first would scale again), tied embeddings under PP, context and
+  expert parallelism (not wired for transformers' attention and experts modules).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from functools import lru_cache
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from titan_hydra.errors import ConfigError
+from titan_hydra.models.hf import plans
+from titan_hydra.models.hf.adapter import HFCheckpointAdapter
+from titan_hydra.models.hf.model import HFArgs, base_model, causal_lm, pipeline_ends
+from titan_hydra.models.protocol import ModelFamily, ModelShape
+
+# Config keys that say nothing about what the weights compute (checkpoint signature ignores them).
+NON_SEMANTIC = ("max_position_embeddings", "use_cache", "dtype", "torch_dtype", "transformers_version",
+                "architectures", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
+                "output_router_logits", "router_aux_loss_coef", "attention_dropout", "_attn_implementation")
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+class HFFamily(ModelFamily):
+    name = "hf"
+    args_cls = HFArgs
+    model_cls = causal_lm
+    hf = HFCheckpointAdapter()
+    supports_document_mask = True  # position ids restart per document; transformers masks across them
+
+    def make_args(self, fields: Mapping[str, Any]) -> HFArgs:
+        args = HFArgs(**dict(fields))
+        args.hf_config  # noqa: B018 -- a bad architecture or field fails here, in one line
+        return args
+
+    def args_fields(self, args: HFArgs) -> dict[str, Any]:
+        return {"model_type": args.model_type, "config": args.config, "fields": dict(args.fields),
+                "attn_implementation": args.attn_implementation}
+
+    def build(self, args: HFArgs) -> nn.Module:
+        return causal_lm(**self.args_fields(args))
+
+    def shape(self, args: HFArgs) -> ModelShape:
+        return _shape(self, json.dumps(self.args_fields(args), sort_keys=True))
+
+    def flops_per_token(self, args: HFArgs, seq_len: int) -> float:
+        s, cfg = self.shape(args), args.hf_config
+        matmul = s.active_params - (0 if s.tied_embeddings else s.embedding_params)
+        window = getattr(cfg, "sliding_window", None) or seq_len
+        types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * s.n_layers)
+        spans = sum(min(window, seq_len) if t == "sliding_attention" else seq_len for t in types[:s.n_layers])
+        return float(6 * matmul + 12 * s.n_heads * s.head_dim * spans)
+
+    def signature(self, args: HFArgs) -> dict[str, Any]:
+        cfg = args.hf_config.to_dict()
+        return {"family": self.name, **{k: v for k, v in sorted(cfg.items())
+                                        if k not in NON_SEMANTIC and not k.startswith("_")}}
+
+    def check(self, args: HFArgs, dims: Any, seq_len: int) -> None:
+        cfg, s = args.hf_config, self.shape(args)
+        kind = cfg.model_type
+        if seq_len > args.max_seq_len:
+            raise ConfigError(f"training.seq_len={seq_len} exceeds the {kind} config's max_position_embeddings="
+                              f"{args.max_seq_len}; shorten the sequence or set model.fields.max_position_embeddings")
+        if dims.tp > 1:
+            if not plans.tp_plan_of(cfg):
+                raise ConfigError(f"parallelism.tp={dims.tp}: transformers' {kind} config has no base_model_tp_plan; "
+                                  "use parallelism.tp=1")
+            odd = plans.unsupported_styles(cfg)
+            if odd:
+                raise ConfigError(f"parallelism.tp={dims.tp}: the {kind} TP plan uses {', '.join(odd)}, which "
+                                  "model=hf does not translate (MoE experts); use ep/fsdp and parallelism.tp=1")
+            if s.n_heads % dims.tp or s.n_kv_heads % dims.tp:
+                raise ConfigError(f"parallelism.tp={dims.tp} must divide num_attention_heads={s.n_heads} and "
+                                  f"num_key_value_heads={s.n_kv_heads}")
+        if dims.pp > 1:
+            if not getattr(cfg, "base_model_pp_plan", None):
+                raise ConfigError(f"parallelism.pp={dims.pp}: transformers' {kind} config has no base_model_pp_plan; "
+                                  "use parallelism.pp=1")
+            if dims.pp > s.n_layers:
+                raise ConfigError(f"parallelism.pp={dims.pp} exceeds num_hidden_layers={s.n_layers}; lower parallelism.pp")
+            if s.tied_embeddings:
+                raise ConfigError("tie_word_embeddings=true cannot run under pipeline parallel (embedding and head "
+                                  "live on different stages); set model.fields.tie_word_embeddings=false or "
+                                  "parallelism.pp=1")
+            if float(getattr(cfg, "embedding_multiplier", 1.0) or 1.0) != 1.0:
+                raise ConfigError(f"parallelism.pp={dims.pp}: the {kind} forward scales its input embeddings "
+                                  "(embedding_multiplier), which a later stage would repeat; use parallelism.pp=1")
+        if dims.cp > 1:
+            raise ConfigError(f"parallelism.cp={dims.cp} is not wired for model=hf (transformers' attention "
+                              "modules); use parallelism.cp=1")
+        if dims.ep > 1:
+            raise ConfigError(f"parallelism.ep={dims.ep} is not wired for model=hf yet (transformers' experts "
+                              "modules route inside their forward); use fsdp: parallelism.ep=1")
+
+    # --- layout -------------------------------------------------------------------------
+    def blocks(self, model: nn.Module) -> nn.ModuleDict:
+        return base_model(model).layers
+
+    def fsdp_units(self, model: nn.Module) -> list[tuple[Any, bool]]:
+        base = base_model(model)
+        emb_name, norm_name = pipeline_ends(model.config)
+        emb, norm, head = getattr(base, emb_name, None), getattr(base, norm_name, None), model.get_output_embeddings()
+        tied = emb is not None and head is not None and head.weight is emb.weight
+        ends = [m for m in (norm, head) if isinstance(m, nn.Module) and any(True for _ in m.parameters())]
+        units: list[tuple[Any, bool]] = []
+        if emb is not None and not tied:
+            units.append((emb, False))
+        layers = list(base.layers.values())
+        for i, layer in enumerate(layers):
+            units.append((layer, i == len(layers) - 1 and not ends and not tied))
+        if tied:
+            units.append(([emb, *ends], True))
+        elif ends:
+            units.append((ends if len(ends) > 1 else ends[0], True))
+        return units
+
+    def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
+        return plans.tp_plan(model, sequence_parallel, loss_parallel)
+
+    def finish_tp(self, model: nn.Module) -> None:
+        model.tie_weights()
+
+    def cut_stage(self, model: nn.Module, layer_ids: range, is_first: bool, is_last: bool) -> nn.Module:
+        stage = copy.deepcopy(model)
+        base = base_model(stage)
+        kept = [k for k in base.layers.keys() if int(k) in layer_ids]
+        for k in list(base.layers.keys()):
+            if k not in kept:
+                del base.layers[k]
+        cfg = stage.config  # the stage's own copy: its forward iterates the layers it holds
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = [cfg.layer_types[int(k)] for k in kept]
+        cfg.num_hidden_layers = len(kept)
+        emb_name, norm_name = pipeline_ends(cfg)
+        if not is_first:
+            setattr(base, emb_name, None)
+        if not is_last:
+            setattr(base, norm_name, nn.Identity())
+            stage.set_output_embeddings(None)
+        return stage
+
+
+@lru_cache(maxsize=64)
+def _shape(family: HFFamily, key: str) -> ModelShape:
+    args = family.make_args(json.loads(key))
+    cfg = args.hf_config
+    with torch.device("meta"):
+        model = family.build(args)
+    base = base_model(model)
+    emb_name, norm_name = pipeline_ends(cfg)
+    emb = getattr(base, emb_name).weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is emb
+    total = sum(p.numel() for p in model.parameters())
+    norm = getattr(base, norm_name, None)
+    head_params = (sum(p.numel() for p in norm.parameters()) if isinstance(norm, nn.Module) else 0) + (
+        head.weight.numel() if head is not None else 0)
+    experts = [m for n, m in model.named_modules() if n.endswith(".experts") and isinstance(m, nn.Module)
+               and any(p.dim() == 3 for p in m.parameters(recurse=False))]
+    expert_params = sum(p.numel() for m in experts for p in m.parameters())
+    n_experts = next((int(getattr(cfg, k)) for k in EXPERT_COUNT_KEYS if getattr(cfg, k, None)), 0) if experts else 0
+    top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0) if experts else 0
+    idle = expert_params * (n_experts - top_k) // n_experts if n_experts else 0
+    n_heads = int(cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads)
+    ffn = int(getattr(cfg, "intermediate_size", 0) or 0)
+    if experts:
+        moe_ffn = int(getattr(cfg, "moe_intermediate_size", 0) or ffn)
+        ffn = top_k * moe_ffn + int(getattr(cfg, "n_shared_experts", 0) or 0) * moe_ffn
+    return ModelShape(
+        n_layers=int(cfg.num_hidden_layers), dim=int(cfg.hidden_size), vocab_size=int(cfg.vocab_size),
+        n_heads=n_heads, n_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or n_heads), head_dim=head_dim,
+        ffn_dim=ffn, params=total, active_params=total - idle, embedding_params=emb.numel(),
+        head_params=head_params, tied_embeddings=tied,
+        qk_norm=any(n.endswith("q_norm") for n, _ in model.named_modules()),
+        n_experts=n_experts, top_k=top_k, moe_layers=len(experts), expert_params=expert_params,
+    )

@@ -1,0 +1,103 @@
+"""transformers' own parallel plans, read for the engine: TP styles, pipeline ends, expert modules.
+
+An architecture's config class carries ``base_model_tp_plan`` ({"layers.*.self_attn.q_proj":
+"colwise", ...}), ``base_model_pp_plan`` (the base model's children in forward order: embedding,
+layers, final norm) and, for MoE, ``base_model_ep_plan``. They are written for transformers' own
+``tp_plan="auto"`` path; here each style name becomes the torch ``ParallelStyle`` that does the same
+(``STYLES``) and the plan is completed with what transformers leaves to its own hooks: the embedding
+(row-wise over the vocabulary), the head (column-wise; vocab-sharded logits for loss parallel), the
+norms (sequence parallel, or replicated DTensors), and, under sequence parallel, the gathers that
+bring each sub-layer its whole sequence. A style with no torch counterpart here (transformers' packed
+MoE styles) is refused by name before any process starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from titan_hydra.models.hf.model import base_model, pipeline_ends
+
+# transformers' style name -> (kind, torch arguments); built lazily (DTensor imports take a second)
+KNOWN_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
+                "replicated_with_grad_allreduce")
+
+
+def tp_plan_of(config: Any) -> dict[str, str]:
+    return dict(getattr(config, "base_model_tp_plan", None) or {})
+
+
+def unsupported_styles(config: Any) -> list[str]:
+    return sorted({s for s in tp_plan_of(config).values() if s not in KNOWN_STYLES})
+
+
+def _is_norm(module: nn.Module) -> bool:
+    name = type(module).__name__
+    return "Norm" in name or isinstance(module, (nn.LayerNorm, nn.RMSNorm))
+
+
+def expand(plan: dict[str, str], layer_keys: list[str]) -> dict[str, str]:
+    """``layers.*.x`` -> ``layers.<k>.x`` for the layers this model (or stage) holds."""
+    out: dict[str, str] = {}
+    for pattern, style in plan.items():
+        if pattern.startswith("layers.*."):
+            for k in layer_keys:
+                out[f"layers.{k}.{pattern[len('layers.*.'):]}"] = style
+        else:
+            out[pattern] = style
+    return out
+
+
+def tp_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
+    """{fqn: ParallelStyle} for ``parallelize_module`` on the whole causal LM (or one stage)."""
+    # Lazy: torch.distributed.tensor takes about a second to import; only TP runs need it.
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    from titan_hydra.models.common.tp_styles import GatherSequence, HeadShardedNorm, ReplicateParallel
+
+    seq = Shard(1) if sequence_parallel else Replicate()
+    base = base_model(model)
+    prefix = model.base_model_prefix + "."
+    layer_keys = list(base.layers.keys())
+
+    def style(name: str):
+        return {
+            "colwise": lambda: ColwiseParallel(),
+            "rowwise": lambda: RowwiseParallel(output_layouts=seq),
+            "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+            "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "replicated_with_grad_allreduce": lambda: HeadShardedNorm(),
+        }[name]()
+
+    def norm_style():
+        return SequenceParallel() if sequence_parallel else ReplicateParallel()
+
+    own = expand(tp_plan_of(model.config), layer_keys)
+    plan: dict = {prefix + k: style(v) for k, v in own.items()}
+    emb_name, norm_name = pipeline_ends(model.config)
+    if getattr(base, emb_name, None) is not None:
+        plan[prefix + emb_name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if isinstance(getattr(base, norm_name, None), nn.Module) and _is_norm(getattr(base, norm_name)):
+        plan[prefix + norm_name] = norm_style()
+    if model.get_output_embeddings() is not None:
+        plan["lm_head"] = ColwiseParallel(input_layouts=seq,
+                                          output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                          use_local_output=not loss_parallel)
+    for key in layer_keys:
+        layer = base.layers[key]
+        lp = f"{prefix}layers.{key}."
+        for child_name, child in layer.named_children():
+            planned = [n for n in own if n.startswith(f"layers.{key}.{child_name}.")]
+            if planned:
+                if sequence_parallel:
+                    plan[lp + child_name] = GatherSequence()
+                for sub_name, sub in child.named_modules():
+                    fqn = f"layers.{key}.{child_name}.{sub_name}"
+                    if sub_name and fqn not in own and any(True for _ in sub.parameters(recurse=False)):
+                        plan[prefix + fqn] = ReplicateParallel()  # e.g. a norm over the gathered q
+            elif any(True for _ in child.parameters()):
+                plan[lp + child_name] = norm_style() if _is_norm(child) else ReplicateParallel()
+    return plan
