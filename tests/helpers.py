@@ -253,12 +253,20 @@ FAMILIES: dict[str, list[str]] = {
 UNTIED = "model.tie_word_embeddings=false"
 
 
+def base_for(overrides: list[str]) -> list[str]:
+    """BASE, less its model shape keys for a transformers architecture (``model=hf_*``), whose
+    fields are named by transformers and set by the caller (``model.fields.hidden_size=64``)."""
+    if any(o.startswith("model=hf_") for o in overrides):
+        return [b for b in BASE if not b.startswith("model.")]
+    return BASE
+
+
 def run_layout(tmp_path: Path, overrides: list[str], nproc: int, dp: int,
                family: str = "llama3") -> list[float]:
     """Train one layout of ``family`` through launch.py with ``nproc`` workers and ``dp``
     data-parallel ranks (local batch GLOBAL_BATCH // dp) in ``tmp_path/run``; return its losses."""
     run_dir = tmp_path / "run"
-    args = BASE + FAMILIES[family] + [
+    args = base_for(overrides) + FAMILIES[family] + [
         f"cluster.nproc_per_node={nproc}",
         f"training.local_batch_size={GLOBAL_BATCH // dp}",
         *overrides,
@@ -277,7 +285,7 @@ def run_single(tmp_path: Path, overrides: list[str], family: str = "llama3") -> 
 
     run_dir = tmp_path / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg = compose_cfg(BASE + FAMILIES[family] + ["cluster.nproc_per_node=1", "parallelism=single",
+    cfg = compose_cfg(base_for(overrides) + FAMILIES[family] + ["cluster.nproc_per_node=1", "parallelism=single",
                                                  f"training.local_batch_size={GLOBAL_BATCH}", *overrides])
     run(spec_of(cfg), str(run_dir))
     losses = series(run_dir, "loss")

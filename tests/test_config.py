@@ -298,7 +298,8 @@ def test_published_table_covers_every_model_option():
 
 
 # flux_* has no transformers counterpart: tests/test_flux_training.py checks it against diffusers.
-LANGUAGE_MODELS = [o for o in options("model") if not o.startswith("flux")]
+# hf, hf_* are transformers' own class: tests/test_hf_family.py checks it against AutoModelForCausalLM.
+LANGUAGE_MODELS = [o for o in options("model") if not o.startswith(("flux", "hf"))]
 
 
 @pytest.mark.parametrize("flavor", LANGUAGE_MODELS)

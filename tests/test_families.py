@@ -29,7 +29,7 @@ def debug(name: str, *overrides: str):
 
 def test_registry_resolves_builtin_names_and_dotted_paths():
     assert set(BUILTIN) == {"llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4", "qwen3_5", "qwen3_5_moe",
-                            "qwen3_next", "flux"}
+                            "qwen3_next", "flux", "hf"}
     assert get_family("llama3") is LLAMA and get_family("qwen3") is QWEN3
     assert get_family("titan_hydra.models.qwen3.FAMILY") is QWEN3
     made = get_family("titan_hydra.models.deepseek_v3.DeepSeekV3Family")  # a class is instantiated

@@ -42,7 +42,7 @@ EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 class HFFamily(ModelFamily):
     name = "hf"
     args_cls = HFArgs
-    model_cls = causal_lm
+    model_cls = staticmethod(causal_lm)  # a builder function: the class is the architecture's
     hf = HFCheckpointAdapter()
     supports_document_mask = True  # position ids restart per document; transformers masks across them
 
@@ -70,9 +70,10 @@ class HFFamily(ModelFamily):
         return float(6 * matmul + 12 * s.n_heads * s.head_dim * spans)
 
     def signature(self, args: HFArgs) -> dict[str, Any]:
-        cfg = args.hf_config.to_dict()
-        return {"family": self.name, **{k: v for k, v in sorted(cfg.items())
-                                        if k not in NON_SEMANTIC and not k.startswith("_")}}
+        # what differs from the architecture's defaults, as JSON has it (the checkpoint marker's form)
+        cfg = json.loads(json.dumps(args.hf_config.to_diff_dict(), sort_keys=True, default=str))
+        return {"family": self.name, "model_type": args.hf_config.model_type,
+                **{k: v for k, v in cfg.items() if k not in NON_SEMANTIC and not k.startswith("_")}}
 
     def check(self, args: HFArgs, dims: Any, seq_len: int) -> None:
         cfg, s = args.hf_config, self.shape(args)

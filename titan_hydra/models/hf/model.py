@@ -184,8 +184,12 @@ def causal_lm(model_type: str | None = None, config: str | None = None, fields: 
 
     args = HFArgs(model_type, config, dict(fields or {}), attn_implementation)
     cfg = args.hf_config
-    with loggers_at_error("transformers"):
-        model = AutoModelForCausalLM.from_config(cfg)
+    try:
+        with loggers_at_error("transformers"):
+            model = AutoModelForCausalLM.from_config(cfg)
+    except (KeyError, ValueError, TypeError, AttributeError, AssertionError) as e:
+        raise ConfigError(f"transformers could not build {cfg.model_type} from model.fields: "
+                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     model.__class__ = titan_class(type(model))
     base = base_model(model)
     base.layers = LayerDict({str(i): layer for i, layer in enumerate(base.layers)})

@@ -66,9 +66,10 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> d
     def style(name: str):
         return {
             "colwise": lambda: ColwiseParallel(),
-            "rowwise": lambda: RowwiseParallel(output_layouts=seq),
+            "rowwise": lambda: RowwiseParallel(output_layouts=seq, use_local_output=not sequence_parallel),
             "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-            "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=seq,
+                                                           use_local_output=not sequence_parallel),
             "replicated_with_grad_allreduce": lambda: HeadShardedNorm(),
         }[name]()
 
@@ -79,7 +80,10 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> d
     plan: dict = {prefix + k: style(v) for k, v in own.items()}
     emb_name, norm_name = pipeline_ends(model.config)
     if getattr(base, emb_name, None) is not None:
-        plan[prefix + emb_name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        # Under sequence parallel the residual stream stays a DTensor of the whole sequence's shape, so
+        # the masks transformers builds from it (eager and sliding-window layers) have its length.
+        plan[prefix + emb_name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq,
+                                                  use_local_output=not sequence_parallel)
     if isinstance(getattr(base, norm_name, None), nn.Module) and _is_norm(getattr(base, norm_name)):
         plan[prefix + norm_name] = norm_style()
     if model.get_output_embeddings() is not None:

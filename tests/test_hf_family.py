@@ -1,0 +1,182 @@
+"""``model=hf``: transformers' own causal LMs trained by the engine, architecture by architecture.
+
+Per architecture (a debug flavor each, ``conf/model/hf_*_debug.yaml``): the model the engine
+builds computes transformers' own logits bit for bit (it is transformers' class, called with the
+positions transformers would make); packed documents are masked from each other; the loss falls;
+fsdp(2) equals one process; tp(2) (sequence + loss parallel, from the config's own TP plan) equals
+one process for every architecture whose plan translates; pp(2) for a few (gemma2: its
+sliding/global layer pattern is cut across stages; qwen3_moe: MoE layers on both stages); exact
+resume for three. What cannot run is refused in one line before anything starts. Layout parity
+bounds: ``helpers.machine_bound`` (the machine's measured rounding floor)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from titan_hydra.errors import ConfigError
+from titan_hydra.spec import spec_of
+from helpers import (
+    GLOBAL_BATCH, assert_parity, base_for, compose_cfg, machine_bound, run_launch, run_layout, run_single,
+)
+from numerics import assert_fp32_close
+
+DENSE = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3", "glm4",
+         "cohere2", "starcoder2"]
+MOE = ["mixtral", "qwen3_moe", "olmoe"]
+ALL = DENSE + MOE
+# dim 64, 4 layers, 4 heads / 2 kv heads (flavors that set head_dim keep 32: q is wider than the model)
+SMALL = ["model.fields.hidden_size=64", "model.fields.intermediate_size=128", "model.fields.num_hidden_layers=4",
+         "model.fields.num_attention_heads=4", "model.fields.num_key_value_heads=2"]
+UNTIED = ["+model.fields.tie_word_embeddings=false"]
+PP = ["gemma2", "qwen3_moe"]  # gemma2: alternating sliding/global layers; qwen3_moe: MoE on every stage
+RESUME = ["llama", "gemma3", "mixtral"]
+CHECKPOINTS = ["checkpoint=default", "checkpoint.interval=5", "checkpoint.keep_latest_k=0"]
+
+
+# The head's gradient is scaled down by their logit multipliers (granite: logits / 4; cohere2: x 0.0625),
+# so at the default rate their loss hardly moves in 10 steps (-0.01); 10x the rate shows it falling.
+FASTER = {"granite": ["optimizer.lr=8e-3"], "cohere2": ["optimizer.lr=8e-3"]}
+
+
+def overrides(arch: str, *extra: str) -> list[str]:
+    return [f"model=hf_{arch}_debug", *SMALL, *FASTER.get(arch, []), *extra]
+
+
+def built(arch: str, seed: int = 0):
+    spec = spec_of(compose_cfg(base_for(["model=hf_"]) + overrides(arch)))
+    model = spec.family.build(spec.model_args)
+    torch.manual_seed(seed)
+    model.init_weights()
+    return spec, model.eval()
+
+
+@pytest.mark.parametrize("arch", ALL)
+def test_logits_are_transformers_own(arch):
+    """Same weights, same tokens: our forward and ``AutoModelForCausalLM``'s are one computation."""
+    from transformers import AutoModelForCausalLM
+
+    spec, ours = built(arch)
+    ref = AutoModelForCausalLM.from_config(spec.model_args.hf_config).eval()
+    ref.load_state_dict(ours.state_dict())
+    tokens = torch.randint(0, spec.model_args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(ours(tokens), ref(input_ids=tokens).logits)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "cohere2", "olmoe"])
+def test_packed_documents_do_not_see_each_other(arch):
+    """With doc_ids, the second document's logits are those of running it alone (positions restart);
+    without them it attends to the first (a different result: the check can fail)."""
+    spec, model = built(arch)
+    tokens = torch.randint(0, spec.model_args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
+    doc_ids = torch.tensor([[0] * 9 + [1] * 15] * 2)
+    with torch.no_grad():
+        packed, alone, unmasked = model(tokens, doc_ids=doc_ids), model(tokens[:, 9:]), model(tokens)
+    assert_fp32_close({"second": packed[:, 9:]}, {"second": alone})
+    assert (unmasked[:, 9:] - alone).abs().max() > 1e-3
+
+
+def test_shape_counts_what_it_builds():
+    spec, model = built("mixtral")
+    s = spec.shape
+    assert s.params == sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert s.expert_params == experts and s.n_experts == 8 and s.top_k == 2
+    assert s.active_params == s.params - experts * 6 // 8
+    _, tied = built("gemma3")
+    assert spec_of(compose_cfg(base_for(["model=hf_"]) + overrides("gemma3"))).shape.params == sum(
+        p.numel() for p in tied.parameters())  # the tied head counted once
+
+
+@pytest.fixture(scope="module")
+def singles(tmp_path_factory):
+    cache: dict[str, tuple] = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            path = tmp_path_factory.mktemp(f"hf_{arch}_single")
+            extra = [*CHECKPOINTS, *(UNTIED if arch in PP else [])]
+            cache[arch] = (path, run_single(path, overrides(arch, *extra)))
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ALL)
+def test_trains_and_fsdp_equals_one_process(tmp_path, singles, run_cache, arch, record_property):
+    _, single = singles(arch)
+    assert single[-1] < single[0] - 0.05, single
+    extra = UNTIED if arch in PP else []
+    losses = run_layout(tmp_path, overrides(arch, *extra, "parallelism=fsdp"), nproc=2, dp=2)
+    assert_parity(losses, single, machine_bound(run_cache, single), f"{arch} fsdp", record_property)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", DENSE)
+def test_tp_equals_one_process(tmp_path, singles, run_cache, arch, record_property):
+    _, single = singles(arch)
+    extra = UNTIED if arch in PP else []
+    losses = run_layout(tmp_path, overrides(arch, *extra, "parallelism=tp"), nproc=2, dp=1)
+    assert_parity(losses, single, machine_bound(run_cache, single), f"{arch} tp", record_property)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", PP)
+def test_pp_equals_one_process(tmp_path, singles, run_cache, arch, record_property):
+    _, single = singles(arch)
+    losses = run_layout(tmp_path, overrides(arch, *UNTIED, "parallelism=pp"), nproc=2, dp=1)
+    assert_parity(losses, single, machine_bound(run_cache, single), f"{arch} pp", record_property)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", RESUME)
+def test_exact_resume(singles, tmp_path, capsys, arch):
+    """Steps 1-5, checkpoint, resume, 6-10 == the uninterrupted 10 steps, bit for bit."""
+    from titan_hydra.train.pretrain import run
+
+    path, reference = singles(arch)
+    shutil.copytree(path / "run" / "checkpoint", tmp_path / "checkpoint")
+    shutil.rmtree(tmp_path / "checkpoint" / "step-10")
+    cfg = compose_cfg(base_for(["model=hf_"]) + overrides(arch, *CHECKPOINTS) + [
+        "cluster.nproc_per_node=1", "parallelism=single", f"training.local_batch_size={GLOBAL_BATCH}"])
+    capsys.readouterr()
+    losses = run(spec_of(cfg), str(tmp_path))["losses"]
+    assert f"loaded {tmp_path / 'checkpoint' / 'step-5'}" in capsys.readouterr().out
+    assert losses == reference
+
+
+@pytest.mark.parametrize("arch,extra,message", [
+    ("mixtral", ["parallelism=tp", "cluster.nproc_per_node=2"], "parallelism.tp=2: the mixtral TP plan uses"),
+    ("olmoe", ["parallelism=pp", "cluster.nproc_per_node=2"], "parallelism.pp=2: transformers' olmoe config has no base_model_pp_plan"),
+    ("granite", ["parallelism=pp", "cluster.nproc_per_node=2"], "parallelism.pp=2: the granite forward scales"),
+    ("gemma3", ["parallelism=pp", "cluster.nproc_per_node=2"], "tie_word_embeddings=true cannot run under pipeline"),
+    ("llama", ["parallelism=cp", "cluster.nproc_per_node=2"], "parallelism.cp=2 is not wired for model=hf"),
+    ("llama", ["training.seq_len=4096"], "training.seq_len=4096 exceeds the llama config's max_position_embeddings=2048"),
+    ("llama", ["model.model_type=no_such_arch"], "model.model_type='no_such_arch' is not a transformers architecture"),
+    ("llama", ["+model.fields.hidden_act=no_such_act"], "transformers could not build llama from model.fields: KeyError"),
+])
+def test_refusals_are_one_line(arch, extra, message):
+    from titan_hydra.validate import validate
+
+    cfg = compose_cfg(overrides(arch, *extra))
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert str(e.value).startswith(message), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_remote_code_and_missing_configs_are_refused(tmp_path):
+    from titan_hydra.validate import validate
+
+    (tmp_path / "remote").mkdir()
+    (tmp_path / "remote" / "config.json").write_text(json.dumps(
+        {"model_type": "my_arch", "auto_map": {"AutoConfig": "configuration_my.MyConfig"}}))
+    for path, message in [(tmp_path / "remote", "needs remote code"), (tmp_path, "holds no config.json")]:
+        cfg = compose_cfg(["model=hf_llama_debug", "model.model_type=null", f"model.config={path}"])
+        with pytest.raises(ConfigError, match=message):
+            validate(cfg)
