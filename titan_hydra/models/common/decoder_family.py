@@ -41,14 +41,14 @@ from titan_hydra.errors import ConfigError
 from titan_hydra.models.common import moe
 from titan_hydra.models.common.decoder import MULTIPLIERS
 from titan_hydra.models.mtp_loss import MultiTokenLoss
-from titan_hydra.models.protocol import ModelFamily, ModelShape
+from titan_hydra.models.protocol import ModelFamily, ModelShape, ShardsRope, WeighsLosses
 
 
 # Fields beyond the shape that change what saved weights mean (rotary, norms).
 SEMANTIC_FIELDS = ("norm_eps", "rope_theta", "rope_scaling", "rope_scaling_factor", "qk_norm")
 
 
-class DecoderFamily(ModelFamily):
+class DecoderFamily(ModelFamily, ShardsRope, WeighsLosses):
     model_cls: type | None = None  # the Decoder subclass, built from args fields
     rope_buffers = ("rope_cos", "rope_sin")
     supports_document_mask = True  # Decoder.forward(tokens, doc_ids)
