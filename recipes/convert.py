@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_hydra.checkpoint.state import DTYPES, FORMAT_VERSION  # noqa: E402
 from titan_hydra.checkpoint.storage import CheckpointError, load_plain, read_marker, read_metadata, save_plain, tensor_entries  # noqa: E402
-from titan_hydra.errors import ConfigError  # noqa: E402
+from titan_hydra.errors import ConfigError, exit_status  # noqa: E402
 from titan_hydra.models.hf_io import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from titan_hydra.models.registry import LEGACY_FAMILY, get_family  # noqa: E402
 
@@ -73,13 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dst")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     a = p.parse_args(argv)
-    try:
+
+    def convert() -> str:
         (to_hf if a.direction == "to-hf" else from_hf)(a.src, a.dst, a.dtype)
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {a.dst}")
-    return 0
+        return f"wrote {a.dst}"
+
+    return exit_status(convert)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from titan_hydra.errors import UserError, first_line  # noqa: E402
+from titan_hydra.errors import UserError, exit_status  # noqa: E402
 from titan_hydra.logger.images import save_grid  # noqa: E402
 
 
@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="grid.png")
     a = p.parse_args(argv)
-    try:
+
+    def draw() -> str:
         from titan_hydra.models.flux.sampling import sample_images
 
         step, cfg, model, examples = load_run(Path(a.run))
@@ -78,11 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         images = sample_images(model, examples, prompts, int(cfg["data"]["image_size"]), steps=a.steps,
                                guidance=a.guidance, seed=a.seed)
         save_grid(images.numpy(), a.out, rows=len(a.prompt))
-    except UserError as e:
-        print(f"error: {first_line(e)}", file=sys.stderr)
-        return 2
-    print(f"wrote {a.out}: {len(a.prompt)} prompt(s) x {a.per_prompt} from {step}")
-    return 0
+        return f"wrote {a.out}: {len(a.prompt)} prompt(s) x {a.per_prompt} from {step}"
+
+    return exit_status(draw)
 
 
 if __name__ == "__main__":

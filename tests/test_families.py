@@ -14,7 +14,8 @@ from titan_hydra.errors import ConfigError
 from titan_hydra.models.common.hf_decoder import HFConversionError
 from titan_hydra.models.llama3 import FAMILY as LLAMA
 from titan_hydra.models.llama3 import LlamaArgs
-from titan_hydra.models.protocol import DrawsSamples, ModelFamily
+from titan_hydra.models.protocol import (DataSettings, DrawsSamples, ModelFamily, RunsStepHooks, ShardsRope,
+                                         SizesSamples, WeighsLosses)
 from titan_hydra.models.qwen3 import FAMILY as QWEN3
 from titan_hydra.models.registry import BUILTIN, args_of, build_model, family_for_hf_type, get_family
 from titan_hydra.train.eval import PeriodicEval
@@ -197,6 +198,32 @@ def test_drawing_pictures_is_a_capability_a_family_opts_into():
     pictures.check(Painter())
     with pytest.raises(ConfigError, match=r"eval\.sample_every=5: model family 'llama3' draws no sample pictures"):
         pictures.check(LLAMA)
+
+
+def test_optional_members_are_capabilities_the_engine_checks():
+    """What only some families have is no member of ModelFamily: Flux sizes its own samples from
+    the typed data settings, the decoders shard rope tables and weigh their MoE losses, and a
+    family without a capability gets the engine's default (a sample is seq_len tokens)."""
+    from titan_hydra.layout import check_layout
+    from titan_hydra.planner.plan import plan
+    from titan_hydra.spec import spec_of
+    from titan_hydra.train.model_build import flops_per_unit
+
+    for member in ("sample_tokens", "flops_per_sample", "flops_per_unit", "check_data", "rope_buffers",
+                   "set_loss_scale", "step_hooks"):
+        assert not hasattr(ModelFamily, member), member
+    assert [n for n in BUILTIN if isinstance(get_family(n), SizesSamples)] == ["flux"]
+    assert [n for n in BUILTIN if not isinstance(get_family(n), ShardsRope)] == ["flux"]
+    assert [n for n in BUILTIN if not isinstance(get_family(n), WeighsLosses)] == ["flux"]
+    assert not any(isinstance(get_family(n), RunsStepHooks) for n in BUILTIN)
+    spec = spec_of(compose_cfg(["model=llama3_debug"]))
+    assert isinstance(spec.data, DataSettings) and not spec.data.image_data
+    check_layout(spec)
+    p = plan(spec)
+    assert p.tokens_per_sample == spec.batch.seq_len
+    assert p.flops_per_token == LLAMA.flops_per_token(spec.model_args, spec.batch.seq_len)
+    dataset = SimpleNamespace(seq_len=64)
+    assert flops_per_unit(LLAMA, spec.model_args, dataset) == LLAMA.flops_per_token(spec.model_args, 64)
 
 
 # ------------------------------------------------------------------------------- HF config

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 
 class UserError(ValueError):
@@ -45,6 +47,19 @@ def first_line(error: BaseException) -> str:
         if line.strip():
             return line.strip()
     return type(error).__name__
+
+
+def exit_status(work: Callable[[], str]) -> int:
+    """A command-line recipe's exit status: 0 after printing the line ``work`` returns (what it
+    wrote), 2 after printing a UserError as one line ``error: ...`` on stderr, as launch.py does
+    (the message says what to fix; a traceback would bury it). Anything else keeps its traceback."""
+    try:
+        done = work()
+    except UserError as e:
+        print(f"error: {first_line(e)}", file=sys.stderr)
+        return 2
+    print(done)
+    return 0
 
 
 def check_writable_dir(path: str | os.PathLike, what: str) -> None:

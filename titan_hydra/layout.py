@@ -7,6 +7,7 @@ validation) asks the same of every candidate layout, and validation asks it of t
 from __future__ import annotations
 
 from titan_hydra.errors import ConfigError
+from titan_hydra.models.protocol import SizesSamples
 from titan_hydra.parallel import activation_checkpoint
 from titan_hydra.parallel import compile as compile_rules
 from titan_hydra.parallel import cp, ep, fsdp, pp, tp
@@ -18,7 +19,8 @@ def check_layout(spec: RunSpec) -> None:
     parallelism module's, as one-line ConfigErrors."""
     dims, seq_len = spec.dims, spec.batch.seq_len
     spec.family.check(spec.model_args, dims, seq_len)
-    spec.family.check_data(spec.model_args, dims, spec.data.node)
+    if isinstance(spec.family, SizesSamples):
+        spec.family.check_data(spec.model_args, dims, spec.data)
     if spec.token_data and dims.cp > 1 and seq_len % (2 * dims.cp) != 0:
         raise ConfigError(
             f"training.seq_len={seq_len} must be divisible by 2*parallelism.cp={2 * dims.cp} "

@@ -29,7 +29,7 @@ from titan_hydra.errors import instantiate_checked as instantiate
 from titan_hydra.float8 import Float8Converter
 from titan_hydra.hardware import Resolved
 from titan_hydra.models.parametrization import Parametrization, with_multipliers
-from titan_hydra.models.protocol import ModelFamily
+from titan_hydra.models.protocol import DataSettings, ModelFamily
 from titan_hydra.models.registry import args_of, get_family
 from titan_hydra.parallel.activation_checkpoint import ActivationCheckpointing
 from titan_hydra.parallel.compile import Compiler
@@ -45,32 +45,6 @@ class BatchPlan:
     global_: int
     grad_accum: int
     seq_len: int
-
-
-@dataclass(frozen=True)
-class DataSettings:
-    """The ``data`` group as plain values: the dataset is built from ``node`` on each rank (it
-    reads files), and the family's data checks read the same mapping."""
-
-    node: dict  # resolved, with the option's label ``name``
-
-    @property
-    def name(self) -> str:
-        return str(self.node.get("name", "custom"))
-
-    @property
-    def dataset_node(self) -> dict:
-        """What the dataset's constructor takes: the node less its label."""
-        return {k: v for k, v in self.node.items() if k != "name"}
-
-    @property
-    def token_data(self) -> bool:
-        """A tokenized corpus (False: the family's own samples, e.g. images)."""
-        return self.node.get("tokenizer") is not None
-
-    @property
-    def document_mask(self) -> bool:
-        return bool(self.node.get("document_mask"))
 
 
 @dataclass(frozen=True)

@@ -1,31 +1,38 @@
-"""The model protocol: everything the engine may ask of a model family, and nothing more.
+"""The model protocol: what the engine asks of every model family, and the capabilities some have.
 
 The engine (``parallel/``, ``train/``, ``checkpoint/``, ``planner/``, ``recipes/convert.py``)
 never names a family. It gets a ``ModelFamily`` from the ``model.family`` config key (see
-``registry.py``) and asks it:
+``registry.py``) and asks every family:
 
-* shape and counting: ``make_args``, ``shape`` (parameters total/active, widths the memory
-  estimator needs), ``flops_per_token``, ``sample_tokens`` + ``flops_per_sample`` (a sample's
-  length and cost from config, for the planner), ``signature`` (the fields that decide whether saved
-  weights fit), ``check`` (family rules against a layout, as one-line ConfigErrors);
+* shape and counting: ``make_args`` + ``args_fields``, ``shape`` (parameters total/active, widths
+  the memory estimator needs), ``flops_per_token``, ``signature`` (the fields that decide whether
+  saved weights fit), ``check`` (family rules against a layout, as one-line ConfigErrors),
+  ``build`` (the full model evaluation during training loads);
 * layout: ``blocks`` (the units activation checkpointing, compile and FSDP wrap, and the
-  pipeline cuts), ``fsdp_units``, ``tp_plan`` + ``finish_tp``, ``cut_stage``, ``rope_buffers``
-  (what context parallel shards with the tokens), ``expert_modules`` (what expert parallelism
-  shards over its own mesh);
+  pipeline cuts), ``fsdp_units``, ``tp_plan`` + ``finish_tp``, ``cut_stage``, ``expert_modules``
+  (what expert parallelism shards over its own mesh);
 * training: ``objective`` (the loss, and what throughput counts: ``objective.py``; language
   families predict the next token), ``training_loss`` (the objective's, or one with the model's
-  own extra terms), ``flops_per_unit``, ``step_hooks`` (work once per
-  optimizer step that belongs to the model, returning metrics to log);
+  own extra terms);
 * conversion: ``hf`` (an ``HFAdapter``; None when the family has no HF counterpart).
 
 Optional capabilities are not members of ``ModelFamily``, so a family implements only what it
-has: a capability is a small protocol of its own the engine checks with ``isinstance``
-(``DrawsSamples``: pictures from prompts, ``eval.sample_every``), or a flag that says what the
-model's ``forward`` takes (``supports_document_mask``).
+has and the engine's default serves the rest: a capability is a small protocol of its own the
+engine checks with ``isinstance`` (structural: a family need not name it), or a flag that says
+what the model's ``forward`` takes (``supports_document_mask``). They are:
 
-``common/decoder_family.DecoderFamily`` implements all of it for models built from
-``common/decoder.Decoder``; a family subclasses it and overrides what differs. A model that is
-not a ``Decoder`` implements this class directly (README: "Bring your own model").
+* ``SizesSamples``: samples that are not ``training.seq_len`` tokens (Flux's picture + caption),
+  sized, costed and checked against a layout from the typed ``DataSettings``;
+* ``ShardsRope``: rotary tables kept as buffers, which context parallel shards with the tokens;
+* ``WeighsLosses``: losses the model adds to the gradient itself (MoE auxiliary loss), weighed
+  like each microbatch's;
+* ``RunsStepHooks``: the model's own work once per optimizer step, with metrics to log;
+* ``DrawsSamples``: pictures from prompts (``eval.sample_every``).
+
+``common/decoder_family.DecoderFamily`` implements it for models built from
+``common/decoder.Decoder`` (rope tables and MoE losses included); a family subclasses it and
+overrides what differs. A model that is not a ``Decoder`` subclasses ``ModelFamily`` directly
+(README: "Bring your own model").
 """
 
 from __future__ import annotations
@@ -89,6 +96,54 @@ class ModelShape:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """The ``data`` group as plain values. The dataset is built from ``node`` on each rank (it
+    reads files); the engine and a family's data rules read the typed properties, before any data
+    is read, so no raw config node crosses into a family."""
+
+    node: dict  # resolved, with the option's label ``name``
+
+    @property
+    def name(self) -> str:
+        return str(self.node.get("name", "custom"))
+
+    @property
+    def dataset_node(self) -> dict:
+        """What the dataset's constructor takes: the node less its label."""
+        return {k: v for k, v in self.node.items() if k != "name"}
+
+    @property
+    def token_data(self) -> bool:
+        """A tokenized corpus (False: the family's own samples, e.g. images)."""
+        return self.node.get("tokenizer") is not None
+
+    @property
+    def document_mask(self) -> bool:
+        return bool(self.node.get("document_mask"))
+
+    @property
+    def image_data(self) -> bool:
+        """An image-caption group: an example builder (``examples``) and an image size."""
+        return self.node.get("examples") is not None and self.node.get("image_size") is not None
+
+    @property
+    def image_size(self) -> int:
+        """Pixels on a side of every picture (image data only)."""
+        return int(self.node["image_size"])
+
+    @property
+    def text_tokens(self) -> int:
+        """Caption tokens of every sample, each caption padded or cut to them (image data only)."""
+        return int(self.node["examples"]["max_text_len"])
+
+    @property
+    def guidance(self) -> float | None:
+        """The guidance scale the example builder feeds a guidance-distilled model (None: none)."""
+        examples = self.node.get("examples")
+        return examples.get("guidance") if hasattr(examples, "get") else None
 
 
 class HFAdapter:
@@ -155,30 +210,12 @@ class ModelFamily:
         """Training FLOPs (forward + backward) per token: 6 x active matmul params + attention."""
         raise NotImplementedError
 
-    def flops_per_unit(self, args: Any, dataset: Any) -> float:
-        """Training FLOPs per unit the objective counts (MFU's numerator), for the samples
-        ``dataset`` serves: a token dataset's ``seq_len`` sets the attention share per token."""
-        return self.flops_per_token(args, int(dataset.seq_len))
-
-    def sample_tokens(self, args: Any, data_cfg: Any, seq_len: int) -> int:
-        """Sequence positions one training sample occupies (what activations scale with), from the
-        run's data config, before any data is read: a token family's ``seq_len``."""
-        return int(seq_len)
-
-    def flops_per_sample(self, args: Any, data_cfg: Any, seq_len: int) -> float:
-        """Training FLOPs of one sample (the planner's per-step arithmetic, from config alone)."""
-        return self.flops_per_token(args, seq_len) * seq_len
-
     def signature(self, args: Any) -> dict[str, Any]:
         """Fields that decide whether saved weights fit this model (checkpoint compatibility)."""
         return self.args_fields(args)
 
     def check(self, args: Any, dims: Any, seq_len: int) -> None:
         """Raise ConfigError (one line) for a layout or length this family cannot run."""
-
-    def check_data(self, args: Any, dims: Any, data_cfg: Any) -> None:
-        """Raise ConfigError (one line) for a layout this family cannot run on samples of this data
-        config (read before any data is; e.g. context parallel splits every sample's tokens)."""
 
     # --- layout -------------------------------------------------------------------------
     def blocks(self, model: nn.Module) -> nn.ModuleDict:
@@ -200,8 +237,6 @@ class ModelFamily:
         """A copy of the meta model holding only one pipeline stage's modules, FQNs unchanged."""
         raise NotImplementedError
 
-    rope_buffers: tuple[str, ...] = ()
-
     def expert_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """(fqn, module) of every routed-experts module: expert parallelism shards these over the
         ep mesh and FSDP over the expert data-parallel mesh. A module opts in with a truthy class
@@ -214,16 +249,6 @@ class ModelFamily:
         unless the model trains terms of its own on the same batch (multi-token prediction)."""
         return self.objective.loss
 
-    def set_loss_scale(self, model_parts: list[nn.Module], scale: float) -> None:
-        """The runner backpropagates each microbatch's loss times ``scale`` (1 / (gradient
-        accumulation x pipeline microbatches)); losses a model adds to the gradient itself (MoE
-        auxiliary loss) must use the same weight to equal one big batch."""
-
-    def step_hooks(self, model_parts: list[nn.Module], dims: Any) -> list:
-        """Callables the trainer runs once per optimizer step (after backward of every microbatch,
-        before ``optimizer.step``); each returns ``{metric: value}`` logged with the step."""
-        return []
-
 
 @runtime_checkable
 class DrawsSamples(Protocol):
@@ -234,4 +259,59 @@ class DrawsSamples(Protocol):
                       seed: int) -> torch.Tensor:
         """uint8 pictures [len(prompts), H, W, 3] drawn by ``model`` (an unsharded CPU copy) from
         these prompts, with the dataset's encoders."""
+        ...
+
+
+@runtime_checkable
+class SizesSamples(Protocol):
+    """The capability of a family whose training sample is not ``training.seq_len`` tokens of a
+    corpus (an image family's picture and caption): its length, cost and layout rules come from
+    the data settings, before any data is read. Without it a sample is ``seq_len`` tokens that
+    cost ``flops_per_token`` each, and the data puts no rule on the layout."""
+
+    def sample_tokens(self, args: Any, data: DataSettings, seq_len: int) -> int:
+        """Sequence positions one training sample occupies (what activations scale with)."""
+        ...
+
+    def flops_per_sample(self, args: Any, data: DataSettings, seq_len: int) -> float:
+        """Training FLOPs of one sample (the planner's per-step arithmetic, from config alone)."""
+        ...
+
+    def flops_per_unit(self, args: Any, dataset: Any) -> float:
+        """Training FLOPs per unit the objective counts (MFU's numerator), for the samples the
+        built ``dataset`` serves."""
+        ...
+
+    def check_data(self, args: Any, dims: Any, data: DataSettings) -> None:
+        """Raise ConfigError (one line) for a layout this family cannot run on these samples
+        (e.g. context parallel splits every sample's tokens into equal chunks)."""
+        ...
+
+
+@runtime_checkable
+class ShardsRope(Protocol):
+    """The capability of a family whose model keeps rotary tables as buffers indexed by position:
+    context parallel shards them with the tokens, so each rank rotates its own positions."""
+
+    rope_buffers: tuple[str, ...]  # buffer names on each model part, sequence along dim 0
+
+
+@runtime_checkable
+class WeighsLosses(Protocol):
+    """The capability of a family whose model adds losses to the gradient itself (an MoE auxiliary
+    loss): those must take the runner's microbatch weight to equal one big batch."""
+
+    def set_loss_scale(self, model_parts: list[nn.Module], scale: float) -> None:
+        """The runner backpropagates each microbatch's loss times ``scale`` (1 / (gradient
+        accumulation x pipeline microbatches)); the model's own losses take the same weight."""
+        ...
+
+
+@runtime_checkable
+class RunsStepHooks(Protocol):
+    """The capability of a family with work of its own once per optimizer step."""
+
+    def step_hooks(self, model_parts: list[nn.Module], dims: Any) -> list:
+        """Callables the trainer runs once per optimizer step (after backward of every microbatch,
+        before ``optimizer.step``); each returns ``{metric: value}`` logged with the step."""
         ...

@@ -18,6 +18,7 @@ from typing import Callable, ContextManager
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
+from titan_hydra.models.protocol import ShardsRope
 from titan_hydra.parallel.cp import cp_context
 from titan_hydra.parallel.parallelism import ParallelDims
 from titan_hydra.parallel.ep import apply_ep
@@ -57,11 +58,12 @@ def make_step_context(parts: list[torch.nn.Module], family, dims: ParallelDims, 
                       device: torch.device):
     """The context each microbatch's forward(+backward) runs in."""
     bf16_autocast = mixed_precision == "bf16" and not uses_fsdp_mixed_precision(dims)
+    rope_buffers = family.rope_buffers if isinstance(family, ShardsRope) else ()
 
     def step_context(inputs: torch.Tensor, labels: torch.Tensor) -> ContextManager:
         stack = contextlib.ExitStack()
         if dims.cp_enabled:
-            stack.enter_context(cp_context(parts, family.rope_buffers, dims,
+            stack.enter_context(cp_context(parts, rope_buffers, dims,
                                            family.objective.sequence_buffers(inputs, labels)))
         if dims.loss_parallel_enabled:
             stack.enter_context(loss_parallel())

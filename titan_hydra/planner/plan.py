@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from titan_hydra.models.protocol import ModelShape
+from titan_hydra.models.protocol import ModelShape, SizesSamples
 from titan_hydra.planner.activations import (
     activation_bytes,
     head_activation_bytes,
@@ -141,8 +141,11 @@ def plan(spec: RunSpec, runtime: Runtime = TITAN_HYDRA) -> Plan:
     """
     dims, family, margs, args, cluster = spec.dims, spec.family, spec.model_args, spec.shape, spec.cluster
     mp, seq_len = spec.mixed_precision, spec.batch.seq_len
-    seq = family.sample_tokens(margs, spec.data.node, seq_len)  # positions per sample
-    per_sample = family.flops_per_sample(margs, spec.data.node, seq_len)
+    if isinstance(family, SizesSamples):  # positions and FLOPs per sample
+        seq = family.sample_tokens(margs, spec.data, seq_len)
+        per_sample = family.flops_per_sample(margs, spec.data, seq_len)
+    else:
+        seq, per_sample = seq_len, family.flops_per_token(margs, seq_len) * seq_len
     fpt = per_sample / seq
     global_bs, accum = spec.batch.global_, spec.batch.grad_accum
     tokens = global_bs * seq

@@ -13,6 +13,7 @@ from titan_hydra.kernels.attention_policy import apply_attention_kernel
 from titan_hydra.kernels.attention_precision import apply_attention_precision
 from titan_hydra.kernels.gated_delta_policy import apply_gated_delta_kernel, delta_layers
 from titan_hydra.models.parametrization import Geometry, rescale_init
+from titan_hydra.models.protocol import SizesSamples, WeighsLosses
 from titan_hydra.models.registry import model_from_args
 from titan_hydra.parallel.apply import parallelize
 from titan_hydra.spec import RunSpec
@@ -44,13 +45,22 @@ def build_parallel_model(spec: RunSpec, device: torch.device, rank: int, dataset
         grad_accum_steps=spec.batch.grad_accum, ac=spec.activation_checkpoint,
         compiler=spec.compiler, document_eos_id=getattr(dataset, "document_eos_id", None),
     )
-    family.set_loss_scale(pm.model_parts, pm.runner.loss_scale)  # model-internal losses weigh like the main one
+    if isinstance(family, WeighsLosses):  # model-internal losses weigh like the main one
+        family.set_loss_scale(pm.model_parts, pm.runner.loss_scale)
     geometry = spec.parametrization.geometry(family, spec.model_args)
     init_weights(spec, pm.model_parts, device, rank, geometry)
     return BuiltModel(family, spec.model_args, pm.model_parts, pm.runner, spec.float8,
-                      family.flops_per_unit(spec.model_args, dataset), attention_dtype, attention_kernel,
+                      flops_per_unit(family, spec.model_args, dataset), attention_dtype, attention_kernel,
                       loss_hooks=mtp_loss_hooks(loss_fn, dims, pm.runner.loss_scale, device),
                       delta_kernel=delta_kernel, geometry=geometry)
+
+
+def flops_per_unit(family: Any, args: Any, dataset: Any) -> float:
+    """Training FLOPs per unit the objective counts (MFU's numerator): a ``SizesSamples`` family's
+    own count, else per token of the dataset's ``seq_len`` (which sets the attention share)."""
+    if isinstance(family, SizesSamples):
+        return family.flops_per_unit(args, dataset)
+    return family.flops_per_token(args, int(dataset.seq_len))
 
 
 def rescaled(part: torch.nn.Module, geometry: dict[str, Geometry]) -> None:

@@ -19,10 +19,11 @@ from titan_hydra.logger.metric_logger import MetricLogger
 from titan_hydra.metrics.memory import MemoryMonitor
 from titan_hydra.metrics.summary import run_header
 from titan_hydra.metrics.throughput import ThroughputMeter, cpu_bf16_slower_than_fp32, device_peak_tflops
+from titan_hydra.models.protocol import DataSettings, RunsStepHooks
 from titan_hydra.parallel.compile import compiled_graphs
 from titan_hydra.runtime.preemption import requeue_on_hang, watch_for_preemption
 from titan_hydra.runtime.threads import threads_here
-from titan_hydra.spec import DataSettings, RunSpec
+from titan_hydra.spec import RunSpec
 from titan_hydra.train.built import BoundEval, BuiltModel, DataPlan, Monitors, Optimization, Placement, Services
 from titan_hydra.train.health.monitor import HealthMonitor
 from titan_hydra.train.moe_balance import moe_balance_hooks
@@ -140,9 +141,14 @@ def build_services(spec: RunSpec, run_dir: str, where: Placement, built: BuiltMo
         fault_tolerance=spec.fault_tolerance if spec.fault_tolerance.enabled else NoFaultTolerance(),
         health=health_of(spec, run_dir, rank, device, built, data, checkpointer, state, metric_logger),
         preemption=preempted_by_slurm(rank, spec.world_size, device),
-        step_hooks=tuple(moe_balance_hooks(built.parts, spec.dims) + built.family.step_hooks(built.parts, spec.dims)
+        step_hooks=tuple(moe_balance_hooks(built.parts, spec.dims) + family_step_hooks(built, spec.dims)
                          + built.loss_hooks + compile_hooks(spec)),
     )
+
+
+def family_step_hooks(built: BuiltModel, dims: Any) -> list:
+    """The family's own once-per-step work (the ``RunsStepHooks`` capability; none without it)."""
+    return built.family.step_hooks(built.parts, dims) if isinstance(built.family, RunsStepHooks) else []
 
 
 def preempted_by_slurm(rank: int, world_size: int, device: torch.device):

@@ -41,17 +41,21 @@ from titan_hydra.errors import ConfigError
 from titan_hydra.models.common import moe
 from titan_hydra.models.common.decoder import MULTIPLIERS
 from titan_hydra.models.mtp_loss import MultiTokenLoss
-from titan_hydra.models.protocol import ModelFamily, ModelShape
+from titan_hydra.models.protocol import ModelFamily, ModelShape, ShardsRope, WeighsLosses
 
 
 # Fields beyond the shape that change what saved weights mean (rotary, norms).
 SEMANTIC_FIELDS = ("norm_eps", "rope_theta", "rope_scaling", "rope_scaling_factor", "qk_norm")
 
 
-class DecoderFamily(ModelFamily):
+class DecoderFamily(ModelFamily, ShardsRope, WeighsLosses):
     model_cls: type | None = None  # the Decoder subclass, built from args fields
     rope_buffers = ("rope_cos", "rope_sin")
     supports_document_mask = True  # Decoder.forward(tokens, doc_ids)
+    # A family's own args fields that change what saved weights compute (``signature``).
+    semantic_fields: tuple[str, ...] = ()
+    # Why context parallel cannot run this family's attention, as "<family> (<reason>)"; "" = it can.
+    no_context_parallel: str = ""
 
     @classmethod
     def of(cls, name: str, args_cls: type, model_cls: type, hf: Any) -> "DecoderFamily":
@@ -86,8 +90,18 @@ class DecoderFamily(ModelFamily):
 
     def flops_per_token(self, args: Any, seq_len: int) -> float:
         s = self.shape(args)
-        matmul = s.active_params - (0 if s.tied_embeddings else s.embedding_params)
-        return float(6 * matmul + 12 * s.n_layers * s.n_heads * s.head_dim * seq_len)
+        return float(6 * self.matmul_params(args) + 12 * s.n_heads * s.head_dim * self.attended_keys(args, seq_len))
+
+    def matmul_params(self, args: Any) -> int:
+        """Active parameters a token multiplies by: the input embedding is a lookup, not a matmul,
+        unless it is tied to the output."""
+        s = self.shape(args)
+        return s.active_params - (0 if s.tied_embeddings else s.embedding_params)
+
+    def attended_keys(self, args: Any, seq_len: int) -> int:
+        """Keys one query meets, summed over the attention layers (causal mask ignored): ``seq_len``
+        in each layer, unless a layer's window or chunk bounds it."""
+        return int(args.n_layers) * seq_len
 
     def signature(self, args: Any) -> dict[str, Any]:
         """Shapes (derived ones, so two spellings of one FFN width agree) and the fields that change
@@ -96,7 +110,7 @@ class DecoderFamily(ModelFamily):
         sig = {"family": self.name, "dim": s.dim, "n_layers": s.n_layers, "n_heads": s.n_heads,
                "kv_heads": s.n_kv_heads, "head_dim": s.head_dim, "vocab_size": s.vocab_size,
                "ffn_hidden_dim": s.ffn_dim, "tie_word_embeddings": s.tied_embeddings}
-        sig.update({k: getattr(args, k) for k in SEMANTIC_FIELDS if hasattr(args, k)})
+        sig.update({k: getattr(args, k) for k in (*SEMANTIC_FIELDS, *self.semantic_fields) if hasattr(args, k)})
         # muP / CompleteP multipliers change what the weights compute; only when set, so that
         # markers written before the fields existed (and every sp run) stay valid
         sig.update({k: getattr(args, k) for k in MULTIPLIERS if getattr(args, k, 1.0) != 1.0})
@@ -112,6 +126,9 @@ class DecoderFamily(ModelFamily):
         return sig
 
     def check(self, args: Any, dims: Any, seq_len: int) -> None:
+        if self.no_context_parallel and getattr(dims, "cp", 1) > 1:
+            raise ConfigError(f"parallelism.cp={dims.cp} is not supported for {self.no_context_parallel}; "
+                              "use parallelism.cp=1")
         if seq_len > args.max_seq_len:
             raise ConfigError(
                 f"training.seq_len={seq_len} exceeds model.max_seq_len={args.max_seq_len}; shorten the sequence"

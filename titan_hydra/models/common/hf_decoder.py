@@ -91,6 +91,31 @@ def refuse_moved_expert_bias(fqn: str, bias: torch.Tensor, no_bias: str) -> None
             "would differ: export needs load_balance_coeff=0")
 
 
+def ffn_names(ours: str, hf: str) -> dict[str, str]:
+    """A SwiGLU feed-forward's weights, ours ``<ours>.w1`` / ``w3`` / ``w2`` -> HF's ``<hf>.gate_proj``
+    / ``up_proj`` / ``down_proj``: the one naming of every dense FFN and shared expert HF writes
+    (only the module paths differ between families)."""
+    return {f"{ours}.{w}.weight": f"{hf}.{proj}.weight" for w, proj in EXPERT_NAMES.items()}
+
+
+# The routing fields an HF MoE class may fix, in the order a refusal names the model's values.
+ROUTING_FIELDS = ("score_func", "route_norm", "route_scale", "num_shared_experts", "num_expert_groups",
+                  "score_before_experts")
+
+
+def refuse_other_routing(moe: Any, how: str, **fixed: Any) -> None:
+    """Raise HFConversionError unless ``moe`` (``MoEArgs``) routes as the HF class does: ``how``
+    says how that class routes, ``fixed`` maps each field it fixes (of ``ROUTING_FIELDS``) to the
+    value it has, or to a test of the value (a callable). No HF class here scales the gates or
+    limits routing to expert groups, so route_scale 1 and one group are always fixed. The line
+    names the model's values of every fixed field, so one reading shows what to change."""
+    fixed = {"route_scale": 1.0, "num_expert_groups": lambda n: n <= 1, **fixed}
+    if all(want(getattr(moe, k)) if callable(want) else getattr(moe, k) == want for k, want in fixed.items()):
+        return
+    values = ", ".join(f"{k}={getattr(moe, k)}" for k in ROUTING_FIELDS if k in fixed)
+    raise HFConversionError(f"{how}; this model has {values}")
+
+
 @dataclass(frozen=True)
 class ExpertLayout:
     """How HF stores our routed experts of one MoE layer.

@@ -39,9 +39,7 @@ class DeepSeekV3Family(DecoderFamily):
     def flops_per_token(self, args: DeepSeekV3Args, seq_len: int) -> float:
         """Multi-token prediction adds, per depth, its layer's active weights (in ``active_params``),
         one more attention term and one more pass through the shared output head."""
-        s = self.shape(args)
-        matmul = s.active_params - (0 if s.tied_embeddings else s.embedding_params)
-        matmul += args.mtp_layers * args.vocab_size * args.dim
+        matmul = self.matmul_params(args) + args.mtp_layers * args.vocab_size * args.dim
         attention = 6 * (args.n_layers + args.mtp_layers) * args.n_heads * (args.head_dim + args.v_head_dim) * seq_len
         return float(6 * matmul + attention)
 

@@ -27,7 +27,7 @@ from titan_hydra.models.flux.examples import image_tokens_of
 from titan_hydra.models.flux.model import Flux, FluxArgs
 from titan_hydra.models.flux.sampling import sample_images
 from titan_hydra.models.objective import Objective
-from titan_hydra.models.protocol import DrawsSamples, ModelFamily, ModelShape
+from titan_hydra.models.protocol import DataSettings, DrawsSamples, ModelFamily, ModelShape, SizesSamples
 
 
 class FlowMatching(Objective):
@@ -77,7 +77,7 @@ def parameter_groups(args: FluxArgs) -> dict[str, int]:
     return groups
 
 
-# What a Flux run needs from its data config (``FluxFamily.require``): image-caption data, and for a
+# What a Flux run needs from its data settings (``FluxFamily.require``): image-caption data, and for a
 # guidance-distilled flavor the scale it was distilled at (FLUX.1 [dev]'s default, as in diffusers).
 NEEDS_IMAGE_DATA = "model.family=flux trains on image-caption data"
 IMAGE_DATA = "data=flux_shapes"
@@ -85,13 +85,7 @@ OWN_IMAGES = "or data=flux_images with data.path for your own images"
 DEV_GUIDANCE = 3.5
 
 
-def has_image_data(data_cfg: Any) -> bool:
-    """Whether ``data_cfg`` (the data group as a mapping) is an image-caption group (an example
-    builder and an image size)."""
-    return data_cfg is not None and data_cfg.get("examples") is not None and data_cfg.get("image_size") is not None
-
-
-class FluxFamily(ModelFamily, DrawsSamples):
+class FluxFamily(ModelFamily, SizesSamples, DrawsSamples):
     name = "flux"
     args_cls = FluxArgs
     model_cls = Flux
@@ -129,41 +123,39 @@ class FluxFamily(ModelFamily, DrawsSamples):
         """Per token of a joint sequence of ``seq_len`` (planner's view; half image, half text)."""
         return self.flops_per_image(args, seq_len // 2, seq_len - seq_len // 2) / max(seq_len, 1)
 
-    def tokens_of(self, data_cfg: Any) -> tuple[int, int]:
-        """(image, text) tokens of one sample of an image-caption data config, before any data is read."""
-        if not has_image_data(data_cfg):
+    def tokens_of(self, data: DataSettings) -> tuple[int, int]:
+        """(image, text) tokens of one sample of image-caption data, before any data is read."""
+        if not data.image_data:
             raise ConfigError(f"{NEEDS_IMAGE_DATA}: set {IMAGE_DATA} ({OWN_IMAGES})")
-        return image_tokens_of(int(data_cfg["image_size"])), int(data_cfg["examples"]["max_text_len"])
+        return image_tokens_of(data.image_size), data.text_tokens
 
-    def require(self, args: FluxArgs, data_cfg: Any) -> None:
-        """Everything this flavor needs from the data config and lacks, named in one line with the
+    def require(self, args: FluxArgs, data: DataSettings) -> None:
+        """Everything this flavor needs from the data settings and lacks, named in one line with the
         overrides that supply it: a user meets all of them at once, not one per attempt."""
         missing = []  # (why, the override that supplies it)
-        if not has_image_data(data_cfg):
+        if not data.image_data:
             missing.append((NEEDS_IMAGE_DATA, IMAGE_DATA))
-        examples = data_cfg.get("examples") if data_cfg is not None else None
-        guidance = examples.get("guidance") if hasattr(examples, "get") else None
-        if args.guidance_embed and guidance is None:
+        if args.guidance_embed and data.guidance is None:
             missing.append(("model.guidance_embed=true (a guidance-distilled flavor like flux_dev) needs the scale "
                             "it is trained at", f"data.examples.guidance={DEV_GUIDANCE}"))
         if not missing:
             return
         message = "; ".join(why for why, _ in missing) + ": set " + " ".join(fix for _, fix in missing)
-        if not has_image_data(data_cfg):
+        if not data.image_data:
             message += f" ({OWN_IMAGES})"
         if args.guidance_embed:
-            data = data_cfg.get("name") if has_image_data(data_cfg) else None
-            message += (f", e.g. python launch.py model=flux_dev data={data or 'flux_shapes'} "
+            name = data.name if data.image_data and data.name != "custom" else "flux_shapes"
+            message += (f", e.g. python launch.py model=flux_dev data={name} "
                         f"data.examples.guidance={DEV_GUIDANCE} dry_run=true")
         raise ConfigError(message)
 
-    def sample_tokens(self, args: FluxArgs, data_cfg: Any, seq_len: int) -> int:
-        self.require(args, data_cfg)
-        return sum(self.tokens_of(data_cfg))
+    def sample_tokens(self, args: FluxArgs, data: DataSettings, seq_len: int) -> int:
+        self.require(args, data)
+        return sum(self.tokens_of(data))
 
-    def flops_per_sample(self, args: FluxArgs, data_cfg: Any, seq_len: int) -> float:
-        self.require(args, data_cfg)
-        return self.flops_per_image(args, *self.tokens_of(data_cfg))
+    def flops_per_sample(self, args: FluxArgs, data: DataSettings, seq_len: int) -> float:
+        self.require(args, data)
+        return self.flops_per_image(args, *self.tokens_of(data))
 
     def check(self, args: FluxArgs, dims: Any, seq_len: int) -> None:
         for name, degree, why in (("pp", dims.pp, "pipeline stages would pass both streams and the conditioning"),
@@ -183,14 +175,13 @@ class FluxFamily(ModelFamily, DrawsSamples):
                                   "(the image and text streams join mid-block); set "
                                   "parallelism.tp_sequence_parallel=false")
 
-    def check_data(self, args: FluxArgs, dims: Any, data_cfg: Any) -> None:
+    def check_data(self, args: FluxArgs, dims: Any, data: DataSettings) -> None:
         """The examples feed a guidance scale iff the model embeds one; context parallel splits the
         image and the text tokens of each sample into 2*cp equal chunks."""
-        self.require(args, data_cfg)
-        image, text = self.tokens_of(data_cfg)
-        guidance = data_cfg["examples"].get("guidance") if hasattr(data_cfg["examples"], "get") else None
-        if not args.guidance_embed and guidance is not None:
-            raise ConfigError(f"data.examples.guidance={guidance}: model.guidance_embed=false has no guidance "
+        self.require(args, data)
+        image, text = self.tokens_of(data)
+        if not args.guidance_embed and data.guidance is not None:
+            raise ConfigError(f"data.examples.guidance={data.guidance}: model.guidance_embed=false has no guidance "
                               "embedding to feed; set data.examples.guidance=null (or use model=flux_dev)")
         if dims.cp <= 1:
             return

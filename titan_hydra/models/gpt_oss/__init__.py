@@ -18,14 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from titan_hydra.errors import ConfigError
 from titan_hydra.models.common.decoder_family import DecoderFamily
 from titan_hydra.models.gpt_oss.hf import GptOssHFAdapter
 from titan_hydra.models.gpt_oss.model import GptOss, GptOssArgs
-
-# fields beyond the shapes that change what saved weights compute
-_SEMANTIC = ("attention_bias", "sliding_window", "rope_type", "rope_factor", "rope_original_max_seq_len",
-             "beta_fast", "beta_slow", "rope_truncate", "swiglu_alpha", "swiglu_limit")
 
 
 class GptOssFamily(DecoderFamily):
@@ -33,26 +28,17 @@ class GptOssFamily(DecoderFamily):
     args_cls = GptOssArgs
     model_cls = GptOss
     hf = GptOssHFAdapter()
-
-    def check(self, args: GptOssArgs, dims: Any, seq_len: int) -> None:
-        if getattr(dims, "cp", 1) > 1:
-            raise ConfigError(f"parallelism.cp={dims.cp} is not supported for GPT-OSS (context parallel attention "
-                              "has no sliding-window or sink masks); use parallelism.cp=1")
-        super().check(args, dims, seq_len)
+    semantic_fields = ("attention_bias", "sliding_window", "rope_type", "rope_factor", "rope_original_max_seq_len",
+                       "beta_fast", "beta_slow", "rope_truncate", "swiglu_alpha", "swiglu_limit")
+    no_context_parallel = "GPT-OSS (context parallel attention has no sliding-window or sink masks)"
 
     def signature(self, args: GptOssArgs) -> dict[str, Any]:
-        sig = super().signature(args)
-        sig.update({k: getattr(args, k) for k in _SEMANTIC})
-        sig["layer_types"] = args.layer_kinds
-        return sig
+        return {**super().signature(args), "layer_types": args.layer_kinds}
 
-    def flops_per_token(self, args: GptOssArgs, seq_len: int) -> float:
-        """As DecoderFamily, but a sliding layer attends to at most ``sliding_window`` keys."""
-        s = self.shape(args)
-        matmul = s.active_params - (0 if s.tied_embeddings else s.embedding_params)
-        keys = sum(min(seq_len, args.sliding_window) if kind == "sliding_attention" else seq_len
+    def attended_keys(self, args: GptOssArgs, seq_len: int) -> int:
+        """A sliding layer attends to at most ``sliding_window`` keys."""
+        return sum(min(seq_len, args.sliding_window) if kind == "sliding_attention" else seq_len
                    for kind in args.layer_kinds)
-        return float(6 * matmul + 12 * s.n_heads * s.head_dim * keys)
 
 
 FAMILY = GptOssFamily()

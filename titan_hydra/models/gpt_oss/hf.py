@@ -21,7 +21,7 @@ import torch
 
 from titan_hydra.models.common.hf_decoder import (
     DecoderHFAdapter, ExpertLayout, HFConversionError, check_model_type, decoder_args_of, decoder_hf_config,
-    rope_of,
+    refuse_other_routing, rope_of,
 )
 from titan_hydra.models.common.moe import MoEArgs
 from titan_hydra.models.gpt_oss.model import GptOssArgs, alternating_layer_types
@@ -43,14 +43,8 @@ class GptOssHFAdapter(DecoderHFAdapter):
     no_routing_bias = "HF GPT-OSS has no selection-only routing bias"
 
     def check_export(self, args: GptOssArgs) -> None:
-        moe = args.moe
-        if (moe.score_func != "softmax" or not moe.route_norm or moe.route_scale != 1.0 or moe.num_shared_experts
-                or moe.num_expert_groups > 1):
-            raise HFConversionError(
-                "HF GPT-OSS routes by softmax over the top-k logits (score_func=softmax, route_norm=true) only; "
-                f"this model has score_func={moe.score_func}, route_norm={moe.route_norm}, "
-                f"route_scale={moe.route_scale}, num_shared_experts={moe.num_shared_experts}, "
-                f"num_expert_groups={moe.num_expert_groups}")
+        refuse_other_routing(args.moe, "HF GPT-OSS routes by softmax over the top-k logits (score_func=softmax, "
+                             "route_norm=true) only", score_func="softmax", route_norm=True, num_shared_experts=0)
 
     def hf_config(self, args: GptOssArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         self.check_export(args)

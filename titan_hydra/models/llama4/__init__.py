@@ -15,15 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from titan_hydra.errors import ConfigError
 from titan_hydra.models.common.decoder_family import DecoderFamily
 from titan_hydra.models.llama4.hf import Llama4HFAdapter
 from titan_hydra.models.llama4.model import Llama4, Llama4Args
-
-# fields beyond the shapes that change what saved weights compute
-_SEMANTIC = ("rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-             "rope_original_max_seq_len", "attention_chunk_size", "use_qk_norm", "attn_temperature_tuning",
-             "floor_scale", "attn_scale")
 
 
 class Llama4Family(DecoderFamily):
@@ -31,12 +25,11 @@ class Llama4Family(DecoderFamily):
     args_cls = Llama4Args
     model_cls = Llama4
     hf = Llama4HFAdapter()
-
-    def check(self, args: Llama4Args, dims: Any, seq_len: int) -> None:
-        if getattr(dims, "cp", 1) > 1:
-            raise ConfigError(f"parallelism.cp={dims.cp} is not supported for Llama 4 (context parallel attention "
-                              "has no chunked mask and NoPE temperature tuning needs positions); use parallelism.cp=1")
-        super().check(args, dims, seq_len)
+    semantic_fields = ("rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                       "rope_original_max_seq_len", "attention_chunk_size", "use_qk_norm", "attn_temperature_tuning",
+                       "floor_scale", "attn_scale")
+    no_context_parallel = ("Llama 4 (context parallel attention has no chunked mask and NoPE temperature tuning "
+                           "needs positions)")
 
     def ffn_dim(self, args: Llama4Args) -> int:
         moe = args.moe
@@ -44,20 +37,14 @@ class Llama4Family(DecoderFamily):
         return max(active, int(args.ffn_hidden_dim)) if args.dense_layer_ids else active
 
     def signature(self, args: Llama4Args) -> dict[str, Any]:
-        sig = super().signature(args)
-        sig.update({k: getattr(args, k) for k in _SEMANTIC})
-        sig.update(nope_layers=args.nope_layer_ids, moe_layers=args.moe_layer_ids,
-                   dense_ffn_hidden_dim=int(args.ffn_hidden_dim) if args.dense_layer_ids else 0)
-        return sig
+        return {**super().signature(args), "nope_layers": args.nope_layer_ids, "moe_layers": args.moe_layer_ids,
+                "dense_ffn_hidden_dim": int(args.ffn_hidden_dim) if args.dense_layer_ids else 0}
 
-    def flops_per_token(self, args: Llama4Args, seq_len: int) -> float:
-        """As DecoderFamily, but a chunked (rotary) layer attends to at most ``attention_chunk_size`` keys."""
-        s = self.shape(args)
-        matmul = s.active_params - (0 if s.tied_embeddings else s.embedding_params)
+    def attended_keys(self, args: Llama4Args, seq_len: int) -> int:
+        """A chunked (rotary) layer attends to at most ``attention_chunk_size`` keys."""
         chunk = args.attention_chunk_size or seq_len
         nope = set(args.nope_layer_ids)
-        keys = sum(seq_len if i in nope else min(seq_len, chunk) for i in range(args.n_layers))
-        return float(6 * matmul + 12 * s.n_heads * s.head_dim * keys)
+        return sum(seq_len if i in nope else min(seq_len, chunk) for i in range(args.n_layers))
 
 
 FAMILY = Llama4Family()

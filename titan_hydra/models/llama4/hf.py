@@ -25,7 +25,7 @@ import torch
 
 from titan_hydra.models.common.hf_decoder import (
     DecoderHFAdapter, ExpertLayout, HFConversionError, check_model_type, decoder_args_of, decoder_hf_config,
-    rope_of,
+    ffn_names, refuse_other_routing, rope_of,
 )
 from titan_hydra.models.common.moe import MoEArgs
 from titan_hydra.models.llama4.model import Llama4Args
@@ -41,27 +41,18 @@ class Llama4HFAdapter(DecoderHFAdapter):
     model_type = "llama4_text"
     # our suffix within a block -> HF suffix, where it differs from hf_decoder's table
     extra_names = {
-        "feed_forward.w1.weight": "feed_forward.gate_proj.weight",
-        "feed_forward.w3.weight": "feed_forward.up_proj.weight",
-        "feed_forward.w2.weight": "feed_forward.down_proj.weight",
-        "feed_forward.shared_experts.w1.weight": "feed_forward.shared_expert.gate_proj.weight",
-        "feed_forward.shared_experts.w3.weight": "feed_forward.shared_expert.up_proj.weight",
-        "feed_forward.shared_experts.w2.weight": "feed_forward.shared_expert.down_proj.weight",
+        **ffn_names("feed_forward", "feed_forward"),
+        **ffn_names("feed_forward.shared_experts", "feed_forward.shared_expert"),
         "feed_forward.router.gate.weight": "feed_forward.router.weight",
     }
     experts = ExpertLayout(module="feed_forward", per_expert=False, gate_up="concat", transposed=True)
     no_routing_bias = "HF Llama 4 has no selection-only routing bias"
 
     def check_export(self, args: Llama4Args) -> None:
-        moe = args.moe
-        if (moe.score_func != "sigmoid" or moe.route_norm or moe.route_scale != 1.0 or moe.num_shared_experts != 1
-                or moe.num_expert_groups > 1 or not moe.score_before_experts):
-            raise HFConversionError(
-                "HF Llama 4 routes by sigmoid gates on the expert input with one shared expert (score_func=sigmoid, "
-                "route_norm=false, score_before_experts=true, num_shared_experts=1) only; this model has "
-                f"score_func={moe.score_func}, route_norm={moe.route_norm}, route_scale={moe.route_scale}, "
-                f"num_shared_experts={moe.num_shared_experts}, num_expert_groups={moe.num_expert_groups}, "
-                f"score_before_experts={moe.score_before_experts}")
+        refuse_other_routing(args.moe, "HF Llama 4 routes by sigmoid gates on the expert input with one shared "
+                             "expert (score_func=sigmoid, route_norm=false, score_before_experts=true, "
+                             "num_shared_experts=1) only", score_func="sigmoid", route_norm=False,
+                             num_shared_experts=1, score_before_experts=True)
         if args.attn_mult != 1.0 and args.use_qk_norm:
             raise HFConversionError(f"model.attn_mult={args.attn_mult:g} (parametrization=mup) cannot fold into Llama 4's "
                                     "queries: its weightless QK-norm undoes any scale; export needs use_qk_norm=false")

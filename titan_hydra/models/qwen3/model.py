@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from titan_hydra.models.common.attention import Attention
 from titan_hydra.models.common.decoder import Decoder, Multipliers, TransformerBlock, residual_out_std
@@ -51,15 +52,21 @@ class Qwen3Args(Multipliers):
 class Qwen3(Decoder):
     """``Qwen3(dim=1024, n_layers=28, head_dim=128, ...)``: fields of ``Qwen3Args`` (conf/model/qwen3_*.yaml)."""
 
+    args_cls: type = Qwen3Args  # what the fields build (Qwen3-MoE: its own, a Qwen3Args subclass)
+
     def __init__(self, **fields):
-        super().__init__(Qwen3Args(**fields))
+        super().__init__(self.args_cls(**fields))
 
     def make_block(self, layer_id: int) -> TransformerBlock:
         a = self.args
         attention = Attention(a.dim, a.n_heads, a.kv_heads, a.head_dim, qk_norm=a.qk_norm, norm_eps=a.norm_eps,
                               rope_interleaved=False)
-        return TransformerBlock(layer_id, attention, FeedForward(a.dim, a.ffn_hidden_dim), a.dim, a.norm_eps,
+        return TransformerBlock(layer_id, attention, self.make_ffn(layer_id), a.dim, a.norm_eps,
                                 residual_out_std(layer_id, a.n_layers, a.depth_init))
+
+    def make_ffn(self, layer_id: int) -> nn.Module:
+        """Layer ``layer_id``'s feed-forward: the one part of a block Qwen3-MoE changes."""
+        return FeedForward(self.args.dim, self.args.ffn_hidden_dim)
 
     def rope_frequencies(self, device=None) -> torch.Tensor:
         return inverse_frequencies(self.args.head_dim, self.args.rope_theta, device).float()

@@ -34,11 +34,12 @@ from titan_hydra.models.qwen3_5.layer_pattern import FULL, LINEAR
 
 # what a Gated DeltaNet reads directly rather than through a submodule's call: split by channel / head
 _SHARDED_PARAMS = ("conv_q.weight", "conv_k.weight", "conv_v.weight", "dt_bias", "A_log")
-_SEMANTIC = ("layer_kinds", "partial_rotary_factor", "linear_num_key_heads", "linear_num_value_heads",
-             "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
 
 
 class HybridFamily(DecoderFamily):
+    semantic_fields = ("layer_kinds", "partial_rotary_factor", "linear_num_key_heads", "linear_num_value_heads",
+                       "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
+
     def check(self, args: Any, dims: Any, seq_len: int) -> None:
         if getattr(dims, "cp", 1) > 1 and LINEAR in args.layer_kinds:
             raise ConfigError(f"parallelism.cp={dims.cp} is not supported for {self.name} with linear_attention "
@@ -79,18 +80,15 @@ class HybridFamily(DecoderFamily):
             linear_k_head_dim=args.linear_key_head_dim, linear_v_head_dim=args.linear_value_head_dim,
             linear_chunk=args.linear_chunk_size)
 
-    def signature(self, args: Any) -> dict[str, Any]:
-        sig = super().signature(args)
-        sig.update({k: getattr(args, k) for k in _SEMANTIC})
-        return sig
+    def attended_keys(self, args: Any, seq_len: int) -> int:
+        """Only the full-attention layers attend (the linear ones: ``flops_per_token``)."""
+        return args.layer_kinds.count(FULL) * seq_len
 
     def flops_per_token(self, args: Any, seq_len: int) -> float:
-        s = self.shape(args)
-        matmul = s.active_params - (0 if s.tied_embeddings else s.embedding_params)
-        full = args.layer_kinds.count(FULL)
+        """As DecoderFamily's, plus the Gated DeltaNet layers' chunked recurrence."""
         linear = args.layer_kinds.count(LINEAR)
         dk, dv = args.linear_key_head_dim, args.linear_value_head_dim
         chunk = min(args.linear_chunk_size, seq_len)
         # per value head and token: scores and outputs within the chunk, and three [dk, dv] state products
         gdn = 6 * args.linear_num_value_heads * (chunk * (dk + dv) + 3 * dk * dv)
-        return float(6 * matmul + 12 * full * s.n_heads * s.head_dim * seq_len + linear * gdn)
+        return super().flops_per_token(args, seq_len) + linear * gdn

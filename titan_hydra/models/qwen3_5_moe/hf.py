@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from titan_hydra.models.common.hf_decoder import ExpertLayout, HFConversionError
+from titan_hydra.models.common.hf_decoder import ExpertLayout, HFConversionError, ffn_names, refuse_other_routing
 from titan_hydra.models.common.moe import MoEArgs
 from titan_hydra.models.qwen3_5.hf import (
     LINEAR_NAMES, HybridHFAdapter, hybrid_args_of, hybrid_hf_config, refuse_attention_multiplier,
@@ -31,9 +31,7 @@ class Qwen35MoeHFAdapter(HybridHFAdapter):
     extra_names = {
         **LINEAR_NAMES,
         "feed_forward.router.gate.weight": "mlp.gate.weight",
-        "feed_forward.shared_experts.w1.weight": "mlp.shared_expert.gate_proj.weight",
-        "feed_forward.shared_experts.w3.weight": "mlp.shared_expert.up_proj.weight",
-        "feed_forward.shared_experts.w2.weight": "mlp.shared_expert.down_proj.weight",
+        **ffn_names("feed_forward.shared_experts", "mlp.shared_expert"),
         "feed_forward.shared_experts.gate.weight": "mlp.shared_expert_gate.weight",
     }
     experts = ExpertLayout(module="mlp", per_expert=True)
@@ -41,13 +39,9 @@ class Qwen35MoeHFAdapter(HybridHFAdapter):
 
     def check_export(self, args: Qwen35MoeArgs) -> None:
         refuse_attention_multiplier(args)
-        moe = args.moe
-        if (moe.score_func != "softmax" or not moe.route_norm or moe.route_scale != 1.0 or moe.num_shared_experts < 1
-                or moe.num_expert_groups > 1 or moe.score_before_experts):
-            raise HFConversionError(
-                "HF Qwen3.5-MoE routes by softmax top-k with renormalized gates and one gated shared expert; this "
-                f"model has score_func={moe.score_func}, route_norm={moe.route_norm}, route_scale={moe.route_scale}, "
-                f"num_shared_experts={moe.num_shared_experts}, num_expert_groups={moe.num_expert_groups}")
+        refuse_other_routing(args.moe, "HF Qwen3.5-MoE routes by softmax top-k with renormalized gates and one "
+                             "gated shared expert", score_func="softmax", route_norm=True,
+                             num_shared_experts=lambda n: n >= 1, score_before_experts=False)
 
     def hf_config(self, args: Qwen35MoeArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         self.check_export(args)

@@ -23,7 +23,7 @@ import torch
 
 from titan_hydra.models.common.hf_decoder import (
     DecoderHFAdapter, ExpertLayout, HFConversionError, check_model_type, decoder_args_of, decoder_hf_config,
-    rope_of,
+    refuse_other_routing, rope_of,
 )
 from titan_hydra.models.common.moe import MoEArgs
 from titan_hydra.models.qwen3_moe.model import Qwen3MoeArgs
@@ -36,12 +36,8 @@ class Qwen3MoeHFAdapter(DecoderHFAdapter):
     no_routing_bias = "HF Qwen3-MoE has no routing bias"
 
     def check_export(self, args: Qwen3MoeArgs) -> None:
-        moe = args.moe
-        if moe.score_func != "softmax" or moe.route_scale != 1.0 or moe.num_shared_experts or moe.num_expert_groups > 1:
-            raise HFConversionError(
-                "HF Qwen3-MoE routes by softmax top-k only; this model has "
-                f"score_func={moe.score_func}, route_scale={moe.route_scale}, "
-                f"num_shared_experts={moe.num_shared_experts}, num_expert_groups={moe.num_expert_groups}")
+        refuse_other_routing(args.moe, "HF Qwen3-MoE routes by softmax top-k only", score_func="softmax",
+                             num_shared_experts=0)
 
     def hf_config(self, args: Qwen3MoeArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         self.check_export(args)

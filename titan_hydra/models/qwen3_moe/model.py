@@ -11,14 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from torch import nn
 
-from titan_hydra.models.common.attention import Attention
-from titan_hydra.models.common.decoder import Decoder, TransformerBlock, residual_out_std
 from titan_hydra.models.common.layers import FeedForward
 from titan_hydra.models.common.moe import MoE, MoEArgs
-from titan_hydra.models.common.rotary import inverse_frequencies
-from titan_hydra.models.qwen3.model import Qwen3Args
+from titan_hydra.models.qwen3.model import Qwen3, Qwen3Args
 
 
 @dataclass(kw_only=True)
@@ -39,20 +36,13 @@ class Qwen3MoeArgs(Qwen3Args):
             raise ValueError(f"model.n_dense_layers={self.n_dense_layers} needs model.ffn_hidden_dim >= 1")
 
 
-class Qwen3Moe(Decoder):
+class Qwen3Moe(Qwen3):
     """``Qwen3Moe(dim=2048, n_layers=48, moe={...}, ...)``: fields of ``Qwen3MoeArgs``
-    (conf/model/qwen3_moe_debug.yaml, qwen3_30b_a3b.yaml, qwen3_235b_a22b.yaml)."""
+    (conf/model/qwen3_moe_debug.yaml, qwen3_30b_a3b.yaml, qwen3_235b_a22b.yaml). Qwen3's blocks
+    and rotary; experts in place of the dense FFN past the first ``n_dense_layers``."""
 
-    def __init__(self, **fields):
-        super().__init__(Qwen3MoeArgs(**fields))
+    args_cls = Qwen3MoeArgs
 
-    def make_block(self, layer_id: int) -> TransformerBlock:
+    def make_ffn(self, layer_id: int) -> nn.Module:
         a = self.args
-        attention = Attention(a.dim, a.n_heads, a.kv_heads, a.head_dim, qk_norm=a.qk_norm, norm_eps=a.norm_eps,
-                              rope_interleaved=False)
-        ffn = FeedForward(a.dim, a.ffn_hidden_dim) if layer_id < a.n_dense_layers else MoE(a.dim, a.moe)
-        return TransformerBlock(layer_id, attention, ffn, a.dim, a.norm_eps,
-                                residual_out_std(layer_id, a.n_layers, a.depth_init))
-
-    def rope_frequencies(self, device=None) -> torch.Tensor:
-        return inverse_frequencies(self.args.head_dim, self.args.rope_theta, device).float()
+        return FeedForward(a.dim, a.ffn_hidden_dim) if layer_id < a.n_dense_layers else MoE(a.dim, a.moe)

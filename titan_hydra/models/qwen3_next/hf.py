@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from titan_hydra.models.common.hf_decoder import HFConversionError
+from titan_hydra.models.common.hf_decoder import HFConversionError, refuse_other_routing
 from titan_hydra.models.qwen3_5_moe.hf import Qwen35MoeHFAdapter
 from titan_hydra.models.qwen3_5_moe.model import Qwen35MoeArgs
 
@@ -59,13 +59,8 @@ class Qwen3NextHFAdapter(Qwen35MoeHFAdapter):
     model_type = "qwen3_next"
 
     def check_export(self, args: Qwen35MoeArgs) -> None:
-        moe = args.moe
-        if (moe.score_func != "softmax" or moe.route_scale != 1.0 or moe.num_shared_experts < 1
-                or moe.num_expert_groups > 1 or moe.score_before_experts):
-            raise HFConversionError(
-                "HF Qwen3-Next routes by softmax top-k with one gated shared expert; this model has "
-                f"score_func={moe.score_func}, route_scale={moe.route_scale}, "
-                f"num_shared_experts={moe.num_shared_experts}, num_expert_groups={moe.num_expert_groups}")
+        refuse_other_routing(args.moe, "HF Qwen3-Next routes by softmax top-k with one gated shared expert",
+                             score_func="softmax", num_shared_experts=lambda n: n >= 1, score_before_experts=False)
 
     def hf_config(self, args: Qwen35MoeArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         cfg = super().hf_config(args, dtype)
