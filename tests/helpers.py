@@ -385,6 +385,16 @@ def norm_bound(floor: float, norms: Iterable[float], n_terms: int) -> float:
     return floor_bound(floor, norms) + math.sqrt(n_terms) * fp32_ulp(1.0) / 2 * max(norms)
 
 
+def series_bounds(ref: dict[str, list[float]], accumulated: dict[str, list[float]], n_params: int
+                  ) -> dict[str, float]:
+    """Per series of a run (``ref``: "loss", "val/loss", ...), what rounding alone may move it by,
+    from the same run accumulated as 2 x 4 (``floor_bound``; ``norm_bound`` for "grad_norm", with
+    the model's ``n_params``)."""
+    floors = {key: max(abs(a - b) for a, b in zip(accumulated[key], values)) for key, values in ref.items()}
+    return {key: norm_bound(floors[key], values, n_params) if key == "grad_norm" else floor_bound(floors[key], values)
+            for key, values in ref.items()}
+
+
 def param_count(overrides: list[str]) -> int:
     """The parameter count of the model these overrides compose (no weights built)."""
     return int(spec_of(compose_cfg(overrides)).shape.params)
@@ -403,14 +413,41 @@ def param_floor_bound(single: dict, accumulated: dict) -> float:
 BF16_FACTOR = FLOOR_FACTOR
 
 
+def low_precision_bound(low: Iterable[float], fp32: Iterable[float], floor: float) -> float:
+    """Two runs that round the same kind of tensors to a low precision in other ways (other
+    tensors, other shards, other scales) differ by that rounding itself: at most BF16_FACTOR
+    times one process's distance from its fp32 curve (``low`` against ``fp32``), plus ``floor``,
+    the bound of the low-precision run's own summation order."""
+    return BF16_FACTOR * max(abs(a - b) for a, b in zip(low, fp32)) + floor
+
+
 def bf16_bound(run_cache: RunCache, family: str = "llama3") -> float:
     """bf16 layouts round other tensors than one process's autocast does (FSDP's bf16 parameter
-    copies, two bf16 partial sums where one process sums once), so their curves differ by bf16
-    rounding itself: at most BF16_FACTOR times one process's bf16 distance from its fp32 curve
-    (plus the floor of the bf16 run's own summation order)."""
+    copies, two bf16 partial sums where one process sums once): ``low_precision_bound`` of one
+    process's bf16 curve."""
     bf16 = ("training.mixed_precision=bf16",)
     fp32, half = reference_losses(run_cache, family=family), reference_losses(run_cache, bf16, family)
-    return BF16_FACTOR * max(abs(a - b) for a, b in zip(half, fp32)) + parity_bound(run_cache, bf16, family)
+    return low_precision_bound(half, fp32, parity_bound(run_cache, bf16, family))
+
+
+# Unit roundoffs: bf16 keeps 7 mantissa bits; float8's e4m3 (inputs, weights) 3 and e5m2
+# (torchao's gradients under tensor-wise scales) 2
+BF16_U = 2.0**-8
+E4M3_U = 2.0**-4
+E5M2_U = 2.0**-3
+
+
+def float8_bound(bf16: Iterable[float], fp32: Iterable[float]) -> float:
+    """How far float8 training (tensor-wise scales, every block linear) may move a loss curve from
+    fp32, given the same run's bf16 autocast curve: autocast rounds every matmul's inputs and output
+    to bf16, a superset of what float8 rounds (the linears' inputs, weights and output gradients),
+    so its distance from fp32 holds the linears' share; to first order a loss moves in proportion
+    to its operands' relative rounding, and float8's coarsest (e5m2) is E5M2_U / BF16_U = 32 times
+    bf16's. Both distances are sums of roundings of random sign, so one short curve's may happen to
+    cancel where the other's does not (Qwen3's bf16 curve was 4e-5 from fp32 over 4 steps, its
+    float8 curve 38x that at one step): BF16_FACTOR more, as for bf16 layouts. A lost scale or cast
+    moves the loss by O(0.1) or more."""
+    return BF16_FACTOR * E5M2_U / BF16_U * max(abs(a - b) for a, b in zip(bf16, fp32))
 
 
 def assert_parity(losses: list[float], reference: list[float], atol: float, label: str = "",
@@ -422,6 +459,7 @@ def assert_parity(losses: list[float], reference: list[float], atol: float, labe
     diff = max(abs(a - b) for a, b in zip(losses, reference))
     if record is not None:
         record(f"{label} max |loss - single|".strip(), diff)
+        record(f"{label} bound".strip(), atol)
     assert diff <= atol, f"{label} max |loss - single| = {diff:.3g} > {atol}\nlayout: {losses}\nsingle: {reference}"
     return diff
 

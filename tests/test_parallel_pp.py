@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (BASE, FAMILIES, GLOBAL_BATCH, UNTIED, compose_cfg, floor_bound, norm_bound, param_count,
-                     read_metrics, run_launch, run_layout, run_single, series)
+from helpers import (BASE, FAMILIES, GLOBAL_BATCH, UNTIED, compose_cfg, param_count, read_metrics, run_launch,
+                     run_layout, run_single, series, series_bounds)
 from titan_hydra.errors import ConfigError
 from titan_hydra.parallel.parallelism import ParallelDims
 from titan_hydra.parallel.pp import stage_ids_for_rank, stage_layer_ranges
@@ -60,12 +60,9 @@ def single_of(run_cache, family: str, local_batch: int = GLOBAL_BATCH) -> dict[s
 
 
 def bounds_of(run_cache, family: str) -> dict[str, float]:
-    """Per compared series, what rounding alone may move it by (``helpers.floor_bound``)."""
+    """Per compared series, what rounding alone may move it by (``helpers.series_bounds``)."""
     ref, accumulated = single_of(run_cache, family), single_of(run_cache, family, GLOBAL_BATCH // 2)
-    floors = {key: max(abs(a - b) for a, b in zip(accumulated[key], ref[key])) for key in KEYS}
-    bounds = {key: floor_bound(floors[key], ref[key]) for key in KEYS}
-    n_params = param_count([*BASE, *FAMILIES[family], *PP_MODEL[family]])
-    return {**bounds, "grad_norm": norm_bound(floors["grad_norm"], ref["grad_norm"], n_params)}
+    return series_bounds(ref, accumulated, param_count([*BASE, *FAMILIES[family], *PP_MODEL[family]]))
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ AC: losses/gradients equal no-AC exactly; the backward recomputes exactly the ma
 says (counted with a TorchDispatchMode); the tensor-level peak memory of a step drops.
 Float8 (torchao, CPU path): the chosen layers are converted and 50 steps stay within 0.03 of bf16
 (emulated matmuls; the real CPU float8 matmul gives the same first steps).
-Compile: regional compile (+ AC, + compiled loss) equals eager within 1e-4.
+Compile: regional compile (+ AC, + compiled loss) equals eager within the rounding floor.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers import assert_parity, machine_bound
 from titan_hydra.errors import UserError
 from titan_hydra.models.llama3 import Llama3
 from titan_hydra.models.qwen3 import Qwen3
@@ -237,7 +238,9 @@ def test_selective_ac_saves_inside_compiled_moe_pieces():
             loss.backward()
         runs[ac] = (loss.item(), counter.counts.get("mm", 0))
     assert runs["selective_op"][1] == runs["none"][1] > 0, runs
-    assert abs(runs["selective_op"][0] - runs["none"][0]) < 1e-6, runs
+    # AC changes what the backward saves and recomputes, not the forward's ops: the same loss, bit
+    # for bit (as every AC mode's, test_ac_losses_and_grads_equal_no_ac)
+    assert runs["selective_op"][0] == runs["none"][0], runs
     block = m.layers["0"]
     assert getattr(block, "_th_ac_mode", None) is None and block.attention._th_ac_mode == "selective_op"
     # the routed experts (eager, outside every graph) recompute under the same policy, as in
@@ -248,7 +251,7 @@ def test_selective_ac_saves_inside_compiled_moe_pieces():
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.slow
-def test_regional_compile_with_ac_and_compiled_loss_matches_eager(kind):
+def test_regional_compile_with_ac_and_compiled_loss_matches_eager(run_cache, record_property, kind):
     cfg = OmegaConf.create({"mode": "model_loss", "backend": "inductor"})
     x = batch(2, 32)
     results = []
@@ -270,4 +273,6 @@ def test_regional_compile_with_ac_and_compiled_loss_matches_eager(kind):
         # FQNs unchanged by in-place compile + AC
         assert "layers.0.attention.wq.weight" in dict(m.named_parameters())
     eager, comp = results
-    assert max(abs(a - b) for a, b in zip(eager, comp)) < 1e-4, (eager, comp)
+    # inductor's fusions and vector widths reorder sums as another layout does: within this
+    # machine's rounding floor of a run of this size (helpers.machine_bound)
+    assert_parity(comp, eager, atol=machine_bound(run_cache, eager), label=f"{kind} compiled", record=record_property)
