@@ -202,7 +202,7 @@ def test_drawing_pictures_is_a_capability_a_family_opts_into():
 
 def test_optional_members_are_capabilities_the_engine_checks():
     """What only some families have is no member of ModelFamily: Flux sizes its own samples from
-    the typed data settings, the decoders shard rope tables and weigh their MoE losses, and a
+    the typed data settings, the native decoders shard rope tables and weigh their MoE losses (hf: no CP, no aux loss), and a
     family without a capability gets the engine's default (a sample is seq_len tokens)."""
     from titan_hydra.layout import check_layout
     from titan_hydra.planner.plan import plan
@@ -213,8 +213,8 @@ def test_optional_members_are_capabilities_the_engine_checks():
                    "set_loss_scale", "step_hooks"):
         assert not hasattr(ModelFamily, member), member
     assert [n for n in BUILTIN if isinstance(get_family(n), SizesSamples)] == ["flux"]
-    assert [n for n in BUILTIN if not isinstance(get_family(n), ShardsRope)] == ["flux"]
-    assert [n for n in BUILTIN if not isinstance(get_family(n), WeighsLosses)] == ["flux"]
+    assert [n for n in BUILTIN if not isinstance(get_family(n), ShardsRope)] == ["flux", "hf"]
+    assert [n for n in BUILTIN if not isinstance(get_family(n), WeighsLosses)] == ["flux", "hf"]
     assert not any(isinstance(get_family(n), RunsStepHooks) for n in BUILTIN)
     spec = spec_of(compose_cfg(["model=llama3_debug"]))
     assert isinstance(spec.data, DataSettings) and not spec.data.image_data

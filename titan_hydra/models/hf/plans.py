@@ -56,7 +56,7 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> d
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-    from titan_hydra.models.common.tp_styles import GatherSequence, HeadShardedNorm, ReplicateParallel
+    from titan_hydra.models.common.tp_styles import GatherSequence, HeadShardedNorm, ReplicateParallel  # lazy: see above
 
     seq = Shard(1) if sequence_parallel else Replicate()
     base = base_model(model)
