@@ -41,8 +41,9 @@ def test_registry_resolves_builtin_names_and_dotted_paths():
         assert "\n" not in str(err.value)
     assert family_for_hf_type("llama") is LLAMA and family_for_hf_type("qwen3") is QWEN3
     assert family_for_hf_type("FluxTransformer2DModel").name == "flux"  # diffusers names it in _class_name
-    with pytest.raises(HFConversionError, match=r"model_type='gemma' is not supported \(known: llama, qwen3, qwen3_moe, deepseek_v3, gpt_oss, llama4_text, qwen3_5_text, qwen3_5_moe_text, qwen3_next, FluxTransformer2DModel\)"):
-        family_for_hf_type("gemma")
+    with pytest.raises(HFConversionError, match=r"model_type='vit' is not supported \(known: llama, qwen3, qwen3_moe, deepseek_v3, gpt_oss, llama4_text, qwen3_5_text, qwen3_5_moe_text, qwen3_next, FluxTransformer2DModel; or any transformers causal LM\)"):
+        family_for_hf_type("vit")
+    assert family_for_hf_type("gemma").name == "hf"  # no native port: transformers' own class
 
 
 def test_args_of_reports_bad_nodes_in_one_line():

@@ -45,7 +45,7 @@ def load_hf_checkpoint(path: str | Path, family: ModelFamily | None = None
             family = family_for_hf_type(model_type)
         if family.hf is None:
             raise HFConversionError(f"model family {family.name!r} has no Hugging Face adapter")
-        if model_type != family.hf.model_type:
+        if not family.hf.reads(model_type):
             raise HFConversionError(f"config.json model_type={model_type!r}, but this run's model family "
                                     f"{family.name!r} reads {family.hf.model_type!r}")
         args = family.hf.args_from_hf_config(cfg)

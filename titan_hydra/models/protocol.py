@@ -152,6 +152,10 @@ class HFAdapter:
     model_type: str = ""  # config.json model_type (diffusers: _class_name) this adapter reads and writes
     weights_file: str = "model.safetensors"  # the file name its library's from_pretrained looks for
 
+    def reads(self, model_type: str | None) -> bool:
+        """Whether this adapter reads checkpoints whose config.json names ``model_type``."""
+        return model_type == self.model_type
+
     def to_hf_state(self, sd: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 

@@ -48,13 +48,15 @@ def get_family(name: str) -> ModelFamily:
 
 
 def family_for_hf_type(model_type: str | None) -> ModelFamily:
-    """The built-in family whose HF adapter reads ``config.json``'s ``model_type``."""
+    """The built-in family whose HF adapter reads ``config.json``'s ``model_type``: a native port
+    first (BUILTIN's order puts ``hf``, which reads any transformers causal LM, last)."""
     for name in BUILTIN:
         family = get_family(name)
-        if family.hf is not None and family.hf.model_type == model_type:
+        if family.hf is not None and family.hf.reads(model_type):
             return family
     known = ", ".join(t for t in (get_family(n).hf.model_type for n in BUILTIN if get_family(n).hf) if t)
-    raise HFConversionError(f"config.json model_type={model_type!r} is not supported (known: {known})")
+    raise HFConversionError(f"config.json model_type={model_type!r} is not supported (known: {known}; or any "
+                            "transformers causal LM)")
 
 
 def model_node(model_cfg: Any) -> dict[str, Any]:

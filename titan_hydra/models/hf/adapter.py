@@ -19,6 +19,11 @@ WRITTEN_BY_TRANSFORMERS = ("model_type", "architectures", "transformers_version"
 class HFCheckpointAdapter(HFAdapter):
     model_type = ""  # any: the run's config names it (a native family still reads its own types first)
 
+    def reads(self, model_type: str | None) -> bool:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # lazy: ~2 s import
+
+        return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     def to_hf_state(self, sd: dict[str, torch.Tensor], args: HFArgs) -> dict[str, torch.Tensor]:
         tied = bool(getattr(args.hf_config, "tie_word_embeddings", False))
         return {k: v for k, v in sd.items() if not (tied and k == "lm_head.weight")}
