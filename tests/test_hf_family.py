@@ -20,7 +20,7 @@ import torch
 from titan_hydra.errors import ConfigError
 from titan_hydra.spec import spec_of
 from helpers import (
-    GLOBAL_BATCH, assert_parity, base_for, compose_cfg, machine_bound, run_launch, run_layout, run_single,
+    GLOBAL_BATCH, assert_parity, base_for, compose_cfg, float8_bound, machine_bound, run_layout, run_single,
 )
 from numerics import assert_fp32_close
 
@@ -148,6 +148,27 @@ def test_exact_resume(singles, tmp_path, capsys, arch):
     losses = run(spec_of(cfg), str(tmp_path))["losses"]
     assert f"loaded {tmp_path / 'checkpoint' / 'step-5'}" in capsys.readouterr().out
     assert losses == reference
+
+
+@pytest.mark.slow
+def test_compile_and_selective_ac_equal_eager(singles, tmp_path, run_cache, record_property):
+    """Per-layer compile of transformers' own layers + selective-op AC: the eager losses, within the
+    machine's rounding floor (Inductor fuses and reorders sums)."""
+    _, single = singles("qwen3")
+    losses = run_single(tmp_path, overrides("qwen3", *CHECKPOINTS, "compile=model", "activation_checkpoint=selective_op"))
+    assert_parity(losses, single, machine_bound(run_cache, single), "qwen3 compile+sac", record_property)
+
+
+@pytest.mark.slow
+def test_float8_follows_fp32(singles, tmp_path, record_property):
+    """float8 (tensor-wise, emulated on CPU) on every linear of transformers' layers: the fp32 curve within
+    what float8's rounding allows (helpers.float8_bound, from the same run's bf16 distance), and not
+    equal to it (the linears really were converted)."""
+    _, single = singles("qwen3")
+    bf16 = run_single(tmp_path / "bf16", overrides("qwen3", "training.mixed_precision=bf16"))
+    fp8 = run_single(tmp_path / "fp8", overrides("qwen3", "float8=tensorwise"))
+    assert fp8 != single
+    assert_parity(fp8, single, float8_bound(bf16, single), "qwen3 float8", record_property)
 
 
 @pytest.mark.parametrize("arch,extra,message", [
