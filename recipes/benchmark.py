@@ -15,6 +15,7 @@ are comparable; absolute numbers on shared 2-core machines are noisy.
     python recipes/benchmark.py --suite perf --threads 2  # compile, float8, AC modes
     python recipes/benchmark.py --suite families --threads 2  # each model family's debug model
     python recipes/benchmark.py --suite moe --threads 2       # MoE: grouped mm vs loop, fp32/bf16, ep
+    python recipes/benchmark.py --suite hf --threads 2        # model=hf vs the native Llama, same shape
     python recipes/benchmark.py --suite flux --threads 2      # FLUX.1 debug: images/s, eager/compiled, fsdp
     python recipes/benchmark.py --steps 30 --threads 2 --out bench_out/foundation.json
     python recipes/benchmark.py --suite data --corpus-mb 1024 --heap-cap-mb 400
@@ -63,6 +64,9 @@ DEBUG_FP32 = ("training.mixed_precision=fp32",)
 M100 = ("experiment=llama_100m",)
 FLUX = ("experiment=flux_debug", "checkpoint.enable=false", "eval.sample_every=0")  # 64 px: 16 image + 64 text tokens, batch 16
 
+HF_LLAMA = ("model=hf_llama_debug", "model.fields.hidden_size=256", "model.fields.num_hidden_layers=6",
+            "model.fields.num_attention_heads=16", "model.fields.num_key_value_heads=16",
+            "model.fields.intermediate_size=768")
 SUITES: dict[str, dict[str, Variant]] = {
     "precision": {
         "fp32 eager": Variant(("training.mixed_precision=fp32",)),
@@ -118,6 +122,14 @@ SUITES: dict[str, dict[str, Variant]] = {
         "qwen3_debug: eager": Variant(("model=qwen3_debug",), group="qwen3"),
         "qwen3_debug: compile": Variant(("model=qwen3_debug", "compile=model_loss"), group="qwen3"),
         "qwen3_debug: tp 2 ranks": Variant(("model=qwen3_debug", "parallelism=tp"), 2, group="qwen3", threads=1),
+    },
+    # model=hf against the native port of the same architecture: transformers' LlamaForCausalLM at
+    # llama3_debug's exact shape (6,163,712 parameters, same FLOPs per token), eager, compiled, tp 2.
+    "hf": {
+        f"{name}: {label}": Variant((*model, *ov), nproc, group=label, threads=th)
+        for label, ov, nproc, th in (("eager", (), 1, None), ("compile", ("compile=model_loss",), 1, None),
+                                     ("tp 2 ranks", ("parallelism=tp",), 2, 1))
+        for name, model in (("native llama3_debug", ("model=llama3_debug",)), ("hf llama (same shape)", HF_LLAMA))
     },
     # Mixture-of-Experts debug models: grouped GEMM vs the per-expert loop, auto vs bf16, one
     # process vs expert parallel on 2 ranks of 1 thread (same global batch). MFU counts active
