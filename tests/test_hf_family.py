@@ -243,3 +243,25 @@ def test_export_is_what_from_pretrained_loads(singles, tmp_path, arch):
             got = native.eval()(tokens)
         assert family2.name == "llama3"
         assert_fp32_close({"logits": got}, {"logits": ours(tokens).detach()})
+
+
+# Llama 3.1 8B's published config.json (meta-llama/Llama-3.1-8B), as model=hf fields
+LLAMA31_8B = ["model.model_type=llama", "++model.fields={hidden_size: 4096, intermediate_size: 14336, "
+              "num_hidden_layers: 32, num_attention_heads: 32, num_key_value_heads: 8, vocab_size: 128256, "
+              "max_position_embeddings: 131072, rope_theta: 500000.0, tie_word_embeddings: false}"]
+
+
+def test_planner_sizes_a_published_config_like_the_native_flavor():
+    """The dry run of Llama 3.1 8B as ``model=hf`` (sized from transformers' meta module) and as the native
+    ``llama3_8b`` flavor: the same parameters, FLOPs per token and memory plan per rank under fsdp x tp on
+    a 16-GPU SLURM cluster (the activations estimate is shape-based, so it agrees too)."""
+    from titan_hydra.planner.plan import plan
+
+    layout = ["parallelism=fsdp_tp", "cluster=slurm_h100", "cluster.nnodes=2", "training.seq_len=8192",
+              "activation_checkpoint=full"]
+    ours = plan(spec_of(compose_cfg(["model=hf", *LLAMA31_8B, *layout])))
+    native = plan(spec_of(compose_cfg(["model=llama3_8b", *layout])))
+    assert ours.params == native.params == 8_030_261_248
+    assert ours.flops_per_token == native.flops_per_token
+    for key in ("mem_params_gib", "mem_grads_gib", "mem_optimizer_gib", "mem_activations_gib", "mem_total_gib"):
+        assert getattr(ours, key) == pytest.approx(getattr(native, key), rel=1e-9), key
