@@ -5,8 +5,9 @@ builds computes transformers' own logits bit for bit (it is transformers' class,
 positions transformers would make); packed documents are masked from each other; the loss falls;
 fsdp(2) equals one process; tp(2) (sequence + loss parallel, from the config's own TP plan) equals
 one process for every architecture whose plan translates; pp(2) for a few (gemma2: its
-sliding/global layer pattern is cut across stages; qwen3_moe: MoE layers on both stages); exact
-resume for three. What cannot run is refused in one line before anything starts. Layout parity
+sliding/global layer pattern is cut across stages; qwen3_moe: MoE layers on both stages); ep(2)
+(transformers' experts modules, dispatched by all-to-all) for mixtral and qwen3_moe, fsdp_ep on 4
+ranks for olmoe; exact resume for three. What cannot run is refused in one line before anything starts. Layout parity
 bounds: ``helpers.machine_bound`` (the machine's measured rounding floor)."""
 
 from __future__ import annotations
