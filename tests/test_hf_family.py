@@ -5,8 +5,9 @@ builds computes transformers' own logits bit for bit (it is transformers' class,
 positions transformers would make); packed documents are masked from each other; the loss falls;
 fsdp(2) equals one process; tp(2) (sequence + loss parallel, from the config's own TP plan) equals
 one process for every architecture whose plan translates; pp(2) for a few (gemma2: its
-sliding/global layer pattern is cut across stages; qwen3_moe: MoE layers on both stages); exact
-resume for three. What cannot run is refused in one line before anything starts. Layout parity
+sliding/global layer pattern is cut across stages; qwen3_moe: MoE layers on both stages); ep(2)
+(transformers' experts modules, dispatched by all-to-all) for mixtral and qwen3_moe, fsdp_ep on 4
+ranks for olmoe; exact resume for three. What cannot run is refused in one line before anything starts. Layout parity
 bounds: ``helpers.machine_bound`` (the machine's measured rounding floor)."""
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ SMALL = ["model.fields.hidden_size=64", "model.fields.intermediate_size=128", "m
 UNTIED = ["+model.fields.tie_word_embeddings=false"]
 PP = ["gemma2", "qwen3_moe"]  # gemma2: alternating sliding/global layers; qwen3_moe: MoE on every stage
 RESUME = ["llama", "gemma3", "mixtral"]
+EP = [("mixtral", "ep", 2), ("qwen3_moe", "ep", 2), ("olmoe", "fsdp_ep", 4)]
 CHECKPOINTS = ["checkpoint=default", "checkpoint.interval=5", "checkpoint.keep_latest_k=0"]
 
 
@@ -92,6 +94,14 @@ def test_shape_counts_what_it_builds():
         p.numel() for p in tied.parameters())  # the tied head counted once
 
 
+def layout_equals_one_process(tmp_path, singles, run_cache, arch: str, layout: str, nproc: int, dp: int,
+                              record_property) -> None:
+    _, single = singles(arch)
+    extra = UNTIED if arch in PP else []
+    losses = run_layout(tmp_path, overrides(arch, *extra, f"parallelism={layout}"), nproc=nproc, dp=dp)
+    assert_parity(losses, single, machine_bound(run_cache, single), f"{arch} {layout}", record_property)
+
+
 @pytest.fixture(scope="module")
 def singles(tmp_path_factory):
     cache: dict[str, tuple] = {}
@@ -119,10 +129,7 @@ def test_trains_and_fsdp_equals_one_process(tmp_path, singles, run_cache, arch, 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", DENSE)
 def test_tp_equals_one_process(tmp_path, singles, run_cache, arch, record_property):
-    _, single = singles(arch)
-    extra = UNTIED if arch in PP else []
-    losses = run_layout(tmp_path, overrides(arch, *extra, "parallelism=tp"), nproc=2, dp=1)
-    assert_parity(losses, single, machine_bound(run_cache, single), f"{arch} tp", record_property)
+    layout_equals_one_process(tmp_path, singles, run_cache, arch, "tp", 2, 1, record_property)
 
 
 @pytest.mark.slow
@@ -131,6 +138,14 @@ def test_pp_equals_one_process(tmp_path, singles, run_cache, arch, record_proper
     _, single = singles(arch)
     losses = run_layout(tmp_path, overrides(arch, *UNTIED, "parallelism=pp"), nproc=2, dp=1)
     assert_parity(losses, single, machine_bound(run_cache, single), f"{arch} pp", record_property)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,layout,nproc", EP)
+def test_ep_equals_one_process(tmp_path, singles, run_cache, arch, layout, nproc, record_property):
+    """ep 2: each rank of a pair holds 4 of the 8 experts and the (token, k) rows travel to them;
+    fsdp_ep on 4 ranks also FSDP-shards each half of the experts over the 2 ranks holding it."""
+    layout_equals_one_process(tmp_path, singles, run_cache, arch, layout, nproc, nproc, record_property)
 
 
 @pytest.mark.slow
@@ -177,6 +192,9 @@ def test_float8_follows_fp32(singles, tmp_path, record_property):
     ("granite", ["parallelism=pp", "cluster.nproc_per_node=2"], "parallelism.pp=2: the granite forward scales"),
     ("gemma3", ["parallelism=pp", "cluster.nproc_per_node=2"], "tie_word_embeddings=true cannot run under pipeline"),
     ("llama", ["parallelism=cp", "cluster.nproc_per_node=2"], "parallelism.cp=2 is not wired for model=hf"),
+    ("llama", ["parallelism=ep", "cluster.nproc_per_node=2"], "parallelism.ep=2: transformers' llama model has no experts"),
+    ("mixtral", ["parallelism=ep", "cluster.nproc_per_node=2", "model.fields.num_local_experts=5"],
+     "parallelism.ep=2 must divide the mixtral config's 5 experts"),
     ("llama", ["training.seq_len=4096"], "training.seq_len=4096 exceeds the llama config's max_position_embeddings=2048"),
     ("llama", ["model.model_type=no_such_arch"], "model.model_type='no_such_arch' is not a transformers architecture"),
     ("llama", ["+model.fields.hidden_act=no_such_act"], "transformers could not build llama from model.fields: KeyError"),

@@ -36,7 +36,7 @@ def _check_all_to_all(rank: int) -> dict:
     """Uneven splits with empty sends; rank r's loss weighs the rows it received by r + 1."""
     import torch.distributed as dist
 
-    from titan_hydra.parallel.ep import all_to_all
+    from titan_hydra.models.common.expert_parallel import all_to_all
 
     send = SENDS[rank]
     recv = [SENDS[src][rank] for src in range(2)]

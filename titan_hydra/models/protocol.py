@@ -27,6 +27,8 @@ what the model's ``forward`` takes (``supports_document_mask``). They are:
 * ``WeighsLosses``: losses the model adds to the gradient itself (MoE auxiliary loss), weighed
   like each microbatch's;
 * ``RunsStepHooks``: the model's own work once per optimizer step, with metrics to log;
+* ``ParallelizesExperts``: routed experts with a call signature of their own, sharded over the
+  ep mesh by the family's style (default: ``common/expert_parallel.ExpertParallel``);
 * ``DrawsSamples``: pictures from prompts (``eval.sample_every``).
 
 ``common/decoder_family.DecoderFamily`` implements it for models built from
@@ -318,4 +320,16 @@ class RunsStepHooks(Protocol):
     def step_hooks(self, model_parts: list[nn.Module], dims: Any) -> list:
         """Callables the trainer runs once per optimizer step (after backward of every microbatch,
         before ``optimizer.step``); each returns ``{metric: value}`` logged with the step."""
+        ...
+
+
+@runtime_checkable
+class ParallelizesExperts(Protocol):
+    """The capability of a family whose routed-experts modules are not called like
+    ``GroupedExperts`` (tokens sorted by expert + counts): it gives the ``ParallelStyle`` that
+    shards each over the ep mesh and carries its tokens to their experts' ranks and back."""
+
+    def expert_parallel_style(self, module: nn.Module) -> Any:
+        """A torch ``ParallelStyle`` for ``module`` (one of ``expert_modules``), applied with
+        ``parallelize_module(module, ep_mesh, style)`` before FSDP."""
         ...

@@ -152,8 +152,10 @@ def divide_weight_gradients(module: torch.nn.Module, factor: float) -> None:
     module's rows (~N x D per layer) instead of its weights (E x 3 x D x H, ~10x more on
     Qwen3-MoE, where a hook dividing the weight gradients cost 9% of the step). Exact when the
     factor is a power of two; otherwise one extra rounding of the gradient in the compute dtype.
-    ``forward(x, ...)``: the first input is the rows."""
-    module.register_forward_pre_hook(lambda _, args: (_ScaleGradient.apply(args[0], factor), *args[1:]))
+    Every floating-point input is multiplied back: the rows, and routing weights where the module
+    applies them itself (transformers' experts, models/hf/ep.py)."""
+    module.register_forward_pre_hook(lambda _, args: tuple(
+        _ScaleGradient.apply(a, factor) if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
     module.register_forward_hook(lambda _, args, out: _ScaleGradient.apply(out, 1.0 / factor))
 
 

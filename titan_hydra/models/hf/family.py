@@ -12,8 +12,11 @@ Everything is read off the architecture itself, never written per architecture:
   ``base_model_tp_plan`` (``plans.py``); pipeline stages from ``base_model_pp_plan``'s ends.
 * refusals, each one line before any process starts: TP without a plan or with a style that has
   no torch counterpart here, PP without a plan or for a model whose forward rescales its input
-  embeddings (the stage after the first would scale again), tied embeddings under PP, context and
-  expert parallelism (not wired for transformers' attention and experts modules).
+  embeddings (the stage after the first would scale again), tied embeddings under PP, context
+  parallelism (not wired for transformers' attention), EP for a model without transformers'
+  top-k experts modules (``base_model_ep_plan``) or with an expert count ep does not divide;
+* expert parallel: the experts modules keep their weights as ``Shard(0)`` DTensors over ep and
+  exchange their (token, k) rows by all-to-all (``ep.py``, ``TopKExpertParallel``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch import nn
 from titan_hydra.errors import ConfigError
 from titan_hydra.models.hf import plans
 from titan_hydra.models.hf.adapter import HFCheckpointAdapter
+from titan_hydra.models.hf.ep import TopKExpertParallel
 from titan_hydra.models.hf.model import HFArgs, base_model, causal_lm, pipeline_ends
 from titan_hydra.models.protocol import ModelFamily, ModelShape
 
@@ -59,7 +63,7 @@ class HFFamily(ModelFamily):
         return causal_lm(**self.args_fields(args))
 
     def shape(self, args: HFArgs) -> ModelShape:
-        return _shape(self, json.dumps(self.args_fields(args), sort_keys=True))
+        return _shape(self, _key(self, args))
 
     def flops_per_token(self, args: HFArgs, seq_len: int) -> float:
         s, cfg = self.shape(args), args.hf_config
@@ -109,8 +113,12 @@ class HFFamily(ModelFamily):
             raise ConfigError(f"parallelism.cp={dims.cp} is not wired for model=hf (transformers' attention "
                               "modules); use parallelism.cp=1")
         if dims.ep > 1:
-            raise ConfigError(f"parallelism.ep={dims.ep} is not wired for model=hf yet (transformers' experts "
-                              "modules route inside their forward); use fsdp: parallelism.ep=1")
+            if not getattr(cfg, "base_model_ep_plan", None) or not _topk_experts(self, _key(self, args)):
+                raise ConfigError(f"parallelism.ep={dims.ep}: transformers' {kind} model has no experts module "
+                                  "called with each token's top-k experts (base_model_ep_plan); use parallelism.ep=1")
+            if s.n_experts % dims.ep:
+                raise ConfigError(f"parallelism.ep={dims.ep} must divide the {kind} config's {s.n_experts} experts; "
+                                  "change parallelism.ep")
 
     # --- layout -------------------------------------------------------------------------
     def blocks(self, model: nn.Module) -> nn.ModuleDict:
@@ -133,6 +141,12 @@ class HFFamily(ModelFamily):
         elif ends:
             units.append((ends if len(ends) > 1 else ends[0], True))
         return units
+
+    def expert_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        return routed_experts(model)
+
+    def expert_parallel_style(self, module: nn.Module) -> TopKExpertParallel:
+        return TopKExpertParallel()
 
     def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
         return plans.tp_plan(model, sequence_parallel, loss_parallel)
@@ -160,6 +174,26 @@ class HFFamily(ModelFamily):
         return stage
 
 
+def routed_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(fqn, module) of the experts modules: ``*.experts`` holding 3-D [E, ...] weights."""
+    return [(n, m) for n, m in model.named_modules() if n.endswith(".experts")
+            and any(p.dim() == 3 for p in m.parameters(recurse=False))]
+
+
+def _key(family: HFFamily, args: HFArgs) -> str:
+    return json.dumps(family.args_fields(args), sort_keys=True)
+
+
+@lru_cache(maxsize=64)
+def _topk_experts(family: HFFamily, key: str) -> bool:
+    """Whether every experts module is transformers' ``@use_experts_implementation`` kind, called
+    as (hidden, top_k_index, top_k_weights): what ``TopKExpertParallel`` dispatches."""
+    with torch.device("meta"):
+        model = family.build(family.make_args(json.loads(key)))
+    experts = routed_experts(model)
+    return bool(experts) and all(hasattr(m, "_is_expert_parallel") for _, m in experts)
+
+
 @lru_cache(maxsize=64)
 def _shape(family: HFFamily, key: str) -> ModelShape:
     args = family.make_args(json.loads(key))
@@ -175,8 +209,7 @@ def _shape(family: HFFamily, key: str) -> ModelShape:
     norm = getattr(base, norm_name, None)
     head_params = (sum(p.numel() for p in norm.parameters()) if isinstance(norm, nn.Module) else 0) + (
         head.weight.numel() if head is not None else 0)
-    experts = [m for n, m in model.named_modules() if n.endswith(".experts") and isinstance(m, nn.Module)
-               and any(p.dim() == 3 for p in m.parameters(recurse=False))]
+    experts = [m for _, m in routed_experts(model)]
     expert_params = sum(p.numel() for m in experts for p in m.parameters())
     n_experts = next((int(getattr(cfg, k)) for k in EXPERT_COUNT_KEYS if getattr(cfg, k, None)), 0) if experts else 0
     top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0) if experts else 0
