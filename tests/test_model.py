@@ -25,7 +25,8 @@ from numerics import assert_fp32_close
 EPS32 = torch.finfo(torch.float32).eps
 
 # Language-model flavors (flux_* is an image model: tests/test_flux_training.py counts its parameters).
-FLAVORS = sorted(p.stem for p in (CONF / "model").glob("*.yaml") if not p.stem.startswith("flux"))
+# the native decoders' flavors (flux: test_flux_model.py; hf*: transformers' own classes, test_hf_family.py)
+FLAVORS = sorted(p.stem for p in (CONF / "model").glob("*.yaml") if not p.stem.startswith(("flux", "hf")))
 DEBUG_FLAVORS = ["llama3_debug", "qwen3_debug"]
 
 # Exact counts of a meta build (a tied matrix counted once). Published figures match: Llama 3.1
