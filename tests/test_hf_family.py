@@ -82,6 +82,24 @@ def test_packed_documents_do_not_see_each_other(arch):
     assert (unmasked[:, 9:] - alone).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_greedy_generation_is_transformers_own(arch):
+    """recipes/generate.py's loop (the whole sequence re-run per token: the hf model has no titan KV
+    cache) picks the tokens transformers' own ``generate`` picks greedily with its KV cache."""
+    from transformers import AutoModelForCausalLM
+
+    from titan_hydra.generate import SamplingConfig, generate
+
+    spec, model = built(arch)
+    ref = AutoModelForCausalLM.from_config(spec.model_args.hf_config).eval()
+    ref.load_state_dict(model.state_dict())
+    prompt = torch.randint(0, spec.model_args.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ours = generate(model, prompt, SamplingConfig(max_new_tokens=8), spec.model_args.max_seq_len)
+        theirs = ref.generate(input_ids=prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, use_cache=True)
+    assert torch.equal(ours, theirs)
+
+
 def test_shape_counts_what_it_builds():
     spec, model = built("mixtral")
     s = spec.shape
