@@ -92,6 +92,19 @@ def test_shape_counts_what_it_builds():
         p.numel() for p in tied.parameters())  # the tied head counted once
 
 
+def test_the_fork_server_imports_what_the_ranks_would():
+    """The fork server imports the family's worker_imports (launch/local.py) and skips a module
+    that fails to import: one that no longer exists would only make every rank import it again."""
+    import importlib
+
+    from titan_hydra.models.hf import FAMILY
+
+    spec, _ = built("llama")
+    assert spec.family.worker_imports == FAMILY.worker_imports == ("transformers.modeling_utils",)
+    for name in FAMILY.worker_imports:
+        importlib.import_module(name)
+
+
 @pytest.fixture(scope="module")
 def singles(tmp_path_factory):
     cache: dict[str, tuple] = {}
