@@ -140,6 +140,19 @@ def layout_equals_one_process(tmp_path, singles, run_cache, arch: str, layout: s
     assert_layout_parity(arch, losses, single, machine_bound(run_cache, single), f"{arch} {layout}", record_property)
 
 
+def test_the_fork_server_imports_what_the_ranks_would():
+    """The fork server imports the family's worker_imports (launch/local.py) and skips a module
+    that fails to import: one that no longer exists would only make every rank import it again."""
+    import importlib
+
+    from titan_hydra.models.hf import FAMILY
+
+    spec, _ = built("llama")
+    assert spec.family.worker_imports == FAMILY.worker_imports == ("transformers.modeling_utils",)
+    for name in FAMILY.worker_imports:
+        importlib.import_module(name)
+
+
 @pytest.fixture(scope="module")
 def singles(tmp_path_factory):
     cache: dict[str, tuple] = {}

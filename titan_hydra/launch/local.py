@@ -103,10 +103,13 @@ def run_local(
     if str(cluster.start_method) == "forkserver":
         # The server imports the program once (a clean, single-threaded process) and forks
         # every worker from it: one import per launch instead of one per rank. torch._dynamo too,
-        # which every rank would import when it first makes a tensor on the meta device. Started
-        # now, it imports while this process prepares the data.
+        # which every rank would import when it first makes a tensor on the meta device, and the
+        # model family's own (transformers' for model=hf). Started now, it imports while this
+        # process prepares the data. (A server already running, from an earlier launch of this
+        # process, keeps the imports it started with: the rest happen in the ranks, as before.)
         multiprocessing.set_forkserver_preload([GC_PAUSED_MODULE, PROGRAM_MODULE,
-                                                (program or DEFAULT_PROGRAM).partition(":")[0], "torch._dynamo"])
+                                                (program or DEFAULT_PROGRAM).partition(":")[0], "torch._dynamo",
+                                                *spec.family.worker_imports])
         from multiprocessing import forkserver
 
         forkserver.ensure_running()

@@ -189,6 +189,9 @@ class ModelFamily:
     supports_document_mask: bool = False
     # What a batch is and how its loss is computed (next-token cross entropy for language models).
     objective: Objective = NEXT_TOKEN
+    # Modules every rank of a local launch imports before its first step: the fork server imports
+    # them once (``launch/local.py``) instead of each forked rank on its own.
+    worker_imports: tuple[str, ...] = ()
 
     # --- shape --------------------------------------------------------------------------
     def make_args(self, fields: Mapping[str, Any]) -> Any:
