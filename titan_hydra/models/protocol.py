@@ -176,6 +176,22 @@ class HFAdapter:
         return args
 
 
+def fsdp_units_in_order(embedding: nn.Module | None, blocks: list[nn.Module], ends: list[nn.Module],
+                        tied: bool) -> list[tuple[Any, bool]]:
+    """``ModelFamily.fsdp_units`` of a decoder: the embedding, each block, the final norm + head as one
+    unit; a tied embedding joins the head's unit (a parameter can belong to only one unit)."""
+    units: list[tuple[Any, bool]] = []
+    if embedding is not None and not tied:
+        units.append((embedding, False))
+    for i, block in enumerate(blocks):
+        units.append((block, i == len(blocks) - 1 and not ends and not tied))
+    if tied:
+        units.append(([embedding, *ends], True))
+    elif ends:
+        units.append((ends if len(ends) > 1 else ends[0], True))
+    return units
+
+
 class ModelFamily:
     """Base of every family spec. Subclass ``DecoderFamily`` unless the model is not a Decoder."""
 

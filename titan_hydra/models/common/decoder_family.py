@@ -41,7 +41,7 @@ from titan_hydra.errors import ConfigError
 from titan_hydra.models.common import moe
 from titan_hydra.models.common.decoder import MULTIPLIERS
 from titan_hydra.models.mtp_loss import MultiTokenLoss
-from titan_hydra.models.protocol import ModelFamily, ModelShape, ShardsRope, WeighsLosses
+from titan_hydra.models.protocol import ModelFamily, ModelShape, ShardsRope, WeighsLosses, fsdp_units_in_order
 
 
 # Fields beyond the shape that change what saved weights mean (rotary, norms).
@@ -161,17 +161,8 @@ class DecoderFamily(ModelFamily, ShardsRope, WeighsLosses):
         emb = model.tok_embeddings
         head = [m for m in (model.norm, model.output) if m is not None]
         blocks = list(model.layers.values())
-        units: list[tuple[Any, bool]] = []
-        if emb is not None and not tied:
-            units.append((emb, False))
         blocks += list(getattr(model, "mtp_layers", None) or ())  # run after the head, shard like blocks
-        for i, block in enumerate(blocks):
-            units.append((block, i == len(blocks) - 1 and not head and not tied))
-        if tied:
-            units.append(([emb, *head], True))
-        elif head:
-            units.append((head if len(head) > 1 else head[0], True))
-        return units
+        return fsdp_units_in_order(emb, blocks, head, tied)
 
     def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
         # Lazy: torch.distributed.tensor takes about a second to import, and only TP runs need it

@@ -34,7 +34,7 @@ from titan_hydra.models.hf import plans
 from titan_hydra.models.hf.adapter import HFCheckpointAdapter
 from titan_hydra.models.hf.ep import TopKExpertParallel
 from titan_hydra.models.hf.model import HFArgs, base_model, causal_lm, pipeline_ends
-from titan_hydra.models.protocol import ModelFamily, ModelShape
+from titan_hydra.models.protocol import ModelFamily, ModelShape, fsdp_units_in_order
 
 # Config keys that say nothing about what the weights compute (checkpoint signature ignores them).
 NON_SEMANTIC = ("max_position_embeddings", "use_cache", "dtype", "torch_dtype", "transformers_version",
@@ -132,17 +132,7 @@ class HFFamily(ModelFamily):
         emb, norm, head = getattr(base, emb_name, None), getattr(base, norm_name, None), model.get_output_embeddings()
         tied = emb is not None and head is not None and head.weight is emb.weight
         ends = [m for m in (norm, head) if isinstance(m, nn.Module) and any(True for _ in m.parameters())]
-        units: list[tuple[Any, bool]] = []
-        if emb is not None and not tied:
-            units.append((emb, False))
-        layers = list(base.layers.values())
-        for i, layer in enumerate(layers):
-            units.append((layer, i == len(layers) - 1 and not ends and not tied))
-        if tied:
-            units.append(([emb, *ends], True))
-        elif ends:
-            units.append((ends if len(ends) > 1 else ends[0], True))
-        return units
+        return fsdp_units_in_order(emb, list(base.layers.values()), ends, tied)
 
     def expert_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         return routed_experts(model)
