@@ -178,7 +178,7 @@ def test_trains_and_fsdp_equals_one_process(tmp_path, singles, run_cache, arch, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", DENSE)
+@pytest.mark.parametrize("arch", ALL)  # MoE: attention sharded, the MoE block whole on each rank
 def test_tp_equals_one_process(tmp_path, singles, run_cache, arch, record_property):
     layout_equals_one_process(tmp_path, singles, run_cache, arch, "tp", 2, 1, record_property)
 
@@ -238,7 +238,8 @@ def test_float8_follows_fp32(singles, tmp_path, record_property):
 
 
 @pytest.mark.parametrize("arch,extra,message", [
-    ("mixtral", ["parallelism=tp", "cluster.nproc_per_node=2"], "parallelism.tp=2: the mixtral TP plan uses"),
+    ("mixtral", ["parallelism=fsdp_tp", "cluster.nproc_per_node=4"],
+     "parallelism.tp=2: the mixtral TP plan's moe_tp_experts, packed_colwise run whole on every TP rank"),
     ("olmoe", ["parallelism=pp", "cluster.nproc_per_node=2"], "parallelism.pp=2: transformers' olmoe config has no base_model_pp_plan"),
     ("granite", ["parallelism=pp", "cluster.nproc_per_node=2"], "parallelism.pp=2: the granite forward scales"),
     ("gemma3", ["parallelism=pp", "cluster.nproc_per_node=2"], "tie_word_embeddings=true cannot run under pipeline"),

@@ -128,6 +128,10 @@ def with_implementation(cls: type, kwargs: dict[str, Any], params: list[torch.Te
         return kwargs
     if not issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)) and any(isinstance(p, DTensor) for p in params):
         return kwargs
+    if len({isinstance(p, DTensor) for p in params}) > 1:
+        # plain parameters beside DTensors (model=hf: an MoE block runs whole on every TP rank): a
+        # fused kernel takes one kind per call, torch's per-tensor loop takes both
+        return kwargs
     return {**kwargs, "fused": True}
 
 

@@ -94,12 +94,25 @@ class GatherSequence(ParallelStyle):
     """Sequence parallel's entry into a sub-layer whose call signature the plan does not know
     (positional or keyword ``hidden_states``): every sequence-sharded DTensor argument is
     all-gathered and handed in as a plain tensor; the sub-layer's row-wise output projection
-    scatters it back."""
+    scatters it back. ``scatter_output``: a sub-layer that runs whole on every rank (no row-wise
+    projection) hands back its shard of the sequence itself."""
+
+    def __init__(self, scatter_output: bool = False):
+        super().__init__()
+        self.scatter_output = scatter_output
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         def hook(_mod, args, kwargs):
             return (tuple(_gather_sequence(a) for a in args),
                     {k: _gather_sequence(v) for k, v in kwargs.items()})
 
+        def scatter(_mod, _args, out):
+            first = out[0] if isinstance(out, tuple) else out
+            sharded = DTensor.from_local(first, device_mesh, [Replicate()], run_check=False).redistribute(
+                placements=[Shard(1)])
+            return (sharded, *out[1:]) if isinstance(out, tuple) else sharded
+
         module.register_forward_pre_hook(hook, with_kwargs=True)
+        if self.scatter_output:
+            module.register_forward_hook(scatter)
         return module

@@ -92,9 +92,10 @@ class HFFamily(ModelFamily):
                 raise ConfigError(f"parallelism.tp={dims.tp}: transformers' {kind} config has no base_model_tp_plan; "
                                   "use parallelism.tp=1")
             odd = plans.unsupported_styles(cfg)
-            if odd:
-                raise ConfigError(f"parallelism.tp={dims.tp}: the {kind} TP plan uses {', '.join(odd)}, which "
-                                  "model=hf does not translate (MoE experts); use ep/fsdp and parallelism.tp=1")
+            if odd and (dims.dp_shard > 1 or dims.dp_replicate > 1):
+                raise ConfigError(f"parallelism.tp={dims.tp}: the {kind} TP plan's {', '.join(odd)} run whole on "
+                                  "every TP rank (plain parameters), which data parallel cannot shard beside TP's; "
+                                  "use tp alone, or ep + fsdp for the experts")
             if s.n_heads % dims.tp or s.n_kv_heads % dims.tp:
                 raise ConfigError(f"parallelism.tp={dims.tp} must divide num_attention_heads={s.n_heads} and "
                                   f"num_key_value_heads={s.n_kv_heads}")

@@ -7,8 +7,11 @@ layers, final norm) and, for MoE, ``base_model_ep_plan``. They are written for t
 (``STYLES``) and the plan is completed with what transformers leaves to its own hooks: the embedding
 (row-wise over the vocabulary), the head (column-wise; vocab-sharded logits for loss parallel), the
 norms (sequence parallel, or replicated DTensors), and, under sequence parallel, the gathers that
-bring each sub-layer its whole sequence. A style with no torch counterpart here (transformers' packed
-MoE styles) is refused by name before any process starts.
+bring each sub-layer its whole sequence. A sub-layer whose plan uses a style with no torch counterpart
+here (transformers' packed MoE styles: ``packed_colwise``, ``moe_tp_experts``) runs whole on every TP rank
+with plain parameters: the same gathered input on every rank gives the same gradients, so nothing needs
+reducing; its memory is not split (``ep`` shards experts). Beside data parallel that mix of plain and TP
+parameters cannot be sharded, so that combination is refused in one line.
 """
 
 from __future__ import annotations
@@ -31,6 +34,16 @@ def tp_plan_of(config: Any) -> dict[str, str]:
 
 def unsupported_styles(config: Any) -> list[str]:
     return sorted({s for s in tp_plan_of(config).values() if s not in KNOWN_STYLES})
+
+
+def _exists(base: nn.Module, fqn: str) -> bool:
+    """Whether the plan's module is in this model (an MoE model's dense-MLP entries name modules only
+    its dense layers have)."""
+    try:
+        base.get_submodule(fqn)
+    except AttributeError:
+        return False
+    return True
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -76,7 +89,12 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> d
     def norm_style():
         return SequenceParallel() if sequence_parallel else ReplicateParallel()
 
-    own = expand(tp_plan_of(model.config), layer_keys)
+    own = {k: v for k, v in expand(tp_plan_of(model.config), layer_keys).items() if _exists(base, k)}
+    # A sub-layer whose plan names a style torch has no counterpart for here (transformers' packed MoE
+    # styles) runs whole on every TP rank: plain parameters, the gathered sequence in (identical on
+    # every rank, so are its gradients), the sequence shard out.
+    whole = {".".join(k.split(".")[:3]) for k, v in own.items() if v not in KNOWN_STYLES}
+    own = {k: v for k, v in own.items() if ".".join(k.split(".")[:3]) not in whole}
     plan: dict = {prefix + k: style(v) for k, v in own.items()}
     emb_name, norm_name = pipeline_ends(model.config)
     if getattr(base, emb_name, None) is not None:
@@ -95,7 +113,10 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> d
         lp = f"{prefix}layers.{key}."
         for child_name, child in layer.named_children():
             planned = [n for n in own if n.startswith(f"layers.{key}.{child_name}.")]
-            if planned:
+            if f"layers.{key}.{child_name}" in whole:
+                if sequence_parallel:
+                    plan[lp + child_name] = GatherSequence(scatter_output=True)
+            elif planned:
                 if sequence_parallel:
                     plan[lp + child_name] = GatherSequence()
                 for sub_name, sub in child.named_modules():
