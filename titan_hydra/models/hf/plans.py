@@ -69,7 +69,7 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> d
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-    from titan_hydra.models.common.tp_styles import GatherSequence, HeadShardedNorm, ReplicateParallel  # lazy: see above
+    from titan_hydra.models.common.tp_styles import HeadShardedNorm, ReplicateParallel  # lazy: see above
 
     seq = Shard(1) if sequence_parallel else Replicate()
     base = base_model(model)
@@ -109,20 +109,30 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> d
                                           output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                           use_local_output=not loss_parallel)
     for key in layer_keys:
-        layer = base.layers[key]
-        lp = f"{prefix}layers.{key}."
-        for child_name, child in layer.named_children():
-            planned = [n for n in own if n.startswith(f"layers.{key}.{child_name}.")]
-            if f"layers.{key}.{child_name}" in whole:
-                if sequence_parallel:
-                    plan[lp + child_name] = GatherSequence(scatter_output=True)
-            elif planned:
-                if sequence_parallel:
-                    plan[lp + child_name] = GatherSequence()
-                for sub_name, sub in child.named_modules():
-                    fqn = f"layers.{key}.{child_name}.{sub_name}"
-                    if sub_name and fqn not in own and any(True for _ in sub.parameters(recurse=False)):
-                        plan[prefix + fqn] = ReplicateParallel()  # e.g. a norm over the gathered q
-            elif any(True for _ in child.parameters()):
-                plan[lp + child_name] = norm_style() if _is_norm(child) else ReplicateParallel()
+        plan.update(_layer_plan(base, prefix, key, own, whole, sequence_parallel, norm_style))
+    return plan
+
+
+def _layer_plan(base: nn.Module, prefix: str, key: str, own: dict[str, str], whole: set[str],
+                sequence_parallel: bool, norm_style) -> dict:
+    """What the config's plan leaves to transformers' hooks inside layer ``key``: the gathers into each
+    planned (or whole-running) sub-layer, replicated DTensors for its other weights, the norms."""
+    from titan_hydra.models.common.tp_styles import GatherSequence, ReplicateParallel  # lazy: see tp_plan
+
+    plan: dict = {}
+    lp = f"{prefix}layers.{key}."
+    for child_name, child in base.layers[key].named_children():
+        planned = [n for n in own if n.startswith(f"layers.{key}.{child_name}.")]
+        if f"layers.{key}.{child_name}" in whole:
+            if sequence_parallel:
+                plan[lp + child_name] = GatherSequence(scatter_output=True)
+        elif planned:
+            if sequence_parallel:
+                plan[lp + child_name] = GatherSequence()
+            for sub_name, sub in child.named_modules():
+                fqn = f"layers.{key}.{child_name}.{sub_name}"
+                if sub_name and fqn not in own and any(True for _ in sub.parameters(recurse=False)):
+                    plan[prefix + fqn] = ReplicateParallel()  # e.g. a norm over the gathered q
+        elif any(True for _ in child.parameters()):
+            plan[lp + child_name] = norm_style() if _is_norm(child) else ReplicateParallel()
     return plan
