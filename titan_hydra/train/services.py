@@ -175,4 +175,5 @@ def header_of(spec: RunSpec, data: DataPlan, built: BuiltModel, run_dir: str, se
         health=health.settings.describe() if checked else "off (a non-finite loss stops the run)",
         fault_injection=spec.fault_injection.describe() if spec.fault_injection.enabled else None,
         threads=(torch.get_num_threads(), threads_here(spec.cluster.threads_per_proc).reason),
+        schedule=spec.batch.schedule.describe() if spec.batch.schedule.scheduled else None,
     )
