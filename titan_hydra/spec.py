@@ -175,11 +175,12 @@ def batch_plan_of(dims: ParallelDims, t: TrainingConfig, lr_rule: str = "none") 
     that cannot run on this layout refused in one line."""
     local = int(t.local_batch_size)
     global_batch, grad_accum = dims.batch_plan(local, int(t.global_batch_size))
-    if t.batch_schedule is not None and int(t.global_batch_size) > 0:
-        raise ConfigError(f"training.batch_schedule sets the global batch of every step: drop "
-                          f"training.global_batch_size={t.global_batch_size} (set it to -1)")
     schedule = schedule_of(local, dims.data_degree, global_batch, int(t.seq_len), t.batch_schedule,
                            t.seq_len_schedule, lr_rule)
+    first = schedule.at(0).global_batch
+    if schedule.batch_stages and int(t.global_batch_size) > 0 and int(t.global_batch_size) != first:
+        raise ConfigError(f"training.global_batch_size={t.global_batch_size} but training.batch_schedule starts at "
+                          f"{first}: the schedule sets every step's batch, set training.global_batch_size=-1")
     return BatchPlan(local, schedule.max_global_batch, schedule.max_grad_accum, int(t.seq_len), schedule)
 
 
