@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import BASE, compose_cfg, launch_here, machine_bound, series
+from helpers import BASE, UNTIED, compose_cfg, launch_here, machine_bound, series
 from titan_hydra.config.schedules import lr_factor, schedule_of
 from titan_hydra.data.loader import BatchLoader
 from titan_hydra.data.staged import StagedLoader
@@ -127,30 +127,48 @@ def _single(run_dir: Path, *extra: str) -> dict:
     return run(spec_of(cfg), str(run_dir), return_state=True)
 
 
+SEQ = ("training.seq_len_schedule=[[0,32],[1024,64]]", "data.document_mask=true")
+SEQ_LENS = [32, 32, 32, 32, 64, 64]
+# layout -> (its overrides, the schedule's): fsdp(2) and pp(2) (untied: pipeline stages) through
+# the batch ramp, fsdp(2) across the seq-len boundary. Local batch 2 under fsdp accumulates 2, 4,
+# then 6 micro-batches per rank where one process accumulates 1, 2, then 3 of 8.
+LAYOUTS = {
+    "fsdp_ramp": (["parallelism=fsdp", "training.local_batch_size=2"], (RAMP,)),
+    "pp_ramp": (["parallelism=pp", "training.local_batch_size=8", UNTIED], (RAMP, UNTIED)),
+    "fsdp_seq": (["parallelism=fsdp", "training.local_batch_size=4"], SEQ),
+}
+
+
 @pytest.mark.slow
-def test_batch_ramp_fsdp2_equals_one_process(run_cache, tmp_path, record_property):
-    """Two ramp steps (8 -> 16 -> 24): fsdp(2) with local batch 2 accumulates 2, 4, then 6 micro-batches
-    per rank where one process accumulates 1, 2, then 3 of 8 (so a loss scale that did not follow the
-    step's count differs between them); the same global batches, so the same losses within the
-    machine's measured rounding floor (helpers.machine_bound)."""
-    single = _single(tmp_path / "single", RAMP)
-    assert series(tmp_path / "single", "batch_size") == RAMP_BATCHES
-    # Steps 1-2 are the fixed batch of 8 at LR factor 1: the run without a schedule, bit for bit (a
-    # loss scale left at the runner's built 1/3 would shrink step 1's gradient norm 3x; layouts
-    # cannot see that, both would scale alike)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_scheduled_layout_equals_one_process(layout, run_cache, tmp_path, record_property):
+    """The same global batches of the same shapes step by step, so the same losses within the
+    machine's measured rounding floor (helpers.machine_bound), and the same logged plan."""
+    overrides, schedule = LAYOUTS[layout]
+    single = run_cache.once(("schedules_single", *schedule), lambda path: (path, _single(path, *schedule)))
+    run_dir = tmp_path / layout
+    launch_here(BASE + ["cluster.nproc_per_node=2", f"training.steps={RAMP_STEPS}", *schedule, *overrides], run_dir)
+    losses, reference = series(run_dir, "loss"), single[1]["losses"]
+    assert series(run_dir, "batch_size") == series(single[0], "batch_size")
+    assert series(run_dir, "batch_size") == (RAMP_BATCHES if RAMP in schedule else [8] * RAMP_STEPS)
+    if SEQ[0] in schedule:
+        assert series(run_dir, "seq_len") == SEQ_LENS
+    diff = max(abs(a - b) for a, b in zip(losses, reference))
+    bound = machine_bound(run_cache, reference)
+    record_property(f"{layout} max |loss - single|", diff)
+    record_property(f"{layout} bound", bound)
+    assert len(losses) == RAMP_STEPS and diff <= bound, (diff, bound, losses, reference)
+
+
+@pytest.mark.slow
+def test_ramp_starts_as_the_fixed_run(run_cache, tmp_path):
+    """Steps 1-2 of the ramp are the fixed batch of 8 at LR factor 1: the run without a schedule,
+    bit for bit. (A loss scale left at the runner's built 1/3 would shrink step 1's gradient norm
+    3x; the layouts cannot see that, since every layout's count grows by the same ratio.)"""
+    ramp_dir, _ = run_cache.once(("schedules_single", RAMP), lambda path: (path, _single(path, RAMP)))
     _single(tmp_path / "fixed")
     for key in ("loss", "grad_norm"):
-        assert series(tmp_path / "single", key)[:2] == series(tmp_path / "fixed", key)[:2], key
-    run_dir = tmp_path / "fsdp"
-    launch_here(BASE + ["cluster.nproc_per_node=2", "parallelism=fsdp", "training.local_batch_size=2",
-                        f"training.steps={RAMP_STEPS}", RAMP], run_dir)
-    losses = series(run_dir, "loss")
-    assert series(run_dir, "batch_size") == RAMP_BATCHES
-    diff = max(abs(a - b) for a, b in zip(losses, single["losses"]))
-    bound = machine_bound(run_cache, single["losses"])
-    record_property("batch ramp fsdp(2) max |loss - single|", diff)
-    record_property("bound", bound)
-    assert len(losses) == RAMP_STEPS and diff <= bound, (diff, bound, losses, single["losses"])
+        assert series(ramp_dir, key)[:2] == series(tmp_path / "fixed", key)[:2], key
 
 
 def _assert_resume_is_exact(tmp_path: Path, capsys, save_at: int, *extra: str) -> None:
@@ -182,5 +200,5 @@ def test_resume_across_a_seq_len_boundary_is_bitwise(tmp_path, capsys):
     """seq_len 32 for 1024 tokens (steps 1-4 of 8 x 32), then 64 with document masking: saved after
     step 3, the resumed run reads step 4 from the restored short-stage position and crosses the
     boundary at step 5, entering the long stage from the tokens seen as the uninterrupted run did."""
-    _assert_resume_is_exact(tmp_path, capsys, 3, "training.seq_len_schedule=[[0,32],[1024,64]]", "data.document_mask=true")
-    assert series(tmp_path / "ref", "seq_len") == [32, 32, 32, 32, 64, 64]
+    _assert_resume_is_exact(tmp_path, capsys, 3, *SEQ)
+    assert series(tmp_path / "ref", "seq_len") == SEQ_LENS
