@@ -32,7 +32,11 @@ def check_layout(spec: RunSpec) -> None:
 
 def check_seq_len_stages(spec: RunSpec) -> None:
     """A seq-len schedule's shorter stages keep the rules ``training.seq_len`` (the longest) keeps,
-    on data and a layout that can change window length between steps."""
+    on data and a layout that can change window length between steps; a batch schedule (by
+    tokens seen) needs token data."""
+    if spec.batch.schedule.batch_stages and not spec.token_data:
+        raise ConfigError("training.batch_schedule counts tokens seen (sequences x seq_len), which data of "
+                          f"{spec.data.name!r} has not: drop the schedule or use token data")
     stages = [v for _, v in spec.batch.schedule.seq_stages]
     if not stages:
         return
