@@ -24,6 +24,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from titan_hydra.config import ClusterConfig, TrainingConfig, precision_choice_of, run_settings, to_container
+from titan_hydra.config.schedules import StepSchedule, resolve_lr_rule, schedule_of
 from titan_hydra.errors import ConfigError
 from titan_hydra.errors import instantiate_checked as instantiate
 from titan_hydra.float8 import Float8Converter
@@ -39,12 +40,15 @@ from titan_hydra.runtime.fault_tolerance import FaultTolerance
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """Samples per step: per rank, across the data-parallel ranks, and the accumulation between."""
+    """Samples per step: per rank, across the data-parallel ranks, and the accumulation between.
+    Under a batch or seq-len schedule these are the largest step's (what memory and the header
+    are sized by); ``schedule.at(step)`` is each step's own plan."""
 
     local: int
     global_: int
     grad_accum: int
     seq_len: int
+    schedule: StepSchedule | None = None
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,7 @@ class RunSpec:
 
     def with_dims(self, dims: ParallelDims) -> RunSpec:
         """This run on another layout (``parallelism=auto``'s candidates): the batch plan follows."""
-        return dataclasses.replace(self, dims=dims, batch=batch_plan_of(dims, self.training))
+        return dataclasses.replace(self, dims=dims, batch=batch_plan_of(dims, self.training, self.batch.schedule.lr_rule))
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -166,9 +170,18 @@ def dims_of(node: DictConfig, world_size: int, ft: FaultTolerance) -> ParallelDi
     return dims
 
 
-def batch_plan_of(dims: ParallelDims, t: TrainingConfig) -> BatchPlan:
-    global_batch, grad_accum = dims.batch_plan(int(t.local_batch_size), int(t.global_batch_size))
-    return BatchPlan(int(t.local_batch_size), global_batch, grad_accum, int(t.seq_len))
+def batch_plan_of(dims: ParallelDims, t: TrainingConfig, lr_rule: str = "none") -> BatchPlan:
+    """The batch plan (the largest step's under a schedule) and the per-step schedule; a schedule
+    that cannot run on this layout refused in one line."""
+    local = int(t.local_batch_size)
+    global_batch, grad_accum = dims.batch_plan(local, int(t.global_batch_size))
+    schedule = schedule_of(local, dims.data_degree, global_batch, int(t.seq_len), t.batch_schedule,
+                           t.seq_len_schedule, lr_rule)
+    first = schedule.at(0).global_batch
+    if schedule.batch_stages and int(t.global_batch_size) > 0 and int(t.global_batch_size) != first:
+        raise ConfigError(f"training.global_batch_size={t.global_batch_size} but training.batch_schedule starts at "
+                          f"{first}: the schedule sets every step's batch, set training.global_batch_size=-1")
+    return BatchPlan(local, schedule.max_global_batch, schedule.max_grad_accum, int(t.seq_len), schedule)
 
 
 def spec_of(cfg: DictConfig) -> RunSpec:
@@ -191,7 +204,9 @@ def spec_of(cfg: DictConfig) -> RunSpec:
     return RunSpec(
         world_size=world_size, dims=dims, family=family, family_ref=str(cfg.model.family),
         model_args=with_multipliers(args, multipliers), model_target=str(cfg.model._target_), flavor=flavor_of(cfg.model),
-        precision=precision_choice_of(cfg), batch=batch_plan_of(dims, training),
+        precision=precision_choice_of(cfg),
+        batch=batch_plan_of(dims, training, resolve_lr_rule(str(training.batch_lr_scaling),
+                                                            str(resolved["optimizer"].get("_target_", "")))),
         training=training, cluster=cluster, data=DataSettings(resolved["data"]),
         logger=LoggerSettings(resolved["logger"], resolved.get("run_name"), tuple(resolved.get("tags") or ())),
         fault_tolerance=ft, parametrization=parametrization,

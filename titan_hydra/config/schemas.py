@@ -26,6 +26,7 @@ AttentionPrecision = choice("AttentionPrecision", "auto compute fp32", __name__)
 AttentionKernel = choice("AttentionKernel", "auto sdpa small_head scores", __name__)
 GatedDeltaKernel = choice("GatedDeltaKernel", "auto torch fla", __name__)
 InitMode = choice("InitMode", "auto full sharded", __name__)
+BatchLrScaling = choice("BatchLrScaling", "auto none sqrt linear", __name__)
 
 
 @dataclass
@@ -104,6 +105,13 @@ class TrainingConfig:
     # (loss parity). sharded: each rank initializes its own shards (no full copy in memory;
     # weights then depend on the layout). auto: full below 1.5B parameters.
     init_mode: InitMode = InitMode["auto"]
+    # Schedules by tokens seen (config/schedules.py): [[tokens_seen, value], ...], the first at 0,
+    # both columns increasing. batch_schedule: the global batch in samples (more micro-batches per
+    # step: global_batch_size stays -1); seq_len_schedule: the window length, ending at seq_len.
+    batch_schedule: Optional[List[List[int]]] = None
+    seq_len_schedule: Optional[List[List[int]]] = None
+    # LR x f(B / first stage's B) under a batch schedule: auto = linear for SGD, sqrt otherwise
+    batch_lr_scaling: BatchLrScaling = BatchLrScaling["auto"]
 
 
 def root_schema(groups: Iterable[str], *, name: str, module: str) -> type:

@@ -169,15 +169,17 @@ class TokenDataset:
         return w[:-1], w[1:]
 
     def loader(
-        self, split: str, local_batch_size: int, dp_rank: int = 0, dp_degree: int = 1, infinite: bool = True
+        self, split: str, local_batch_size: int, dp_rank: int = 0, dp_degree: int = 1, infinite: bool = True,
+        seq_len: int | None = None,
     ):
-        """A stateful loader for this dp rank; "val" is never shuffled."""
+        """A stateful loader for this dp rank; "val" is never shuffled. ``seq_len``: windows of
+        another length than ``data.seq_len`` (a seq-len schedule's stage; packed data only)."""
         if split not in SPLITS:
             raise DataError(f"unknown split {split!r}; expected one of {SPLITS}")
         if self.streaming:
             return self._streaming_loader(split, local_batch_size, dp_rank, dp_degree, infinite)
         return BatchLoader(
-            self.tokens(split), self.seq_len, local_batch_size, dp_rank, dp_degree,
+            self.tokens(split), seq_len or self.seq_len, local_batch_size, dp_rank, dp_degree,
             shuffle=self.shuffle and split == "train", seed=self.seed, infinite=infinite, split=split,
         )
 

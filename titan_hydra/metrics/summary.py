@@ -27,13 +27,15 @@ def run_header(*, flavor: str, family: str, shape, dims, world_size: int, precis
                attention_kernel: tuple[str, str] = ("sdpa", "set explicitly"),
                data_summary: str | None = None, fault_tolerance: str | None = None,
                threads: tuple[int, str] | None = None, health: str | None = None,
-               fault_injection: str | None = None, delta_kernel: tuple[str, str] | None = None) -> str:
+               fault_injection: str | None = None, delta_kernel: tuple[str, str] | None = None,
+               schedule: str | None = None) -> str:
     """``precision`` and ``attention_kernel``: (what was chosen, why), e.g. ("fp32", "auto: this
     CPU has no native bf16 matmuls"); the header prints both, so an ``auto`` choice is never silent.
     ``data_summary``: a dataset that is not token sequences describes itself (its samples are then
     counted as images, not as tokens of ``seq_len``). ``threads``: (CPU threads of each process,
     why that many), e.g. (1, "2 cores / 2 processes on this host"). ``delta_kernel``: (what runs the
-    Gated DeltaNet layers, why); None for a model without them."""
+    Gated DeltaNet layers, why); None for a model without them. ``schedule``: a batch / seq-len
+    schedule's stages and LR rule (the batch row then gives the largest step)."""
     active = "" if shape.active_params == shape.params else f", {shape.active_params:,} active per token"
     tied = ", tied embeddings" if shape.tied_embeddings else ""
     degrees = [(n, getattr(dims, n)) for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")]
@@ -59,6 +61,7 @@ def run_header(*, flavor: str, family: str, shape, dims, world_size: int, precis
         ("batch", (f"global {global_batch} sequences = {global_batch * seq_len:,} tokens per step " if data_summary is None
                    else f"global {global_batch} images per step ")
                   + f"(local {local_batch} x data parallel {dims.data_degree} x accumulation {grad_accum}); {steps} steps"),
+        *([("schedule", f"{schedule} (batch row: the largest step)")] if schedule else []),
         *([("threads", f"{threads[0]} per process ({threads[1]})")] if threads else []),
         *([("torchft", fault_tolerance)] if fault_tolerance else []),
         *([("health", health)] if health else []),

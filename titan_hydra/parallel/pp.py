@@ -197,6 +197,10 @@ class PipelineRunner:
         """The weight each microbatch's loss gets in the step's gradient."""
         return self.scale
 
+    def set_grad_accum(self, grad_accum: int) -> None:
+        """This step's accumulation count (a batch schedule changes it between steps)."""
+        self.scale = 1.0 / (self.n_microbatches * int(grad_accum))
+
     def loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = self.base_loss_fn(output, target)
         self._recorded.append(loss.detach().float().clone())

@@ -8,7 +8,9 @@ trainer therefore has no pipeline branches, and the step context (autocast, loss
 context-parallel sharding) is entered here, around exactly the code it concerns.
 
 Gradient scaling: every runner backpropagates ``loss / grad_accum_steps`` (the pipeline also
-divides by its microbatch count), so the accumulated gradients equal those of one big batch.
+divides by its microbatch count), so the accumulated gradients equal those of one big batch;
+``set_grad_accum`` sets the step's count (the trainer calls it every step: a batch schedule
+changes it).
 
 A batch's ``inputs`` are one tensor (token ids: ``model(inputs)``) or a dict of tensors
 (``model(**inputs)``: a family whose model takes several inputs, e.g. latents, text embeddings
@@ -69,6 +71,10 @@ class SingleStageRunner:
     def loss_scale(self) -> float:
         """The weight each microbatch's loss gets in the step's gradient."""
         return 1.0 / self.grad_accum_steps
+
+    def set_grad_accum(self, grad_accum_steps: int) -> None:
+        """This step's micro-batch count (a batch schedule changes it between steps)."""
+        self.grad_accum_steps = int(grad_accum_steps)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with self.step_context(inputs, labels):

@@ -81,6 +81,9 @@ class Plan:
     flops_per_unit: float = 0.0
     units_per_step: int = 0
     tokens_per_sample: int = 0
+    # a batch / seq-len schedule's stages: every figure above is its largest step's (the most
+    # micro-batches, the longest windows; activations are one micro-batch's, whatever the count)
+    schedule: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -110,6 +113,7 @@ class Plan:
             ("world size / layout", f"{self.world_size} / {self.layout}"),
             ("precision / activation ckpt", f"{self.mixed_precision} / {self.ac_mode}"),
             ("gradient accumulation", str(self.grad_accum_steps)),
+            *([("schedule (sized for its largest step)", self.schedule)] if self.schedule else []),
             ("memory per rank: params", f"{self.mem_params_gib:.3f} GiB"),
             ("memory per rank: grads", f"{self.mem_grads_gib:.3f} GiB"),
             ("memory per rank: optimizer", f"{self.mem_optimizer_gib:.3f} GiB"),
@@ -172,6 +176,7 @@ def plan(spec: RunSpec, runtime: Runtime = TITAN_HYDRA) -> Plan:
         expert_parallel=ep, alltoall_gib_per_step=a2a / GIB, unit=family.objective.unit,
         flops_per_unit=fpt if per_unit else per_sample, units_per_step=tokens if per_unit else global_bs,
         tokens_per_sample=seq,
+        schedule=spec.batch.schedule.describe() if spec.batch.schedule is not None else "",
     )
 
 

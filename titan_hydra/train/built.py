@@ -24,6 +24,8 @@ class DataPlan:
     val_loader_factory: Callable[[], Any]
     # a mixture's sources, each with its own held-out split: name -> loader factory (val/<name>/loss)
     source_val_factories: dict[str, Callable[[], Any]] = field(default_factory=dict)
+    # (seq_len, tokens seen before the step) -> None: a seq-len schedule's loader switches stage
+    stage: Callable[[int, int], None] = lambda seq_len, tokens_before: None
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,14 @@ class BuiltModel:
     delta_kernel: KernelChoice | None = None
     # {parameter FQN: Geometry} of the width parametrization (models/parametrization.py); {} = sp
     geometry: dict = field(default_factory=dict)
+    # model-internal losses' weight (a MoE's aux loss) given the runner's loss scale; None: none
+    reweigh: Callable[[float], None] | None = None
+
+    def set_accumulation(self, grad_accum: int) -> None:
+        """Micro-batches of the coming step: the runner's loss scaling and what weighs like it."""
+        self.runner.set_grad_accum(grad_accum)
+        if self.reweigh is not None:
+            self.reweigh(self.runner.loss_scale)
 
     @property
     def objective(self):
@@ -53,7 +63,8 @@ class BuiltModel:
 
 @dataclass(frozen=True)
 class Schedule:
-    """How many steps, and what happens every how many of them."""
+    """How many steps, and what happens every how many of them; ``plan.at(step)`` is each
+    step's batch, accumulation and seq_len (config/schedules.py: fixed without a schedule)."""
 
     steps: int
     grad_accum_steps: int
@@ -61,6 +72,7 @@ class Schedule:
     log_freq: int
     val_freq: int
     val_steps: int
+    plan: Any = None  # titan_hydra.config.schedules.StepSchedule
 
 
 @dataclass(frozen=True)

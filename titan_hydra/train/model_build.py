@@ -3,6 +3,7 @@ materialized and initialized; then its optimizer and LR schedule."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -17,6 +18,7 @@ from titan_hydra.models.protocol import SizesSamples, WeighsLosses
 from titan_hydra.models.registry import model_from_args
 from titan_hydra.parallel.apply import parallelize
 from titan_hydra.spec import RunSpec
+from titan_hydra.train.batch_lr import with_batch_lr
 from titan_hydra.train.built import BuiltModel, Optimization
 from titan_hydra.train.mtp_metrics import mtp_loss_hooks
 from titan_hydra.train.optimizers import build_optimizer, clean_name
@@ -45,14 +47,16 @@ def build_parallel_model(spec: RunSpec, device: torch.device, rank: int, dataset
         grad_accum_steps=spec.batch.grad_accum, ac=spec.activation_checkpoint,
         compiler=spec.compiler, document_eos_id=getattr(dataset, "document_eos_id", None),
     )
+    reweigh = None
     if isinstance(family, WeighsLosses):  # model-internal losses weigh like the main one
-        family.set_loss_scale(pm.model_parts, pm.runner.loss_scale)
+        reweigh = functools.partial(family.set_loss_scale, pm.model_parts)
+        reweigh(pm.runner.loss_scale)
     geometry = spec.parametrization.geometry(family, spec.model_args)
     init_weights(spec, pm.model_parts, device, rank, geometry)
     return BuiltModel(family, spec.model_args, pm.model_parts, pm.runner, spec.float8,
                       flops_per_unit(family, spec.model_args, dataset), attention_dtype, attention_kernel,
-                      loss_hooks=mtp_loss_hooks(loss_fn, dims, pm.runner.loss_scale, device),
-                      delta_kernel=delta_kernel, geometry=geometry)
+                      loss_hooks=mtp_loss_hooks(loss_fn, dims, lambda: pm.runner.loss_scale, device),
+                      delta_kernel=delta_kernel, geometry=geometry, reweigh=reweigh)
 
 
 def flops_per_unit(family: Any, args: Any, dataset: Any) -> float:
@@ -117,4 +121,4 @@ def optimization_of(spec: RunSpec, built: BuiltModel) -> Optimization:
     named = [(name, p) for part in built.parts for name, p in part.named_parameters()]
     optimizer = build_optimizer(spec.optimizer, named, built.geometry)
     built.float8.register(optimizer, built.parts)  # float8 scale precompute after each optimizer step
-    return Optimization(optimizer, spec.lr_scheduler(optimizer, spec.training.steps))
+    return Optimization(optimizer, with_batch_lr(spec.lr_scheduler(optimizer, spec.training.steps), spec.batch.schedule))

@@ -15,16 +15,17 @@ import torch
 from titan_hydra.models.mtp_loss import MultiTokenLoss
 
 
-def mtp_loss_hooks(loss_fn: Any, dims: Any, loss_scale: float, device: torch.device
+def mtp_loss_hooks(loss_fn: Any, dims: Any, loss_scale: float | Callable[[], float], device: torch.device
                    ) -> list[Callable[[], dict[str, float]]]:
     """The hook for a run whose loss has MTP terms (none otherwise). ``loss_scale`` is the
-    runner's per-microbatch weight: 1 / (gradient accumulation x pipeline microbatches)."""
+    runner's per-microbatch weight: 1 / (gradient accumulation x pipeline microbatches), or a
+    function giving the current step's (a batch schedule changes the accumulation)."""
     if not isinstance(loss_fn, MultiTokenLoss):
         return []
-    calls = max(1, round(1.0 / loss_scale))
 
     def step() -> dict[str, float]:
-        value = loss_fn.take(calls)
+        scale = loss_scale() if callable(loss_scale) else loss_scale
+        value = loss_fn.take(max(1, round(1.0 / scale)))
         local = value.to(device) if value is not None else torch.zeros((), device=device)
         return {"mtp/loss": dims.global_mean(dims.broadcast_pp_loss(local))}
 

@@ -58,7 +58,8 @@ def run(spec: RunSpec, run_dir: str, return_state: bool = False) -> dict[str, An
 def schedule_of(spec: RunSpec) -> Schedule:
     t = spec.training
     return Schedule(steps=int(t.steps), grad_accum_steps=spec.batch.grad_accum, max_norm=float(t.max_norm),
-                    log_freq=int(t.log_freq), val_freq=int(t.val_freq), val_steps=int(t.val_steps))
+                    log_freq=int(t.log_freq), val_freq=int(t.val_freq), val_steps=int(t.val_steps),
+                    plan=spec.batch.schedule)
 
 
 def _run(spec: RunSpec, run_dir: str, where: Placement, return_state: bool = False) -> dict[str, Any]:

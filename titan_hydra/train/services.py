@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from titan_hydra.data.loader import joined_batches
+from titan_hydra.data.staged import StagedLoader
 from titan_hydra.errors import ConfigError
 from titan_hydra.errors import instantiate_checked as instantiate
 from titan_hydra.logger.metric_logger import MetricLogger
@@ -37,12 +38,23 @@ def build_dataset(data: DataSettings):
     return instantiate(data.dataset_node, _convert_="all")
 
 
+def train_loader_of(spec: RunSpec, dataset: Any, dp_rank: int, dp_degree: int) -> tuple[Any, dict]:
+    """This rank's training loader, and DataPlan's ``stage`` under a seq-len schedule: a loader
+    per stage's window length (data/staged.py) that the trainer selects before each step."""
+    make = functools.partial(dataset.loader, "train", spec.batch.local, dp_rank=dp_rank, dp_degree=dp_degree)
+    stages = spec.batch.schedule.seq_stages
+    if not stages:
+        return make(), {}
+    loader = StagedLoader(lambda seq_len: make(seq_len=seq_len), [v for _, v in stages])
+    return loader, {"stage": loader.select}
+
+
 def build_data(spec: RunSpec) -> DataPlan:
     """Dataset and this rank's loaders. Runs before the model: bad records fail before anything big."""
     dims = spec.dims
     dataset = build_dataset(spec.data)
     dp_rank, dp_degree = dims.data_rank(), dims.data_degree
-    train_loader = dataset.loader("train", spec.batch.local, dp_rank=dp_rank, dp_degree=dp_degree)
+    train_loader, stage = train_loader_of(spec, dataset, dp_rank, dp_degree)
     val_bs = spec.training.val_local_batch_size or spec.batch.local
     # torchft replica groups validate on the slices of every group (the same data a DDP run of all
     # their ranks validates on), so a group's val/loss is the run's and groups compare across layouts
@@ -61,7 +73,7 @@ def build_data(spec: RunSpec) -> DataPlan:
         val_loader_factory()  # a validation split too small for one batch fails now, not at step val_freq
         for factory in sources.values():
             factory()
-    return DataPlan(dataset, train_loader, val_loader_factory, sources)
+    return DataPlan(dataset, train_loader, val_loader_factory, sources, **stage)
 
 
 def logger_backends(spec: RunSpec, run_dir: str) -> dict[str, Any]:
@@ -175,4 +187,5 @@ def header_of(spec: RunSpec, data: DataPlan, built: BuiltModel, run_dir: str, se
         health=health.settings.describe() if checked else "off (a non-finite loss stops the run)",
         fault_injection=spec.fault_injection.describe() if spec.fault_injection.enabled else None,
         threads=(torch.get_num_threads(), threads_here(spec.cluster.threads_per_proc).reason),
+        schedule=spec.batch.schedule.describe() if spec.batch.schedule.scheduled else None,
     )

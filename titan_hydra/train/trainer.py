@@ -63,6 +63,7 @@ class Trainer:
         self.periodic_eval, self.fault_tolerance = services.periodic_eval, services.fault_tolerance
         self.health, self.preemption = services.health, services.preemption
         self.steps = schedule.steps  # a seed-checkpoint run sets it to 0
+        self._accum = schedule.grad_accum_steps  # what the runner was built with
         self.last_val_loss: float | None = None
 
     # --- one microbatch -------------------------------------------------------------
@@ -70,13 +71,23 @@ class Trainer:
         """Forward + backward of one microbatch; returns its (local) mean loss, detached."""
         return self.model.runner.forward_backward(to_device(inputs, self.device), to_device(labels, self.device))
 
-    def accumulate(self) -> tuple[list[torch.Tensor], int, float]:
+    def begin_plan(self) -> Any:
+        """This step's plan (config/schedules.py: fixed without a schedule): the runner's loss
+        scaling follows its micro-batch count, the loader its seq_len stage."""
+        plan = self.schedule.plan.at(self.state.step)
+        if plan.grad_accum != self._accum:
+            self.model.set_accumulation(plan.grad_accum)
+            self._accum = plan.grad_accum
+        self.data.stage(plan.seq_len, plan.tokens_before)
+        return plan
+
+    def accumulate(self, grad_accum: int) -> tuple[list[torch.Tensor], int, float]:
         """The step's micro-batches forward and backward: (their losses, units, data seconds). On a
         recheck step the health monitor runs the same micro-batches again and compares the gradients."""
         step = self.state.step + 1
         recheck = self.health.recheck.due(step)
         losses, batches, tokens, data_time = [], [], 0, 0.0
-        for _ in range(self.schedule.grad_accum_steps):
+        for _ in range(grad_accum):
             t0 = time.perf_counter()
             inputs, labels = next(self.data.train_loader)
             data_time += time.perf_counter() - t0
@@ -95,7 +106,8 @@ class Trainer:
         ft.begin_step()
         self.health.begin_step(self.state.step + 1)
         self.optimizer.zero_grad(set_to_none=True)
-        losses, tokens, data_time = self.accumulate()
+        plan = self.begin_plan()
+        losses, tokens, data_time = self.accumulate(plan.grad_accum)
         params = [p for m in self.model.parts for p in m.parameters()]
         local_loss = torch.stack(losses).mean()
         ft.reduce_gradients(params)  # the other replica groups' gradients (and losses, for the log)
@@ -132,9 +144,17 @@ class Trainer:
             "lr": lr,
             "data_time": data_time,
             "committed": committed,
+            **self.plan_metrics(plan),
             **hook_metrics,
             **ft.metrics(),
         }
+
+    def plan_metrics(self, plan: Any) -> dict[str, float]:
+        """Under a schedule: the step's global batch in samples (and its seq_len under a seq-len one)."""
+        sched = self.schedule.plan
+        if sched is None or not sched.scheduled:
+            return {}
+        return {"batch_size": float(plan.global_batch), **({"seq_len": float(plan.seq_len)} if sched.seq_stages else {})}
 
     # --- validation ------------------------------------------------------------------
     @torch.no_grad()
