@@ -139,7 +139,15 @@ class CooldownLR(LambdaLR):
         saved = [fn or {} for fn in state_dict.get("lr_lambdas") or []]
         if saved and all(s.get("branch_step") is not None for s in saved):  # this branch's own checkpoint
             super().load_state_dict(state_dict)
-            return
+        else:
+            self._branch_off(state_dict)
+        # the saved LRs are the base's: the next step's are this schedule's
+        self._last_lr = [peak * fn(self.last_epoch) for peak, fn in zip(self.base_lrs, self.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr):
+            group["lr"] = lr
+
+    def _branch_off(self, state_dict: dict) -> None:
+        """Start the cooldown at a base run's step, from its multiplier there (LR / peak, per group)."""
         step = int(state_dict["last_epoch"])
         starts = [lr / peak for lr, peak in zip(state_dict["_last_lr"], state_dict["base_lrs"])]
         super().load_state_dict({**state_dict, "lr_lambdas": [None] * len(self.lr_lambdas)})
