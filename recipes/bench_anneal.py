@@ -57,13 +57,15 @@ def table(work: Path) -> dict:
     base = work / "outputs" / "anneal_base"
     branches = anneal_curves(work / "multirun" / "branches")
     per_step = tokens_per_step(base)
+    stable = dict(val_curve(base))
     rows = []
     for steps in BUDGETS:
         branch = branches.get(steps)
         cosine = val_curve(work / "outputs" / f"cosine_{steps}")
         rows.append({"budget_steps": steps, "budget_tokens": steps * per_step,
-                     "branch_point": steps - round(0.2 * steps), "val_loss_branch": branch[-1][1] if branch else None,
-                     "val_loss_cosine": cosine[-1][1] if cosine else None})
+                     "branch_point": branch[0][0] if branch else None, "val_loss_branch": branch[-1][1] if branch else None,
+                     "val_loss_cosine": cosine[-1][1] if cosine else None,
+                     "val_loss_stable": stable.get(steps)})  # the unfinished stable run there, if it got there
     base_steps = max(s for s, _ in val_curve(base))
     return {
         "rows": rows,
@@ -75,12 +77,12 @@ def table(work: Path) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = ["| budget (steps / tokens) | branched at | val loss: branch | val loss: cosine | branch - cosine |",
-             "|---|---:|---:|---:|---:|"]
+    lines = ["| budget (steps / tokens) | branched at | val loss: branch | val loss: cosine | branch - cosine | "
+             "stable run, not cooled |", "|---|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
-        b, c = r["val_loss_branch"], r["val_loss_cosine"]
+        b, c, s = r["val_loss_branch"], r["val_loss_cosine"], r["val_loss_stable"]
         lines.append(f"| {r['budget_steps']} / {r['budget_tokens']:,} | {r['branch_point']} | {b:.4f} | {c:.4f} | "
-                     f"{b - c:+.4f} |")
+                     f"{b - c:+.4f} | {'-' if s is None else f'{s:.4f}'} |")
     lines += ["", f"tokens spent in all: 1 stable run ({result['base_steps']} steps) + {len(result['rows'])} cooldowns = "
               f"{result['tokens_branches']:,}; {len(result['rows'])} cosine runs = {result['tokens_cosine']:,} "
               f"({result['tokens_branches'] / result['tokens_cosine']:.0%})"]

@@ -391,16 +391,21 @@ def branch_base(run_dir: Path) -> Path | None:
     if cfg.lr_scheduler.get("name") != "cooldown" or not path:
         return None
     path = Path(path)
+    if not path.is_absolute():  # relative to where the sweep was launched
+        hydra = _read_yaml(run_dir / ".hydra" / "hydra.yaml") or {}
+        path = Path(((hydra.get("hydra") or {}).get("runtime") or {}).get("cwd") or ".") / path
     return path.parent.parent if path.name.startswith("step-") else path.parent
 
 
 def anneal_curves(sweep_dir: Path) -> dict[int, list[tuple[int, float]]]:
-    """{a branch's last step: its validation curve} over the sweep's cooldown jobs."""
+    """{a branch's last step: its validation curve} over the sweep's cooldown jobs; each curve
+    starts at its branch point (the step before the first it logged), where its value is None."""
     out = {}
     for run_dir in sorted(p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()):
         curve = val_curve(run_dir)
         if curve and branch_base(run_dir) is not None:
-            out[curve[-1][0]] = curve
+            first = min(int(r["step"]) for r in read_metrics(run_dir / "metrics.jsonl"))
+            out[curve[-1][0]] = [(first - 1, None), *curve]
     return out
 
 
@@ -413,15 +418,13 @@ def plot_anneal(sweep_dir: Path, path: Path, extra: dict[str, list[tuple[int, fl
     if not jobs:
         return
     base = branch_base(jobs[0])
-    base = base if base.is_absolute() or base.exists() else sweep_dir / base  # (relative to the launch dir)
     per = tokens_per_step(jobs[0])
     fig, ax = plt.subplots(figsize=(7, 4.5))
     base_curve = val_curve(base) if base.exists() else []
     if base_curve:
         ax.plot([s * per for s, _ in base_curve], [v for _, v in base_curve], "k-", label="stable run", lw=1.5)
     for i, (end, curve) in enumerate(sorted(anneal_curves(sweep_dir).items())):
-        start = [(s, v) for s, v in base_curve if s <= curve[0][0]][-1:]
-        pts = start + curve
+        pts = [(s, v) for s, v in base_curve if s == curve[0][0]] + curve[1:]  # from the base's point there
         ax.plot([s * per for s, _ in pts], [v for _, v in pts], "-o", color=f"C{i}", ms=3, label=f"cooldown to {end}")
     for i, (label, curve) in enumerate((extra or {}).items()):
         ax.plot([s * per for s, _ in curve], [v for _, v in curve], "--", color=f"C{i}", alpha=0.6, label=label)

@@ -147,3 +147,38 @@ def test_branch_off_a_constant_run_is_the_uninterrupted_wsd_run(tmp_path):
     assert got["full_state"].keys() == want["full_state"].keys()
     for k, v in want["full_state"].items():
         assert torch.equal(got["full_state"][k], v), k
+
+
+@pytest.mark.slow
+def test_sweep_report_draws_each_branch_from_its_branch_point(tmp_path):
+    """A sweep of two cooldown jobs off a base run (relative paths, as the experiment writes them):
+    each branch's curve starts at the base's step it left from, and the figure is written."""
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from helpers import REPO
+
+    sys.path.insert(0, str(REPO / "recipes"))
+    import sweep_report
+
+    def metrics(run: Path, steps: range, loss) -> None:
+        run.mkdir(parents=True, exist_ok=True)
+        rows = [{"step": s, "loss": 7.0} for s in steps] + [{"step": s, "val/loss": loss(s)} for s in steps if s % 2 == 0]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sorted(rows, key=lambda r: r["step"])))
+
+    metrics(tmp_path / "outputs" / "base", range(1, 9), lambda s: 8.0 - 0.1 * s)
+    for job, (branch, steps) in enumerate([(4, 6), (8, 10)]):
+        run = tmp_path / "multirun" / str(job)
+        metrics(run, range(branch + 1, steps + 1), lambda s: 7.0 - 0.2 * s)
+        (run / ".hydra").mkdir()
+        cfg = compose_cfg(TINY + [f"training.steps={steps}", "lr_scheduler=cooldown", "checkpoint.initial_load_model_only=false",
+                                  f"checkpoint.initial_load_path=outputs/base/checkpoint/step-{branch}"])
+        OmegaConf.save(cfg, run / ".hydra" / "config.yaml")
+        OmegaConf.save({"hydra": {"runtime": {"cwd": str(tmp_path)}}}, run / ".hydra" / "hydra.yaml")
+    assert sweep_report.branch_base(tmp_path / "multirun" / "0") == tmp_path / "outputs" / "base"
+    assert sweep_report.anneal_curves(tmp_path / "multirun") == {
+        6: [(4, None), (6, pytest.approx(7.0 - 1.2))], 10: [(8, None), (10, pytest.approx(7.0 - 2.0))]}
+    assert sweep_report.tokens_per_step(tmp_path / "multirun" / "0") == 2 * 32
+    sweep_report.plot_anneal(tmp_path / "multirun", tmp_path / "anneal.png")
+    assert (tmp_path / "anneal.png").stat().st_size > 0
