@@ -69,7 +69,9 @@ def _validate_counts(cfg: DictConfig) -> None:
 
 
 def _validate_schedule(t: DictConfig, s: DictConfig) -> None:
-    if "warmup_fraction" not in s:  # lr_scheduler=cooldown: a branch (_validate_branch)
+    if not 0.0 <= s.min_lr_factor <= 1.0:
+        raise ConfigError(f"lr_scheduler.min_lr_factor={s.min_lr_factor} must be within [0, 1]")
+    if "warmup_fraction" not in s:  # lr_scheduler=cooldown: no warmup or decay ratio (_validate_branch)
         return
     if not 0.0 <= s.warmup_fraction <= 1.0:
         raise ConfigError(f"lr_scheduler.warmup_fraction={s.warmup_fraction} must be within [0, 1]")
@@ -80,8 +82,6 @@ def _validate_schedule(t: DictConfig, s: DictConfig) -> None:
         )
     if s.decay_ratio is not None and not 0.0 <= s.decay_ratio <= 1.0:
         raise ConfigError(f"lr_scheduler.decay_ratio={s.decay_ratio} must be within [0, 1]")
-    if not 0.0 <= s.min_lr_factor <= 1.0:
-        raise ConfigError(f"lr_scheduler.min_lr_factor={s.min_lr_factor} must be within [0, 1]")
 
 
 def _validate_float8(cfg: DictConfig) -> None:
