@@ -384,11 +384,11 @@ def val_curve(run_dir: Path) -> list[tuple[int, float]]:
 
 def branch_base(run_dir: Path) -> Path | None:
     """The stable run a cooldown job branched off (its ``checkpoint.initial_load_path``'s run dir)."""
-    if not (run_dir / ".hydra" / "config.yaml").exists():
+    raw = _read_yaml(run_dir / ".hydra" / "config.yaml") or {}
+    if (raw.get("lr_scheduler") or {}).get("name") != "cooldown":  # (read as written: cheap for other sweeps)
         return None
-    cfg = _job_config(run_dir)
-    path = cfg.checkpoint.initial_load_path
-    if cfg.lr_scheduler.get("name") != "cooldown" or not path:
+    path = _job_config(run_dir).checkpoint.initial_load_path  # resolved (${th_cooldown_start:...})
+    if not path:
         return None
     path = Path(path)
     if not path.is_absolute():  # relative to where the sweep was launched
