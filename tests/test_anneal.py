@@ -16,7 +16,7 @@ from helpers import by_step, compose_cfg
 from titan_hydra.checkpoint.resume import branch_point
 from titan_hydra.checkpoint.storage import CheckpointError
 from titan_hydra.errors import ConfigError, UserError
-from titan_hydra.train.lr_scheduler import build_cooldown_scheduler, build_lr_scheduler
+from titan_hydra.train.lr_scheduler import CooldownSchedule, build_lr_scheduler
 
 PEAKS = (1e-3, 3e-4)  # two param groups with their own peak (muP-style): each decays from its own LR
 
@@ -53,11 +53,11 @@ def test_cooldown_learning_rates_follow_the_closed_form(shape):
     base = build_lr_scheduler(_optimizer(), 20, warmup_steps=2, min_lr_factor=0.1)
     _lrs(base, range(10))
     start = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (10 - 2 + 1) / 18))  # the base's multiplier at step 10
-    branch = build_cooldown_scheduler(_optimizer(), 16, decay_type=shape, min_lr_factor=0.05)
+    branch = CooldownSchedule(decay_type=shape, min_lr_factor=0.05)(_optimizer(), 16)
     branch.load_state_dict(base.state_dict())
     got = _lrs(branch, range(10, 13))
     saved = json.loads(json.dumps(branch.state_dict()))  # what a checkpoint holds (JSON)
-    resumed = build_cooldown_scheduler(_optimizer(), 16, decay_type=shape, min_lr_factor=0.05)
+    resumed = CooldownSchedule(decay_type=shape, min_lr_factor=0.05)(_optimizer(), 16)
     resumed.load_state_dict(saved)
     got += _lrs(resumed, range(13, 16))
     for step, lrs in zip(range(10, 16), got):
@@ -69,7 +69,7 @@ def test_cooldown_learning_rates_follow_the_closed_form(shape):
 
 def test_cooldown_without_a_checkpoint_refuses_its_first_step():
     """The backstop behind validate's refusal: a cooldown that never loaded a base cannot step."""
-    sched = build_cooldown_scheduler(_optimizer(), 8)
+    sched = CooldownSchedule()(_optimizer(), 8)
     sched.optimizer.step()
     with pytest.raises(UserError, match="branches off a checkpoint"):
         sched.step()

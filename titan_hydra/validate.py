@@ -49,7 +49,7 @@ def validate(cfg: DictConfig, environment: bool = True) -> RunSpec:
     if spec.eval.enabled:
         spec.eval.check(spec.family)  # lm-eval installed, tasks known, pictures drawable: before any model
     _validate_ranges(cfg)
-    if getattr(getattr(spec.lr_scheduler, "func", None), "branches_off_a_checkpoint", False):
+    if getattr(spec.lr_scheduler, "branches_off_a_checkpoint", False):  # lr_scheduler=cooldown
         _validate_branch(cfg.checkpoint, spec.training.steps, local_paths=here)
     _validate_checkpoint(cfg.checkpoint, spec.world_size, local_paths=here)
     _validate_fault_tolerance(cfg)

@@ -5,14 +5,16 @@ over everything after warmup (``decay_ratio=None``), wsd keeps the peak until th
 ``decay_ratio`` of training, constant has neither. The multiplier is a pure function of the
 step, wrapped in a LambdaLR so its state checkpoints with the rest of the run.
 
-``lr_scheduler=cooldown`` (``build_cooldown_scheduler``) is a branch's schedule: it starts from a
+``lr_scheduler=cooldown`` (``CooldownSchedule``) is a branch's schedule: it starts from a
 stable run's checkpoint and decays from the LR the base had there (docs/research_runs.md).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import partial
+from typing import ClassVar
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -159,25 +161,26 @@ class CooldownLR(LambdaLR):
             fn.branch_step, fn.start_factor = step, start
 
 
-def build_cooldown_scheduler(
-    optimizer: torch.optim.Optimizer,
-    total_steps: int,
-    *,
-    decay_type: str = "sqrt",
-    min_lr_factor: float = 0.0,
-) -> CooldownLR:
-    """A cooldown branch (``lr_scheduler=cooldown``'s target): from the checkpoint the run starts
-    from (step S of a stable run, ``checkpoint.initial_load_path``), the LR goes from the base's
-    value at S down to ``min_lr_factor`` x the peak at ``total_steps`` (so the cooldown lasts
-    ``training.steps - S`` steps), in the shape ``decay_type`` (sqrt: WSD's 1-sqrt).
+@dataclass(frozen=True)
+class CooldownSchedule:
+    """A cooldown branch (``lr_scheduler=cooldown``'s target; the recipe calls it with the optimizer
+    and ``training.steps``): from the checkpoint the run starts from (step S of a stable run,
+    ``checkpoint.initial_load_path``), the LR goes from the base's value at S down to
+    ``min_lr_factor`` x the peak at ``total_steps`` (so the cooldown lasts ``training.steps - S``
+    steps), in the shape ``decay_type`` (sqrt: WSD's 1-sqrt).
 
     Why its own schedule rather than wsd: a branch knows neither where it starts nor the base's LR
     there until the checkpoint is loaded, and it must not retrain the base's steps to get there.
     """
-    if decay_type not in DECAY_TYPES:
-        raise ValueError(f"unknown lr_scheduler.decay_type={decay_type!r}; use one of {DECAY_TYPES}")
-    return CooldownLR(optimizer, [Cooldown(total_steps, decay_type, min_lr_factor)
-                                  for _ in optimizer.param_groups])
 
+    decay_type: str = "sqrt"
+    min_lr_factor: float = 0.0
+    branches_off_a_checkpoint: ClassVar[bool] = True  # validate's cue (it cannot import this layer)
 
-build_cooldown_scheduler.branches_off_a_checkpoint = True  # validate's cue (it cannot import this layer)
+    def __post_init__(self) -> None:
+        if self.decay_type not in DECAY_TYPES:
+            raise ValueError(f"unknown lr_scheduler.decay_type={self.decay_type!r}; use one of {DECAY_TYPES}")
+
+    def __call__(self, optimizer: torch.optim.Optimizer, total_steps: int) -> CooldownLR:
+        return CooldownLR(optimizer, [Cooldown(total_steps, self.decay_type, self.min_lr_factor)
+                                      for _ in optimizer.param_groups])
