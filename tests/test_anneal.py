@@ -67,6 +67,31 @@ def test_cooldown_learning_rates_follow_the_closed_form(shape):
     assert got[-1] == pytest.approx([0.05 * p for p in PEAKS], rel=1e-15)
 
 
+def _wrapped(sched, factor):
+    """``sched`` with each lambda multiplied by ``factor(step)``, as a batch schedule's LR scaling
+    wraps whatever the lr_scheduler group built (plain functions around the group's lambdas)."""
+    sched.lr_lambdas = [(lambda fn: lambda step: fn(step) * factor(step))(fn) for fn in sched.lr_lambdas]
+    return sched
+
+
+def test_a_wrapped_cooldown_starts_from_the_base_schedule_not_the_wrappers_factor():
+    """Base and branch both under a factor of the step (2 from step 5 on, a batch ramp's LR
+    scaling): the branch at step 10 of a constant run starts from the base's multiplier 1, so its
+    LR is peak x factor x the cooldown, continuous with the base; its state (wrapped or not) resumes."""
+    factor = lambda step: 2.0 if step >= 5 else 1.0  # noqa: E731
+    base = _wrapped(build_lr_scheduler(_optimizer(), 20, warmup_steps=0, decay_type="none"), factor)
+    _lrs(base, range(10))
+    branch = _wrapped(CooldownSchedule(min_lr_factor=0.1)(_optimizer(), 14), factor)
+    branch.load_state_dict(json.loads(json.dumps(base.state_dict())))
+    got = _lrs(branch, range(10, 12))
+    resumed = _wrapped(CooldownSchedule(min_lr_factor=0.1)(_optimizer(), 14), factor)
+    resumed.load_state_dict(json.loads(json.dumps(branch.state_dict())))
+    got += _lrs(resumed, range(12, 14))
+    for step, lrs in zip(range(10, 14), got):
+        want = [peak * 2.0 * _closed_form(step, 10, 14, 1.0, 0.1, "sqrt") for peak in PEAKS]
+        assert lrs == pytest.approx(want, rel=1e-13, abs=0), (step, lrs, want)
+
+
 def test_cooldown_without_a_checkpoint_refuses_its_first_step():
     """The backstop behind validate's refusal: a cooldown that never loaded a base cannot step."""
     sched = CooldownSchedule()(_optimizer(), 8)

@@ -129,18 +129,28 @@ class Cooldown:
 
 class CooldownLR(LambdaLR):
     """A LambdaLR of ``Cooldown`` multipliers: loading a base run's checkpoint (its lambdas carry
-    no branch point) starts the branch there, from the base's LR at that step relative to its peak."""
+    no branch point) starts the branch there, from the base's LR at that step relative to its peak.
+
+    It keeps its own ``Cooldown`` objects (``_cooldowns``): other code may wrap the lambdas
+    (a batch schedule's LR factor, a pure function of the step on top of any schedule), and the
+    branch point and start are the cooldown's, not the wrapper's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cooldowns: list[Cooldown]) -> None:
+        self._cooldowns = list(cooldowns)
+        super().__init__(optimizer, list(cooldowns))
 
     def state_dict(self) -> dict:
-        state = super().state_dict()
+        state = {k: v for k, v in super().state_dict().items() if k != "_cooldowns"}
         state["lr_lambdas"] = [{"branch_step": fn.branch_step, "start_factor": fn.start_factor}
-                               for fn in self.lr_lambdas]
+                               for fn in self._cooldowns]
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         saved = [fn or {} for fn in state_dict.get("lr_lambdas") or []]
+        super().load_state_dict({**state_dict, "lr_lambdas": [None] * len(self.lr_lambdas)})
         if saved and all(s.get("branch_step") is not None for s in saved):  # this branch's own checkpoint
-            super().load_state_dict(state_dict)
+            for fn, s in zip(self._cooldowns, saved):
+                fn.branch_step, fn.start_factor = int(s["branch_step"]), float(s["start_factor"])
         else:
             self._branch_off(state_dict)
         # the saved LRs are the base's: the next step's are this schedule's
@@ -149,16 +159,17 @@ class CooldownLR(LambdaLR):
             group["lr"] = lr
 
     def _branch_off(self, state_dict: dict) -> None:
-        """Start the cooldown at a base run's step, from its multiplier there (LR / peak, per group)."""
+        """Start the cooldown at a base run's step, from its multiplier there (LR / peak, per group),
+        less any factor a wrapper of the lambdas applies at that step (it applies it to both runs)."""
         step = int(state_dict["last_epoch"])
-        starts = [lr / peak for lr, peak in zip(state_dict["_last_lr"], state_dict["base_lrs"])]
-        super().load_state_dict({**state_dict, "lr_lambdas": [None] * len(self.lr_lambdas)})
-        total = self.lr_lambdas[0]._shape[0]
+        total = self._cooldowns[0]._shape[0]
         if step >= total:
             raise UserError(f"lr_scheduler=cooldown: the branch point (step {step}) is not before training.steps="
                             f"{total}; set training.steps to the branch point plus the cooldown steps")
-        for fn, start in zip(self.lr_lambdas, starts):
-            fn.branch_step, fn.start_factor = step, start
+        ratios = [lr / peak for lr, peak in zip(state_dict["_last_lr"], state_dict["base_lrs"])]
+        for fn, outer, ratio in zip(self._cooldowns, self.lr_lambdas, ratios):
+            fn.branch_step, fn.start_factor = step + 1, 1.0  # (a multiplier of 1 at the step: outer's own factor)
+            fn.branch_step, fn.start_factor = step, ratio / outer(step)
 
 
 @dataclass(frozen=True)
