@@ -9,7 +9,10 @@ columns and as ``source_val_curves.png``. A sweep over ``optimizer.lr`` and othe
 ``experiment=mup_transfer``: widths x learning rates) adds the loss against the LR, one curve per
 value of the other keys, with each curve's best LR: a table and ``loss_vs_lr.png``. A run that
 scores its pictures (``eval=fidelity``) adds each ``val/fidelity/<what>`` (fraction of held-out
-captions drawn right) as columns and as ``fidelity_curves.png``.
+captions drawn right) as columns and as ``fidelity_curves.png``. A sweep of cooldown branches
+(``experiment=anneal_branches``: ``lr_scheduler=cooldown`` jobs started from a stable run's
+checkpoints) adds ``anneal_branches.png``: validation loss against tokens, the stable run's curve
+with each branch leaving it.
 Jobs come from the numbered run dirs and from ``jobs.json`` (written by the SLURM launcher
 before submission), so a job that failed, or never started, is a ``failed`` row rather than
 missing. A job's status is its ``status.json`` (titan_hydra.launch.sweep), else inferred from
@@ -356,11 +359,93 @@ def curve_panels(curves: list[dict[str, list[tuple[int, float]]]], rows: list[Jo
     plt.close(fig)
 
 
+# ----------------------------------------------------------------------------- anneal branches
+
+
+def _job_config(run_dir: Path):
+    """A run's composed config (``.hydra/config.yaml``), its interpolations resolvable."""
+    import titan_hydra.groups  # noqa: F401  (lazy: registers the schemas and resolvers, only for this plot)
+    from omegaconf import OmegaConf
+
+    return OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+
+
+def tokens_per_step(run_dir: Path) -> int:
+    """Tokens one optimizer step of the run consumed (global batch x sequence length)."""
+    from titan_hydra.spec import spec_of  # lazy, as _job_config
+
+    batch = spec_of(_job_config(run_dir)).batch
+    return batch.global_ * batch.seq_len
+
+
+def val_curve(run_dir: Path) -> list[tuple[int, float]]:
+    return [(int(r["step"]), float(r["val/loss"])) for r in read_metrics(run_dir / "metrics.jsonl") if "val/loss" in r]
+
+
+def branch_base(run_dir: Path) -> Path | None:
+    """The stable run a cooldown job branched off (its ``checkpoint.initial_load_path``'s run dir)."""
+    raw = _read_yaml(run_dir / ".hydra" / "config.yaml") or {}
+    if (raw.get("lr_scheduler") or {}).get("name") != "cooldown":  # (read as written: cheap for other sweeps)
+        return None
+    path = _job_config(run_dir).checkpoint.initial_load_path  # resolved (${th_cooldown_start:...})
+    if not path:
+        return None
+    path = Path(path)
+    if not path.is_absolute():  # relative to where the sweep was launched
+        hydra = _read_yaml(run_dir / ".hydra" / "hydra.yaml") or {}
+        path = Path(((hydra.get("hydra") or {}).get("runtime") or {}).get("cwd") or ".") / path
+    return path.parent.parent if path.name.startswith("step-") else path.parent
+
+
+def anneal_curves(sweep_dir: Path) -> dict[int, list[tuple[int, float]]]:
+    """{a branch's last step: its validation curve} over the sweep's cooldown jobs; each curve
+    starts at its branch point (the step before the first it logged), where its value is None."""
+    out = {}
+    for run_dir in sorted(p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()):
+        curve = val_curve(run_dir)
+        if curve and branch_base(run_dir) is not None:
+            first = min(int(r["step"]) for r in read_metrics(run_dir / "metrics.jsonl"))
+            out[curve[-1][0]] = [(first - 1, None), *curve]
+    return out
+
+
+def plot_anneal(sweep_dir: Path, path: Path, extra: dict[str, list[tuple[int, float]]] | None = None) -> None:
+    """Validation loss against tokens: the stable run, each branch from its branch point, and
+    ``extra`` curves (other runs of the same batch, e.g. fully scheduled ones) dashed."""
+    import matplotlib.pyplot as plt
+
+    jobs = [p for p in sorted(sweep_dir.iterdir()) if p.is_dir() and p.name.isdigit() and branch_base(p)]
+    if not jobs:
+        return
+    base = branch_base(jobs[0])
+    per = tokens_per_step(jobs[0])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    base_curve = val_curve(base) if base.exists() else []
+    if base_curve:
+        ax.plot([s * per for s, _ in base_curve], [v for _, v in base_curve], "k-", label="stable run", lw=1.5)
+    for i, (end, curve) in enumerate(sorted(anneal_curves(sweep_dir).items())):
+        pts = [(s, v) for s, v in base_curve if s == curve[0][0]] + curve[1:]  # from the base's point there
+        ax.plot([s * per for s, _ in pts], [v for _, v in pts], "-o", color=f"C{i}", ms=3, label=f"cooldown to {end}")
+    for i, (label, curve) in enumerate((extra or {}).items()):
+        ax.plot([s * per for s, _ in curve], [v for _, v in curve], "--", color=f"C{i}", alpha=0.6, label=label)
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("validation loss")
+    ax.set_title("Anneal branches off one stable run")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def report(sweep_dir: Path) -> list[JobRow]:
     rows = collect(sweep_dir)
     label_rows(rows)
     write_tables(rows, sweep_dir)
     write_plots(rows, sweep_dir)
+    plot_anneal(sweep_dir, sweep_dir / "anneal_branches.png")
+    if (sweep_dir / "anneal_branches.png").exists():
+        with open(sweep_dir / "report.md", "a") as f:
+            f.write("\n![validation loss against tokens: the anneal branches](anneal_branches.png)\n")
     return rows
 
 

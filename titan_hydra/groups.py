@@ -35,7 +35,7 @@ from titan_hydra.parallel.parallelism import CP_ROTATE_METHODS, PP_SCHEDULES, RE
 from titan_hydra.profiling import build_profiler
 from titan_hydra.float8 import Float8Converter
 from titan_hydra.runtime.fault_tolerance import FaultTolerance
-from titan_hydra.train.lr_scheduler import DECAY_TYPES, build_lr_scheduler
+from titan_hydra.train.lr_scheduler import DECAY_TYPES, CooldownSchedule, build_lr_scheduler
 from titan_hydra.train.optimizers import OptimizerConfig
 from titan_hydra.train.eval import PeriodicEval
 from titan_hydra.train.health.fault_injection import FaultInjection
@@ -70,6 +70,8 @@ ParallelismConfig = schema_from(
     choices={"fsdp_reshard_after_forward": ReshardPolicy, "pp_schedule": PPSchedule, "cp_rotate_method": RotateMethod})
 LRSchedulerConfig = schema_from(build_lr_scheduler, name="LRSchedulerConfig", module=__name__, partial=True,
                                 labels=LABEL, given=("optimizer", "total_steps"), choices={"decay_type": DecayType})
+CooldownConfig = schema_from(CooldownSchedule, name="CooldownConfig", module=__name__, labels=LABEL,
+                             choices={"decay_type": DecayType})
 Float8Config = schema_from(Float8Converter, name="Float8Config", module=__name__, choices={"recipe": Float8Recipe})
 DataConfig = schema_from(token_data.TokenDataset, name="DataConfig", module=__name__, labels=LABEL,
                          choices={"source": DataSource}, links={"seq_len": SEQ_LEN, "seed": SEED})
@@ -133,7 +135,7 @@ GROUPS: dict[str, dict[str, type]] = {
     "parallelism": {"": ParallelismConfig},
     "optimizer": {"": OptimizerConfig},
     "parametrization": {"": ParametrizationConfig},
-    "lr_scheduler": {"": LRSchedulerConfig},
+    "lr_scheduler": {"": LRSchedulerConfig, "_cooldown": CooldownConfig},
     "float8": {"": Float8Config},
     "cluster": {"": ClusterConfig},
     "data": {"": DataConfig, "_image_caption": ImageCaptionDataConfig, "_mixture": MixtureDataConfig},

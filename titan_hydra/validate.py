@@ -11,7 +11,9 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from titan_hydra.checkpoint.resume import branch_point
 from titan_hydra.checkpoint.state import CATEGORIES
+from titan_hydra.checkpoint.storage import CheckpointError
 from titan_hydra.data import dataset as token_data
 from titan_hydra.data.mixture import check_sources
 from titan_hydra.data.tokenizer import Tokenizer
@@ -47,6 +49,8 @@ def validate(cfg: DictConfig, environment: bool = True) -> RunSpec:
     if spec.eval.enabled:
         spec.eval.check(spec.family)  # lm-eval installed, tasks known, pictures drawable: before any model
     _validate_ranges(cfg)
+    if getattr(spec.lr_scheduler, "branches_off_a_checkpoint", False):  # lr_scheduler=cooldown
+        _validate_branch(cfg.checkpoint, spec.training.steps, local_paths=here)
     _validate_checkpoint(cfg.checkpoint, spec.world_size, local_paths=here)
     _validate_fault_tolerance(cfg)
     spec.fault_injection.check_ranks(spec.world_size)  # the health settings' own rules ran in spec_of
@@ -65,6 +69,10 @@ def _validate_counts(cfg: DictConfig) -> None:
 
 
 def _validate_schedule(t: DictConfig, s: DictConfig) -> None:
+    if not 0.0 <= s.min_lr_factor <= 1.0:
+        raise ConfigError(f"lr_scheduler.min_lr_factor={s.min_lr_factor} must be within [0, 1]")
+    if "warmup_fraction" not in s:  # lr_scheduler=cooldown: no warmup or decay ratio (_validate_branch)
+        return
     if not 0.0 <= s.warmup_fraction <= 1.0:
         raise ConfigError(f"lr_scheduler.warmup_fraction={s.warmup_fraction} must be within [0, 1]")
     if s.warmup_steps is not None and s.warmup_steps > t.steps:
@@ -74,8 +82,6 @@ def _validate_schedule(t: DictConfig, s: DictConfig) -> None:
         )
     if s.decay_ratio is not None and not 0.0 <= s.decay_ratio <= 1.0:
         raise ConfigError(f"lr_scheduler.decay_ratio={s.decay_ratio} must be within [0, 1]")
-    if not 0.0 <= s.min_lr_factor <= 1.0:
-        raise ConfigError(f"lr_scheduler.min_lr_factor={s.min_lr_factor} must be within [0, 1]")
 
 
 def _validate_float8(cfg: DictConfig) -> None:
@@ -180,6 +186,25 @@ def _validate_ranges(cfg: DictConfig) -> None:
         for key in ("profile_freq", "active"):
             _positive(cfg, f"profiling.{key}")
         _positive(cfg, "profiling.warmup", allow_zero=True)
+
+
+def _validate_branch(c: DictConfig, steps: int, local_paths: bool) -> None:
+    """``lr_scheduler=cooldown``: a full-state start from a stable run's checkpoint, before its end."""
+    if not c.initial_load_path:
+        raise ConfigError("lr_scheduler=cooldown branches off a stable run's checkpoint: set "
+                          "checkpoint.initial_load_path=<base run>/checkpoint/step-S (experiment=anneal_branches)")
+    if c.initial_load_model_only:
+        raise ConfigError("lr_scheduler=cooldown continues the base run's optimizer and data position: set "
+                          "checkpoint.initial_load_model_only=false")
+    if not local_paths:
+        return
+    try:
+        step = branch_point(c.initial_load_path)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    if step >= steps:
+        raise ConfigError(f"lr_scheduler=cooldown: the branch point (step {step} of {c.initial_load_path}) is not "
+                          f"before training.steps={steps}; set training.steps to the branch point + the cooldown steps")
 
 
 def _validate_checkpoint(c: DictConfig, world_size: int, local_paths: bool) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from titan_hydra.checkpoint.save import Saver
-from titan_hydra.checkpoint.storage import CheckpointError, latest_complete, read_marker, step_dir
+from titan_hydra.checkpoint.storage import STEP_RE, CheckpointError, latest_complete, list_steps, read_marker, step_dir
 from titan_hydra.models.hf_io import is_hf_dir
 
 
@@ -64,3 +64,26 @@ def create_seed(saver: Saver) -> int:
         )
     saver.save(0, model_only=True, dtype="float32", wait=True)
     return 0
+
+
+def branch_point(path: str | Path) -> int:
+    """The step of the checkpoint a branch (``lr_scheduler=cooldown``) starts from: a complete step
+    dir, or a checkpoint folder's newest. A missing one is one line naming the steps the base saved."""
+    path = Path(path).expanduser()
+    target = path if (path / ".metadata").exists() or STEP_RE.match(path.name) else None
+    folder = path.parent if target is not None else path
+    saved = [s.step for s in list_steps(folder) if s.complete]
+    if target is None:
+        if not saved:
+            raise CheckpointError(f"checkpoint.initial_load_path={path} holds no complete checkpoint to branch "
+                                  "from: run the base with checkpoint.enable=true and checkpoint.interval=<steps>")
+        target = step_dir(folder, saved[-1])
+    marker = read_marker(target)
+    if marker is None:
+        fix = (f"the base saved steps {saved}: branch at one of those" if saved else
+               f"{folder} holds none: run the base with checkpoint.enable=true and checkpoint.interval=<steps>")
+        raise CheckpointError(f"checkpoint.initial_load_path={target}: no complete checkpoint to branch from; {fix}")
+    if marker.get("kind") == "model_only":
+        raise CheckpointError(f"checkpoint.initial_load_path={target} is a model-only export: a cooldown branch "
+                              "continues the base's optimizer and data, so it needs a full checkpoint")
+    return int(marker["step"])

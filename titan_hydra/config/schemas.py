@@ -130,7 +130,16 @@ def root_schema(groups: Iterable[str], *, name: str, module: str) -> type:
     return schema
 
 
+def cooldown_start(steps: int, fraction: float) -> int:
+    """``${th_cooldown_start:budget,fraction}``: the step a cooldown of ``fraction`` of a ``budget``-step
+    run branches at (experiment=anneal_branches names each budget's checkpoint of the base run with it)."""
+    return int(steps) - round(float(steps) * float(fraction))
+
+
 def register_resolvers() -> None:
-    """The run-dir resolver of ``hydra.run.dir: outputs/${th_run_subdir:}`` (idempotent)."""
+    """The run-dir resolver of ``hydra.run.dir: outputs/${th_run_subdir:}`` and the branch point of an
+    anneal sweep (idempotent)."""
     if not OmegaConf.has_resolver("th_run_subdir"):
         OmegaConf.register_new_resolver("th_run_subdir", run_subdir)
+    if not OmegaConf.has_resolver("th_cooldown_start"):
+        OmegaConf.register_new_resolver("th_cooldown_start", cooldown_start)
