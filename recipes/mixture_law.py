@@ -210,9 +210,9 @@ def law_lines(record: dict) -> list[str]:
         lines += [f"    {p:<16} {v:10.4g}  [{law['intervals'][p][0]:.4g}, {law['intervals'][p][1]:.4g}]"
                   + ("  not pinned" if p in law["not_pinned"] else "") for p, v in law["params"].items()]
         if law["not_pinned"]:
-            lines.append(f"    not pinned: {', '.join(law['not_pinned'])} (the interval lets the term change more "
-                         "than 100x): these proxies do not tell them apart; the law's predictions inside the "
-                         "proxies' range still hold (held-out error above)")
+            lines.append(f"    not pinned: {', '.join(law['not_pinned'])} (the interval lets its term change more "
+                         "than 100x): these proxies fix the parameters together, not one by one; the law's losses "
+                         "inside the proxies' range still hold (see held out), its parameter values do not")
     return lines
 
 
