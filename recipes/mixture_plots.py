@@ -61,6 +61,7 @@ def plot_source(ax, record: dict, law: MixtureLaw, weights: np.ndarray, j: int) 
 
 
 def write_plot(record: dict, law: MixtureLaw, weights: np.ndarray, path: Path) -> None:
+    """The figure, saved to ``path``: the held-out panel, then one panel per source."""
     import matplotlib  # a plotting dependency only where a figure is drawn
 
     matplotlib.use("Agg")
@@ -73,4 +74,4 @@ def write_plot(record: dict, law: MixtureLaw, weights: np.ndarray, path: Path) -
         plot_source(axes[j + 1], record, law, weights, j)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
-    return fig
+    plt.close(fig)
