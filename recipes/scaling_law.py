@@ -34,7 +34,7 @@ from sweep_report import JobRow, collect  # noqa: E402  (the multirun reader: on
 from titan_hydra.errors import UserError, first_line  # noqa: E402
 from titan_hydra.planner.isoflop import IsoFlop, isoflop_minima  # noqa: E402
 from titan_hydra.planner.plan import plan  # noqa: E402
-from titan_hydra.planner.scaling_law import PARAMS, Fit, bootstrap_fit  # noqa: E402
+from titan_hydra.planner.scaling_law import PARAMS, PINNED_DECADES, Fit, bootstrap_fit  # noqa: E402
 from titan_hydra.spec import spec_of  # noqa: E402
 
 TRAIN_TAIL = 0.1  # --loss train: the mean over this last fraction of the logged steps
@@ -115,10 +115,18 @@ def report(record: dict, fit: Fit) -> str:
         lines.append(f"{r['n']:12,.0f} {r['d']:12,.0f} {r['flops']:10.3g} {r['loss']:8.4f} "
                      f"{float(law.loss(r['n'], r['d'])):8.4f}  {r['where']}")
     lines += ["", f"L(N, D) = E + A/N^alpha + B/D^beta  ({fit.level:.0%} bootstrap intervals, {len(fit.samples)} resamples)"]
-    lines += [f"  {p:<6} {getattr(law, p):12.5g}  [{iv[p][0]:.5g}, {iv[p][1]:.5g}]" for p in PARAMS]
+    loose = fit.not_pinned()
+    lines += [f"  {p:<6} {getattr(law, p):12.5g}  [{iv[p][0]:.5g}, {iv[p][1]:.5g}]" + ("  not pinned" if p in loose else "")
+              for p in PARAMS]
+    if loose:
+        lines.append(f"  not pinned: {', '.join(loose)} (interval over {PINNED_DECADES:g} decades): these runs do not fix "
+                     "them one by one, only together; the law's losses inside the runs' range of N and D still hold "
+                     "(see held out), its parameter values and far extrapolations do not")
     a_law = law.beta / (law.alpha + law.beta)
     iso = record["isoflop"]
     found = sum(p["n_opt"] is not None for p in iso["profiles"])
+    if not iso["profiles"]:
+        lines.append("IsoFLOP panel left out of the figure: no FLOP budget is reached by 3 model sizes")
     lines.append(f"N_opt ~ C^a: a = {a_law:.3f} from the fit (beta / (alpha + beta)); "
                  + (f"a = {iso['a']:.3f}, D_opt ~ C^{iso['b']:.3f} from the IsoFLOP minima of {found} budgets"
                     if iso["a"] is not None else f"IsoFLOP minima: {found} budget(s) with an interior minimum, "
@@ -146,10 +154,7 @@ def plot_isoflop(ax, record: dict, fit: Fit) -> None:
     ax.set_xscale("log")
     ax.set(xlabel=f"N ({record['params']} parameters)", ylabel=f"{record['loss']} loss",
            title="IsoFLOP profiles (*: parabola minimum; --: fit)")
-    if record["isoflop"]["profiles"]:
-        ax.legend(fontsize=7)
-    else:
-        ax.text(0.5, 0.5, "no FLOP budget reached by 3 sizes", ha="center", transform=ax.transAxes)
+    ax.legend(fontsize=7)
 
 
 def plot_tokens(ax, record: dict, fit: Fit) -> None:
@@ -188,19 +193,43 @@ def plot_optimum(ax, record: dict, fit: Fit) -> None:
     ax.legend(fontsize=7)
 
 
-def write_plot(record: dict, fit: Fit, path: Path) -> None:
+def label_log_axes(ax) -> None:
+    """Numbers on every log axis. Its minor labels only crowd the major ones, so they go; where
+    fewer than two major ticks (powers of ten) are in view, the major ticks move to 1, 2, 5 x 10^k
+    (every digit below half a decade) so the axis still carries numbers."""
+    from matplotlib.ticker import LogFormatterSciNotation, LogLocator  # matplotlib: only where a figure is drawn
+
+    for name, axis, lim in (("x", ax.xaxis, ax.get_xlim()), ("y", ax.yaxis, ax.get_ylim())):
+        if axis.get_scale() != "log":
+            continue
+        lo, hi = sorted(lim)
+        ax.tick_params(axis=name, which="minor", labelbottom=False, labelleft=False)
+        if sum(lo <= t <= hi for t in axis.get_majorticklocs()) < 2:
+            subs = (1.0, 2.0, 5.0) if np.log10(hi / lo) >= 0.5 else tuple(range(1, 10))
+            axis.set_major_locator(LogLocator(subs=subs))
+            axis.set_major_formatter(LogFormatterSciNotation(labelOnlyBase=False, minor_thresholds=(np.inf, np.inf)))
+
+
+def figure(record: dict, fit: Fit):
+    """The report's panels; the IsoFLOP one only where some budget is reached by 3 sizes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
-    plot_isoflop(axes[0], record, fit)
-    plot_tokens(axes[1], record, fit)
-    plot_optimum(axes[2], record, fit)
-    for ax in axes:  # log axes over a decade or two label their minor ticks on top of each other
-        ax.tick_params(which="minor", labelbottom=False, labelleft=False)
+    panels = ([plot_isoflop] if record["isoflop"]["profiles"] else []) + [plot_tokens, plot_optimum]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.4 * len(panels), 4.6))
+    for ax, panel in zip(axes, panels):
+        panel(ax, record, fit)
+        label_log_axes(ax)
     fig.tight_layout()
+    return fig
+
+
+def write_plot(record: dict, fit: Fit, path: Path) -> None:
+    fig = figure(record, fit)
+    import matplotlib.pyplot as plt  # after figure() chose the Agg backend
+
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

@@ -50,7 +50,8 @@ def _subprocess_only(cmd: DocCommand) -> bool:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     """A user's directory for the data lines: corpus.jsonl, a tokenizer directory, and prepared
-    corpora at prepared/corpus, prepared/web and prepared/code (recipes/prepare_data.py's format)."""
+    corpora at prepared/corpus, prepared/web, prepared/code and prepared/mix/{python,c,docs} (the
+    sources of experiment=mixture_search) in recipes/prepare_data.py's format."""
     from titan_hydra.data.dataset import resolve_files
     from titan_hydra.data.prepare import PrepareSettings, prepare, val_every_of
     from titan_hydra.data.tokenizer import BUILTIN_PATH
@@ -61,7 +62,7 @@ def workdir(tmp_path_factory) -> Path:
             f.write(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 4}) + "\n")
     (work / "tokenizer").mkdir()
     (work / "tokenizer" / "tokenizer.json").write_bytes(BUILTIN_PATH.read_bytes())
-    for name in ("corpus", "web", "code"):
+    for name in ("corpus", "web", "code", "mix/python", "mix/c", "mix/docs"):  # mix/: experiment=mixture_search
         prepare(resolve_files(str(work / "corpus.jsonl"), "json"),
                 PrepareSettings(source="json", text_field="text", tokenizer="builtin", val_every=val_every_of(0.05),
                                 shard_tokens=1 << 20, out=str(work / "prepared" / name)))

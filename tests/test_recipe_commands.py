@@ -30,8 +30,10 @@ FIXTURES = sorted({key for _, key in PLACEHOLDERS})
 NOT_RUN = {
     "data=c4 data.hf_name=HuggingFaceFW/fineweb-edu": "streams a corpus from the HF Hub, and CI has no network; "
                                                        "the local-file line beside it runs",
-    "scaling_law": "fits model sizes x token budgets, which the one-size fixture sweep is not; "
-                   "tests/test_scaling_law.py runs scaling_law.py and estimate.py --law on a ladder's multirun dir",
+    "_law": "scaling_law.py and mixture_law.py fit many runs (model sizes x token budgets; mixtures drawn by "
+            "experiment=mixture_search), which the one-size fixture sweep is not; tests/test_scaling_law.py runs "
+            "scaling_law.py and estimate.py --law on a ladder's multirun dir, tests/test_mixture_law.py "
+            "mixture_law.py on a 2-job mixture search",
 }
 # Recipes whose lines run minutes of training: their arguments are parsed (argparse refuses a
 # suite or a flag that no longer exists) and --help stops them before anything runs.

@@ -178,3 +178,44 @@ def test_recipe_refuses_a_sweep_of_one_size_in_one_line(tmp_path, capsys):
     assert scaling_law.main([str(sweep)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: a fit of E, A, B, alpha, beta needs at least 6 runs") and err.count("\n") == 1
+
+
+def visible_tick_labels(ax, which: str) -> list[str]:
+    """The non-empty tick labels (major and minor) drawn inside an axis's view limits."""
+    axis = ax.xaxis if which == "x" else ax.yaxis
+    lo, hi = sorted(ax.get_xlim() if which == "x" else ax.get_ylim())
+    return [t.label1.get_text() for t in axis.get_major_ticks() + axis.get_minor_ticks()
+            if lo <= t.get_loc() <= hi and t.label1.get_visible() and t.label1.get_text()]
+
+
+def test_the_report_says_what_the_runs_do_not_pin_and_every_panel_carries_numbers(tmp_path):
+    """Nine noisy ladder runs leave parameters free (their intervals span decades): the report says
+    so and that predictions inside the runs still hold; the figure labels every axis with data
+    (the optimal-N panel spans about a decade, where only minor ticks fell before) and leaves out
+    the IsoFLOP panel when no budget is reached by 3 sizes (the ladder's 3 widths reach none)."""
+    import matplotlib.pyplot as plt
+
+    sweep = fake_multirun(tmp_path / "multirun")
+    rng = np.random.default_rng(3)
+    for run in sorted(p for p in sweep.iterdir() if p.is_dir()):  # 2% noise on each validation loss
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        factor = 1 + 0.02 * rng.standard_normal()
+        (run / "metrics.jsonl").write_text("".join(json.dumps({**r, **({"val/loss": r["val/loss"] * factor}
+                                                                        if "val/loss" in r else {})}) + "\n" for r in rows))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert scaling_law.main([str(sweep), "--resamples", "20"]) == 0
+    record = json.loads((sweep / "scaling_law.json").read_text())
+    fit = scaling_law.Fit.from_dict(record["fit"])
+    loose = fit.not_pinned()
+    assert loose and all(np.log10(fit.param_intervals()[p][1] / max(fit.param_intervals()[p][0], 1e-300)) > 2
+                         for p in loose)
+    assert f"not pinned: {', '.join(loose)}" in out.getvalue() and "inside the runs' range" in out.getvalue()
+    assert record["isoflop"]["profiles"] == [] and "IsoFLOP panel left out" in out.getvalue()
+    fig = scaling_law.figure(record, fit)
+    fig.canvas.draw()
+    assert [ax.get_title() for ax in fig.axes] == ["Runs and the fitted L(N, D)", "Optimal model size"]
+    for ax in fig.axes:
+        for which in "xy":
+            assert len(visible_tick_labels(ax, which)) >= 2, (ax.get_title(), which)
+    plt.close(fig)

@@ -15,6 +15,7 @@ from typing import Any, Iterable, List, Optional
 from omegaconf import MISSING, OmegaConf
 
 from titan_hydra.config.choice import choice
+from titan_hydra.config.mixture_draw import dirichlet_weight
 from titan_hydra.config.run_dir import run_subdir
 
 Precision = choice("Precision", "auto bf16 fp32", __name__)  # bf16 autocast / FSDP param dtype, plain fp32, or auto (hardware.py)
@@ -137,9 +138,11 @@ def cooldown_start(steps: int, fraction: float) -> int:
 
 
 def register_resolvers() -> None:
-    """The run-dir resolver of ``hydra.run.dir: outputs/${th_run_subdir:}`` and the branch point of an
-    anneal sweep (idempotent)."""
+    """The run-dir resolver of ``hydra.run.dir: outputs/${th_run_subdir:}``, the branch point of an
+    anneal sweep and the mixture search's ``${th_dirichlet:draw,alpha}`` (idempotent)."""
     if not OmegaConf.has_resolver("th_run_subdir"):
         OmegaConf.register_new_resolver("th_run_subdir", run_subdir)
     if not OmegaConf.has_resolver("th_cooldown_start"):
         OmegaConf.register_new_resolver("th_cooldown_start", cooldown_start)
+    if not OmegaConf.has_resolver("th_dirichlet"):
+        OmegaConf.register_new_resolver("th_dirichlet", dirichlet_weight)

@@ -138,12 +138,17 @@ class MixtureDataset:
 
     ``sources``: {name: {"path": prepared dir, "weight": float}}; every corpus must have been
     prepared with ``tokenizer``. The engine sees the interface of ``TokenDataset`` plus
-    ``val_sources()`` (each source's own held-out split).
+    ``val_sources()`` (each source's own held-out split). ``draw``/``draw_alpha``: the Dirichlet
+    draw a mixture search gave this run (``experiment=mixture_search``: the weights are
+    ``${th_dirichlet:${data.draw},${data.draw_alpha}}``, resolved while composing); kept here so
+    the run's header and config say where its weights came from.
     """
 
     def __init__(self, sources: Mapping[str, Any] = MappingProxyType({}), tokenizer: str = "builtin", seq_len: int = 256,
-                 shuffle: bool = True, seed: int = 0, document_mask: bool = False, cache_dir: str | None = None):
+                 shuffle: bool = True, seed: int = 0, document_mask: bool = False, cache_dir: str | None = None,
+                 draw: int | None = None, draw_alpha: float = 1.0):
         self.weights = check_sources(sources)
+        self.draw, self.draw_alpha = draw, float(draw_alpha)
         self.seq_len, self.shuffle, self.seed = int(seq_len), bool(shuffle), int(seed)
         self.tokenizer = Tokenizer(tokenizer)
         self.vocab_size = self.tokenizer.vocab_size
@@ -174,4 +179,5 @@ class MixtureDataset:
         return self.parts[name].loader(split, local_batch_size, dp_rank, dp_degree, infinite)
 
     def __repr__(self) -> str:
-        return f"MixtureDataset({', '.join(f'{n}={w}' for n, w in self.weights.items())})"
+        drawn = "" if self.draw is None else f"; Dirichlet draw {self.draw}, alpha {self.draw_alpha}"
+        return f"MixtureDataset({', '.join(f'{n}={w}' for n, w in self.weights.items())}{drawn})"

@@ -30,6 +30,9 @@ HUBER_DELTA = 1e-3
 START_GRID = (np.arange(-1.0, 1.6, 0.5), np.arange(0.0, 26.0, 5.0), np.arange(0.0, 26.0, 5.0),
               np.arange(0.0, 2.1, 0.5), np.arange(0.0, 2.1, 0.5))
 START_COUNT = 12
+# A parameter is "not pinned" by the runs when its bootstrap interval spans more than this many
+# decades: nine CPU runs leave A in [13, 1e44] while still predicting the next width within 1%.
+PINNED_DECADES = 2.0
 # Box for L-BFGS-B in (log E, log A, log B, alpha, beta): only to keep exp() and N^alpha finite when a
 # fit drives E to 0 (nine CPU runs do) or a bootstrap resample of two sizes lets an exponent run off;
 # E = exp(-20) is zero at any loss, and no fit of real runs is near the other edges.
@@ -144,6 +147,13 @@ class Fit:
 
     def param_intervals(self) -> dict[str, tuple[float, float]]:
         return {p: self.interval(np.array([getattr(s, p) for s in self.samples])) for p in PARAMS}
+
+    def not_pinned(self) -> list[str]:
+        """The parameters whose interval spans more than PINNED_DECADES decades (or reaches 0)."""
+        if not self.samples:
+            return []
+        return [p for p, (lo, hi) in self.param_intervals().items()
+                if lo <= 0 or np.log10(hi / lo) > PINNED_DECADES]
 
     def predict(self, n: float, d: float) -> tuple[float, float, float]:
         """(loss, low, high) of a run of N parameters and D tokens."""
