@@ -104,6 +104,9 @@ class TrainingConfig:
     # (loss parity). sharded: each rank initializes its own shards (no full copy in memory;
     # weights then depend on the layout). auto: full below 1.5B parameters.
     init_mode: InitMode = InitMode["auto"]
+    # Decay of an exponential moving average of the weights (train/ema.py), validated as
+    # val/ema/loss and checkpointed as ema.*; 0 = none (no memory, no work). 0.999: ~1000 steps.
+    ema_decay: float = 0.0
 
 
 def root_schema(groups: Iterable[str], *, name: str, module: str) -> type:
