@@ -30,6 +30,7 @@ import contextlib
 from typing import Callable, Iterator
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
@@ -84,10 +85,19 @@ class WeightEMA:
         """One EMA step towards the weights the optimizer just wrote."""
         self._update([local(s) for s in self.shadow], [local(p) for p in self._params()], None)
 
+    def _reshard(self) -> None:
+        """FSDP modules back to their shards. A forward without backward (validation) leaves the
+        modules FSDP does not reshard after forward (the root) holding gathered copies: those would
+        hide the shards from ``parameters()`` and, after a swap, keep serving the swapped weights."""
+        for m in (m for part in self.parts for m in part.modules()):
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
     @contextlib.contextmanager
     def swapped(self) -> Iterator[None]:
         """The EMA in the model's parameters for the block; the training weights restored bit for
         bit after it (copied in place: FSDP's shard storage and optimizer references stay valid)."""
+        self._reshard()
         live = [local(p) for p in self._params()]
         with torch.no_grad():
             kept = [t.clone() for t in live]
@@ -97,6 +107,7 @@ class WeightEMA:
         finally:
             with torch.no_grad():
                 torch._foreach_copy_(live, kept)
+            self._reshard()  # no gathered copy of the EMA outlives the block
 
     def validate(self, validate: Callable[[], dict[str, float]]) -> dict[str, float]:
         """``validate()``'s metrics on the EMA weights, as ``val/ema/...`` (``val/ema/loss``)."""
