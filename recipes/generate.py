@@ -26,8 +26,9 @@ from titan_hydra.errors import UserError, first_line  # noqa: E402
 from titan_hydra.generate import SamplingConfig, generate  # noqa: E402
 
 
-def load_model(path: str | Path, device: str = "cpu"):
-    """(family, args, model in eval mode with the checkpoint's weights) of a step dir or HF dir."""
+def load_model(path: str | Path, device: str = "cpu", weights: str = "model"):
+    """(family, args, model in eval mode with the checkpoint's weights) of a step dir or HF dir;
+    ``weights="ema"``: a step dir's EMA of the weights (``training.ema_decay``)."""
     from titan_hydra.checkpoint.storage import CheckpointError
     from titan_hydra.models.hf_io import is_hf_dir, load_hf_checkpoint
 
@@ -40,7 +41,7 @@ def load_model(path: str | Path, device: str = "cpu"):
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from convert import read_model
 
-        family, args, sd = read_model(path)
+        family, args, sd = read_model(path, weights)
     with torch.device("meta"):
         model = family.build(args)
     model.to_empty(device=device)

@@ -39,7 +39,11 @@ NOT_RUN = {
 # suite or a flag that no longer exists) and --help stops them before anything runs.
 # tests/test_benchmark.py runs the default suite end to end.
 ARGUMENTS_ONLY = {"recipes/benchmark.py", "recipes/bench_health.py", "recipes/bench_flux_fidelity.py",
-                  "recipes/bench_anneal.py"}
+                  "recipes/bench_anneal.py",
+                  "recipes/bench_averaging.py",
+                  # the fixtures' runs hold one checkpoint each, and averaging needs several (and an EMA):
+                  # tests/test_weight_averaging.py runs it end to end on a run that saved five
+                  "recipes/average_checkpoints.py"}
 # Benchmark lines that run as printed plus these arguments: the whole path (every implementation
 # timed, the table, the JSON) on one short shape, not ~20 CPU-s of timing the docs' three lengths.
 SHORTER = {"recipes/bench_gdn.py": ["--seqs", "256", "--reps", "1"]}

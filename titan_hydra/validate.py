@@ -69,6 +69,9 @@ def _validate_counts(cfg: DictConfig) -> None:
 
 
 def _validate_schedule(t: DictConfig, s: DictConfig) -> None:
+    if not 0.0 <= t.ema_decay < 1.0:
+        raise ConfigError(f"training.ema_decay={t.ema_decay} must be within [0, 1): 0 keeps no EMA of the weights, "
+                          "0.999 averages over about the last 1000 steps")
     if not 0.0 <= s.min_lr_factor <= 1.0:
         raise ConfigError(f"lr_scheduler.min_lr_factor={s.min_lr_factor} must be within [0, 1]")
     if "warmup_fraction" not in s:  # lr_scheduler=cooldown: no warmup or decay ratio (_validate_branch)
@@ -95,6 +98,9 @@ def _validate_fault_tolerance(cfg: DictConfig) -> None:
     ft = cfg.fault_tolerance
     if ft.name == "none":  # (its own value rules were spec_of's, when it built the group)
         return
+    if cfg.training.ema_decay > 0:
+        raise ConfigError(f"training.ema_decay={cfg.training.ema_decay} with fault_tolerance={ft.name}: a replica "
+                          "group recovering from a live peer would not receive its EMA; set training.ema_decay=0")
     if ft.group is not None and not ft.lighthouse:
         raise ConfigError(f"fault_tolerance.group={ft.group} starts that replica group on its own: it needs the "
                           "Lighthouse every group meets at, fault_tolerance.lighthouse=http://host:port "

@@ -66,6 +66,7 @@ def load(run: RunParts, path: str | Path, model_only: bool = False, exclude: lis
         optim_sd = run.optim_state()
         tensors = {f"optim.{k}": v for k, v in optim_sd.items() if isinstance(v, torch.Tensor)}
         _add_wanted(path, want, entries, tensors, "optimizer")
+    ema_sd = _ema_wanted(run, path, want, entries, model_only, exclude)
     need_extra = not model_only and bool({"lr_scheduler", "dataloader", "train_state", "optimizer"} - exclude)
     if need_extra:
         _add_json(path, want, entries, "extra")
@@ -89,6 +90,8 @@ def load(run: RunParts, path: str | Path, model_only: bool = False, exclude: lis
     except DCP_ERRORS as e:
         raise CheckpointError(f"checkpoint {path}: reading failed ({str(e).strip().splitlines()[-1][:300]})") from e
     _apply(run, path, want, model_sd, optim_sd, exclude, model_only, load_rank, rank_key)
+    if ema_sd:
+        run.ema.load({k[len("ema."):]: want[k] for k in ema_sd})
     what = "model only" if model_only else "full state"
     skipped = f", excluded {sorted(exclude)}" if exclude else ""
     rng = "" if model_only or load_rank else ", RNG not restored (different layout)"
@@ -146,6 +149,19 @@ def _add_wanted(path: Path, want: dict, entries: dict, template: dict, what: str
                 f"this run's model needs {list(v.shape)}"
             )
         want[k] = torch.empty_like(v)
+
+
+def _ema_wanted(run: RunParts, path: Path, want: dict, entries: dict, model_only: bool, exclude: set) -> dict:
+    """The EMA entries this load reads into ``want`` ({} when the run keeps no EMA, loads the model
+    only or excludes it, or the checkpoint holds none: the EMA then starts from the loaded weights)."""
+    if run.ema is None or model_only or "ema" in exclude:
+        return {}
+    templates = run.ema_state()
+    if not any(k in entries for k in templates):
+        run.log(f"{path} holds no EMA of the weights: the EMA starts from the loaded weights")
+        return {}
+    _add_wanted(path, want, entries, templates, "EMA")
+    return templates
 
 
 def _add_json(path: Path, want: dict, entries: dict, key: str) -> None:

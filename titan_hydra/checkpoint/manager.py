@@ -87,11 +87,13 @@ class CheckpointManager:
         flavor: str,
         rank: int = 0,
         world_size: int = 1,
+        ema: Any = None,
         **settings: Any,
     ) -> None:
         """``settings`` are the ``checkpoint`` group's fields (the group instantiates this class as a
         partial); the rest is what the recipe built. ``train_state`` is the trainer's progress
-        (step, tokens, losses), saved and restored with everything else."""
+        (step, tokens, losses), saved and restored with everything else; ``ema`` the EMA of the
+        weights (train/ema.py), None without one."""
         ckpt = CheckpointSettings(**settings)
         self.cfg = ckpt
         self.enabled = bool(ckpt.enable)
@@ -101,7 +103,7 @@ class CheckpointManager:
             check_writable_dir(self.folder, "checkpoint.folder")  # fail now, not at the first save
         self.run = RunParts(model_parts=model_parts, optimizer=optimizer, lr_scheduler=lr_scheduler,
                             train_loader=train_loader, train_state=train_state, dims=dims, family=family,
-                            model_args=model_args, flavor=flavor, rank=rank, world_size=world_size)
+                            model_args=model_args, flavor=flavor, rank=rank, world_size=world_size, ema=ema)
         self.seed_only = False  # set by restore() under create_seed_checkpoint: train nothing
         self.async_mode = ckpt.async_mode == "async"
         self.interval = int(ckpt.interval)

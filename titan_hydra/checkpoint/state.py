@@ -9,6 +9,8 @@ The entries (flat DCP keys, all tensors, see storage.py for why):
 * ``model.<fqn>``            parameters, as this rank holds them (DTensor shards under FSDP/TP,
                              only its stages under PP); DCP records global shapes, so a
                              checkpoint saved under one layout loads under any other.
+* ``ema.<fqn>``              the EMA of the weights (``training.ema_decay``; train/ema.py),
+                             placed and resharded like ``model.<fqn>``; absent without EMA.
 * ``optim.state.<fqn>.<k>``  optimizer state keyed by parameter FQN (layout independent).
 * ``extra``                  JSON: train state, LR schedule, optimizer hyper-parameters,
                              data loader position (identical on every rank, written once).
@@ -34,7 +36,7 @@ from titan_hydra.models.registry import LEGACY_FAMILY
 
 FORMAT_VERSION = 1
 # What ``checkpoint.exclude_from_loading`` may name (validate.py checks the config against it).
-CATEGORIES = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
+CATEGORIES = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng", "ema")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -111,6 +113,7 @@ class RunParts:
     flavor: str
     rank: int = 0
     world_size: int = 1
+    ema: Any = None  # train/ema.py's WeightEMA (``entries`` / ``load``), None without one
 
     # ------------------------------------------------------------------ this rank in the run
     def log(self, message: str) -> None:
@@ -153,6 +156,11 @@ class RunParts:
         sd = get_model_state_dict(self.module)
         return {f"model.{k}": (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in sd.items()}
 
+    def ema_state(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """``ema.<fqn>`` entries of the EMA of the weights; {} without one."""
+        entries = self.ema.entries() if self.ema is not None else {}
+        return {f"ema.{k}": (v.to(dtype) if dtype is not None else v) for k, v in entries.items()}
+
     def optim_state(self) -> dict[str, Any]:
         options = StateDictOptions(flatten_optimizer_state_dict=True)
         return get_optimizer_state_dict(self.module, members(self.optimizer), options=options)
@@ -185,7 +193,7 @@ class RunParts:
 
     def state_to_save(self, model_only: bool = False, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Every entry this rank writes (see the module docstring)."""
-        sd = self.model_state(dtype)
+        sd = {**self.model_state(dtype), **self.ema_state(dtype)}
         if model_only:
             return sd
         for k, v in self.optim_state().items():

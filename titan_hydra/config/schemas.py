@@ -113,6 +113,9 @@ class TrainingConfig:
     seq_len_schedule: Optional[List[List[int]]] = None
     # LR x f(B / first stage's B) under a batch schedule: auto = linear for SGD, sqrt otherwise
     batch_lr_scaling: BatchLrScaling = BatchLrScaling["auto"]
+    # Decay of an exponential moving average of the weights (train/ema.py), validated as
+    # val/ema/loss and checkpointed as ema.*; 0 = none (no memory, no work). 0.999: ~1000 steps.
+    ema_decay: float = 0.0
 
 
 def root_schema(groups: Iterable[str], *, name: str, module: str) -> type:

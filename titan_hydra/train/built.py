@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from titan_hydra.kernels.attention_policy import KernelChoice
+from titan_hydra.train.nulls import NoEMA
 
 
 @dataclass(frozen=True)
@@ -130,3 +131,5 @@ class Services:
     preemption: Any  # runtime.preemption.Preemption or NoPreemption
     # per-optimizer-step work returning metrics (the family's, e.g. MoE load balancing; compile's)
     step_hooks: tuple = ()
+    # the EMA of the weights (train/ema.py's WeightEMA), NoEMA when training.ema_decay=0
+    ema: Any = field(default_factory=NoEMA)

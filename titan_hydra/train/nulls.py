@@ -78,6 +78,21 @@ class NoHealth:
         return None
 
 
+class NoEMA:
+    """training.ema_decay=0: no EMA of the weights is kept, none validated or checkpointed."""
+
+    enabled = False
+
+    def start(self, step: int) -> None:
+        pass
+
+    def update(self) -> None:
+        pass
+
+    def validate(self, validate: Any) -> dict[str, float]:
+        return {}
+
+
 class NoPreemption:
     """Outside a SLURM job: nothing signals a stop."""
 

@@ -96,6 +96,7 @@ def _train(trainer: Trainer) -> dict[str, Any]:
     """Restore, join the torchft quorum (after the restore: it compares the groups' steps), train."""
     checkpointer, health = trainer.checkpointer, trainer.health
     checkpointer.restore()
+    trainer.ema.start(trainer.state.step)  # from the restored EMA, else from the weights the run starts with
     if checkpointer.seed_only:
         trainer.steps = 0
     trainer.fault_tolerance.start(*live_state_fns(checkpointer.run), rank=trainer.rank, world_size=trainer.dims.world_size,

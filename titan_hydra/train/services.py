@@ -26,6 +26,7 @@ from titan_hydra.runtime.preemption import requeue_on_hang, watch_for_preemption
 from titan_hydra.runtime.threads import threads_here
 from titan_hydra.spec import RunSpec
 from titan_hydra.train.built import BoundEval, BuiltModel, DataPlan, Monitors, Optimization, Placement, Services
+from titan_hydra.train.ema import weight_ema_of
 from titan_hydra.train.health.monitor import HealthMonitor
 from titan_hydra.train.moe_balance import moe_balance_hooks
 from titan_hydra.train.nulls import NoEval, NoFaultTolerance, NoHealth, NoPreemption, NoProfiler
@@ -139,10 +140,12 @@ def build_services(spec: RunSpec, run_dir: str, where: Placement, built: BuiltMo
     metric_logger = metric_logger_of(spec, run_dir, rank, built)
     profiler = spec.profiler(run_dir=run_dir, rank=rank, model_parts=built.parts, optimizer=optim.optimizer,
                              device=device)
+    ema = weight_ema_of(built.parts, spec.training.ema_decay, rank)
     checkpointer = spec.checkpoint(
         run_dir=run_dir, model_parts=built.parts, optimizer=optim.optimizer, lr_scheduler=optim.lr_scheduler,
         train_loader=data.train_loader, train_state=state, dims=spec.dims, family=built.family,
         model_args=built.args, flavor=spec.flavor, rank=rank, world_size=spec.world_size,
+        ema=ema if ema.enabled else None,
     )
     spec.eval.check_data(data.dataset)
     return Services(
@@ -155,6 +158,7 @@ def build_services(spec: RunSpec, run_dir: str, where: Placement, built: BuiltMo
         preemption=preempted_by_slurm(rank, spec.world_size, device),
         step_hooks=tuple(moe_balance_hooks(built.parts, spec.dims) + family_step_hooks(built, spec.dims)
                          + built.loss_hooks + compile_hooks(spec)),
+        ema=ema,
     )
 
 

@@ -61,7 +61,7 @@ class Trainer:
         self.rank, self.dims, self.device = where.rank, where.dims, where.device
         self.monitors, self.checkpointer, self.step_hooks = services.monitors, services.checkpointer, services.step_hooks
         self.periodic_eval, self.fault_tolerance = services.periodic_eval, services.fault_tolerance
-        self.health, self.preemption = services.health, services.preemption
+        self.health, self.preemption, self.ema = services.health, services.preemption, services.ema
         self.steps = schedule.steps  # a seed-checkpoint run sets it to 0
         self._accum = schedule.grad_accum_steps  # what the runner was built with
         self.last_val_loss: float | None = None
@@ -127,6 +127,7 @@ class Trainer:
         committed = ft.commit() and apply
         if committed:
             self.optimizer.step()
+            self.ema.update()
             self.lr_scheduler.step()
         if apply and not math.isfinite(loss):
             raise TrainingDiverged(
@@ -205,6 +206,7 @@ class Trainer:
                 self.monitors.memory.reset_peak()
             if self.schedule.val_freq > 0 and (step % self.schedule.val_freq == 0 or step == self.steps):
                 val = self.validate()
+                val.update(self.ema.validate(self.validate))  # val/ema/loss; {} without an EMA
                 self.last_val_loss = val["val/loss"]
                 self.monitors.metric_logger.log(val, step)
                 self.monitors.throughput.reset()  # validation time is not training throughput
