@@ -32,7 +32,7 @@ PLACEHOLDERS = [
     (r"multirun/<date>/<time>|<multirun dir>|<dir>", "sweep"),
     (r"/path/to/tokenizer_dir|<dir with tokenizer.json>", "tokenizer"),
 ]
-UNKNOWN_PLACEHOLDER = re.compile(r"<[^<>\s]*>|\.\.\.")
+UNKNOWN_PLACEHOLDER = re.compile(r"<[^<>]+>|\.\.\.")
 
 
 @dataclass(frozen=True)
