@@ -123,6 +123,25 @@ def test_groups_with_a_layout_inside_match_ddp(tmp_path, ddp_dir, run_cache, lay
             f"{key}: max |torchft x {layout} - ddp| = {diff:.3g}")
 
 
+RAMP = ["training.steps=8", "checkpoint.interval=8", "training.global_batch_size=-1",
+        "training.batch_schedule=[[0,8],[1536,16]]"]  # 3 steps of 8 sequences, then 16: 2 micro-batches a rank
+
+
+@pytest.mark.slow
+def test_groups_follow_a_batch_ramp_like_ddp(tmp_path, run_cache):
+    """Under a batch schedule each group draws the step's micro-batches like every other layout: 2 groups x 1
+    rank through a ramp 8 -> 16 give DDP(2)'s losses on the same ramp (batch_size logged alike)."""
+    ddp_dir = tmp_path / "ddp"
+    launch_here([*TINY, *RAMP, "parallelism=ddp", "cluster.nproc_per_node=2"], ddp_dir)
+    run_dir = tmp_path / "run"
+    finish(launch(run_dir, [*FT, *RAMP, "fault_tolerance.min_replicas=2"]))
+    assert series(run_dir, "batch_size") == series(ddp_dir, "batch_size") == [8.0] * 3 + [16.0] * 5
+    got, want = series(run_dir, "loss"), series(ddp_dir, "loss")
+    diff = max(abs(a - b) for a, b in zip(got, want))
+    assert len(got) == len(want) == 8 and diff <= machine_bound(run_cache, want), (
+        f"max |torchft - ddp| through the ramp = {diff:.3g}\ntorchft: {got}\nddp: {want}")
+
+
 def _steps_together(run_dir: Path) -> int:
     """The last step ``run_dir``'s group logged with both groups in the quorum (0: none yet)."""
     return max((r["step"] for r in steps_of(run_dir) if r.get("ft/participants") == 2), default=0)
