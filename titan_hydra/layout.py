@@ -40,8 +40,8 @@ def check_seq_len_stages(spec: RunSpec) -> None:
     stages = [v for _, v in spec.batch.schedule.seq_stages]
     if not stages:
         return
-    dims, node = spec.dims, spec.data.node
-    if not spec.token_data or node.get("streaming") or "sources" in node:
+    dims = spec.dims
+    if not spec.data.packed:
         raise ConfigError("training.seq_len_schedule needs packed token data (one source, data.streaming=false; "
                           "not a mixture, streamed or image data): drop the schedule or change data")
     if dims.pp > 1:
