@@ -140,7 +140,7 @@ def test_resolution_is_deterministic_and_idempotent():
     assert a.parallelism == b.parallelism
     resolved_spec(a)  # a SLURM task re-entering launch(): already concrete
     assert a.parallelism == b.parallelism
-    fixed = compose_cfg(["parallelism=fsdp_tp"])
+    fixed = compose_cfg(["parallelism=fsdp_tp", "cluster.nproc_per_node=4"])
     resolved_spec(fixed)
     assert fixed.parallelism == compose_cfg(["parallelism=fsdp_tp"]).parallelism
 

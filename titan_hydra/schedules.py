@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from titan_hydra.data.settings import DataSettings
 from titan_hydra.errors import ConfigError, UserError
 
 LR_RULES = ("none", "sqrt", "linear")
@@ -137,6 +138,27 @@ class StepSchedule:
     def lr_factor_at(self, step: int) -> float:
         return self.at(step).lr_factor
 
+    def check_layout(self, dims: Any, data: DataSettings) -> None:
+        """The stages on this layout and data, one line each: a batch schedule counts tokens seen,
+        which token data has; a seq-len schedule's shorter stages keep the rules ``training.seq_len``
+        (the longest) keeps, on packed data and a layout that can change window length between steps.
+        ``dims`` is the run's ParallelDims (``parallelism=auto`` asks this of every candidate)."""
+        if self.batch_stages and not data.token_data:
+            raise ConfigError("training.batch_schedule counts tokens seen (sequences x seq_len), which data of "
+                              f"{data.name!r} has not: drop the schedule or use token data")
+        if not self.seq_stages:
+            return
+        if not data.packed:
+            raise ConfigError("training.seq_len_schedule needs packed token data (one source, data.streaming=false; "
+                              "not a mixture, streamed or image data): drop the schedule or change data")
+        if dims.pp > 1:
+            raise ConfigError(f"training.seq_len_schedule is not supported with parallelism.pp={dims.pp} (a pipeline's "
+                              "stages are built for one micro-batch shape); use pp=1 or drop the schedule")
+        for _, s in self.seq_stages:
+            if (dims.cp > 1 and s % (2 * dims.cp)) or (dims.tp_sequence_parallel and s % (dims.tp * dims.cp)):
+                raise ConfigError(f"training.seq_len_schedule stage seq_len {s} must be divisible by 2*cp={2 * dims.cp} "
+                                  f"and tp*cp={dims.tp * dims.cp} under sequence parallel; change that stage")
+
     @property
     def max_global_batch(self) -> int:
         return max([self.global_batch] + [v for _, v in self.batch_stages])
@@ -174,11 +196,15 @@ def check_batch_stages(stages: tuple[tuple[int, int], ...], local: int, data_deg
 
 
 def schedule_of(local: int, data_degree: int, global_batch: int, seq_len: int, batch_schedule: Any,
-                seq_len_schedule: Any, lr_rule: str) -> StepSchedule:
-    """The StepSchedule of the training settings, its stages refused in one line where they cannot run."""
+                seq_len_schedule: Any, lr_rule: str, configured_global: int = -1) -> StepSchedule:
+    """The StepSchedule of the training settings, its stages refused in one line where they cannot
+    run. ``configured_global``: ``training.global_batch_size`` as given (-1: derived)."""
     batch_stages = stages_of("training.batch_schedule", batch_schedule)
     seq_stages = stages_of("training.seq_len_schedule", seq_len_schedule)
     check_batch_stages(batch_stages, local, data_degree)
+    if batch_stages and configured_global > 0 and configured_global != batch_stages[0][1]:
+        raise ConfigError(f"training.global_batch_size={configured_global} but training.batch_schedule starts at "
+                          f"{batch_stages[0][1]}: the schedule sets every step's batch, set training.global_batch_size=-1")
     if seq_stages and seq_stages[-1][1] != seq_len:
         raise ConfigError(f"training.seq_len_schedule ends at seq_len {seq_stages[-1][1]} but training.seq_len="
                           f"{seq_len}: set training.seq_len={seq_stages[-1][1]} (the longest stage: the model, "

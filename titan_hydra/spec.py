@@ -1,11 +1,12 @@
 """``RunSpec``: one run, described once, handed down from the launcher to every rank.
 
-The route is compose (Hydra) -> resolve (``auto`` layouts, a sweep job's identity: the only
-changes made to the config) -> ``validate`` -> ``RunSpec`` -> build -> train. ``spec_of`` is the
-one reader of the composed config: it parses the model node, types ``training`` / ``cluster`` /
-``data``, and builds every group's object (or its partial, where the rank adds what only it
-has) exactly once. Everything after it (the planner, the launchers, the rank's program) reads
-spec fields, never the config; the plain resolved config travels along only to be logged.
+The route is compose (Hydra) -> resolve (a sweep job's identity, ``auto`` layouts: the only
+changes made to the config) -> ``RunSpec`` -> validate -> build -> train. ``spec_of`` is the one
+reader of the composed config: it parses the model node, types ``training`` / ``cluster`` /
+``data`` / ``optimizer``, and builds every group's object (or its partial, where the rank adds
+what only it has) exactly once, refusing a value a setting cannot hold as it types it. Everything
+after it (validation, the planner, the launchers, the rank's program) reads spec fields, never the
+config; the plain resolved config travels along only to be logged.
 
 Pickling into spawned workers: the family travels by name (a module-level object, looked up
 again on arrival); every other field pickles as it is. The built group objects are settings
@@ -230,11 +231,7 @@ def batch_plan_of(dims: ParallelDims, t: TrainingConfig, lr_rule: str = "none") 
     local = int(t.local_batch_size)
     global_batch, grad_accum = dims.batch_plan(local, int(t.global_batch_size))
     schedule = schedule_of(local, dims.data_degree, global_batch, int(t.seq_len), t.batch_schedule,
-                           t.seq_len_schedule, lr_rule)
-    first = schedule.at(0).global_batch
-    if schedule.batch_stages and int(t.global_batch_size) > 0 and int(t.global_batch_size) != first:
-        raise ConfigError(f"training.global_batch_size={t.global_batch_size} but training.batch_schedule starts at "
-                          f"{first}: the schedule sets every step's batch, set training.global_batch_size=-1")
+                           t.seq_len_schedule, lr_rule, int(t.global_batch_size))
     return BatchPlan(local, schedule.max_global_batch, schedule.max_grad_accum, int(t.seq_len), schedule)
 
 
