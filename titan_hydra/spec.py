@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Mapping, Optional, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
-from titan_hydra.checkpoint.manager import CheckpointSettings
+from titan_hydra.checkpoint.manager import CheckpointManager, CheckpointSettings
 from titan_hydra.config import ClusterConfig, TrainingConfig, precision_choice_of, run_settings, to_container
 from titan_hydra.config.eval import EvalSettings
 from titan_hydra.config.fault_injection import FaultInjection
@@ -42,6 +42,7 @@ from titan_hydra.models.registry import args_of, get_family
 from titan_hydra.parallel.activation_checkpoint import ActivationCheckpointing
 from titan_hydra.parallel.compile import Compiler
 from titan_hydra.parallel.parallelism import ParallelDims
+from titan_hydra.profiling import Profiler
 from titan_hydra.runtime.fault_tolerance import FaultTolerance
 from titan_hydra.schedules import LRSchedule, StepSchedule, resolve_lr_rule, schedule_of
 
@@ -99,8 +100,8 @@ class RunSpec:
     compiler: Compiler
     optimizer: OptimizerSettings  # built over the rank's parameters (train/optimizers.py)
     lr_scheduler: LRSchedule  # (optimizer, total_steps, step factor) -> LambdaLR
-    checkpoint: functools.partial  # CheckpointManager with the group's settings; the rank adds its parts and state
-    profiler: functools.partial  # build_profiler with the group's settings; the rank adds its parts
+    checkpoint: functools.partial[CheckpointManager]  # the group's settings; the rank adds its parts and state
+    profiler: functools.partial[Optional[Profiler]]  # build_profiler with the group's settings; the rank adds its parts
     resolved: Mapping[str, Any]  # the plain resolved config: logged (W&B) and written to disk, never read for settings
     dry_run: bool = False
 
