@@ -35,8 +35,8 @@ from titan_hydra.groups import compose_config
 from titan_hydra.runtime.rendezvous import free_port
 from titan_hydra.spec import spec_of
 from titan_hydra.train.health.monitor import HealthMonitor
-from titan_hydra.train.health.fault_injection import FaultInjection
-from titan_hydra.train.health.settings import Health
+from titan_hydra.config.fault_injection import FaultInjection
+from titan_hydra.config.health import Health
 from titan_hydra.train.health.stragglers import StragglerCheck
 from titan_hydra.train.pretrain import run
 

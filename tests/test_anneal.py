@@ -16,7 +16,7 @@ from helpers import by_step, compose_cfg
 from titan_hydra.checkpoint.resume import branch_point
 from titan_hydra.checkpoint.storage import CheckpointError
 from titan_hydra.errors import ConfigError, UserError
-from titan_hydra.train.lr_scheduler import CooldownSchedule, build_lr_scheduler
+from titan_hydra.schedules import CooldownSchedule, WarmupDecay
 
 PEAKS = (1e-3, 3e-4)  # two param groups with their own peak (muP-style): each decays from its own LR
 
@@ -50,7 +50,7 @@ def test_cooldown_learning_rates_follow_the_closed_form(shape):
     """A branch at step 10 of a 20-step warmup-cosine run (so the base's LR there is not its peak)
     to step 16: every LR from 10 on is the closed form's, per group, ending on the floor; the
     branch's own state, saved mid-cooldown, resumes the same sequence."""
-    base = build_lr_scheduler(_optimizer(), 20, warmup_steps=2, min_lr_factor=0.1)
+    base = WarmupDecay(warmup_steps=2, min_lr_factor=0.1)(_optimizer(), 20)
     _lrs(base, range(10))
     start = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (10 - 2 + 1) / 18))  # the base's multiplier at step 10
     branch = CooldownSchedule(decay_type=shape, min_lr_factor=0.05)(_optimizer(), 16)
@@ -67,24 +67,18 @@ def test_cooldown_learning_rates_follow_the_closed_form(shape):
     assert got[-1] == pytest.approx([0.05 * p for p in PEAKS], rel=1e-15)
 
 
-def _wrapped(sched, factor):
-    """``sched`` with each lambda multiplied by ``factor(step)``, as a batch schedule's LR scaling
-    wraps whatever the lr_scheduler group built (plain functions around the group's lambdas)."""
-    sched.lr_lambdas = [(lambda fn: lambda step: fn(step) * factor(step))(fn) for fn in sched.lr_lambdas]
-    return sched
-
-
-def test_a_wrapped_cooldown_starts_from_the_base_schedule_not_the_wrappers_factor():
+def test_a_scaled_cooldown_starts_from_the_base_schedule_not_the_step_factor():
     """Base and branch both under a factor of the step (2 from step 5 on, a batch ramp's LR
-    scaling): the branch at step 10 of a constant run starts from the base's multiplier 1, so its
-    LR is peak x factor x the cooldown, continuous with the base; its state (wrapped or not) resumes."""
+    scaling, folded into the multipliers): the branch at step 10 of a constant run starts from the
+    base's multiplier 1, so its LR is peak x factor x the cooldown, continuous with the base; its
+    own state resumes."""
     factor = lambda step: 2.0 if step >= 5 else 1.0  # noqa: E731
-    base = _wrapped(build_lr_scheduler(_optimizer(), 20, warmup_steps=0, decay_type="none"), factor)
+    base = WarmupDecay(warmup_steps=0, decay_type="none")(_optimizer(), 20, factor)
     _lrs(base, range(10))
-    branch = _wrapped(CooldownSchedule(min_lr_factor=0.1)(_optimizer(), 14), factor)
+    branch = CooldownSchedule(min_lr_factor=0.1)(_optimizer(), 14, factor)
     branch.load_state_dict(json.loads(json.dumps(base.state_dict())))
     got = _lrs(branch, range(10, 12))
-    resumed = _wrapped(CooldownSchedule(min_lr_factor=0.1)(_optimizer(), 14), factor)
+    resumed = CooldownSchedule(min_lr_factor=0.1)(_optimizer(), 14, factor)
     resumed.load_state_dict(json.loads(json.dumps(branch.state_dict())))
     got += _lrs(resumed, range(12, 14))
     for step, lrs in zip(range(10, 14), got):

@@ -121,7 +121,7 @@ def manager(run_dir: Path, overrides: list[str] = (), loader=None, world_size: i
     """A CheckpointManager over the TINY model of ``overrides`` (one process, a real optimizer state)."""
     from titan_hydra.models.registry import args_of, build_model
     from titan_hydra.parallel.parallelism import ParallelDims
-    from titan_hydra.train.lr_scheduler import build_lr_scheduler
+    from titan_hydra.schedules import WarmupDecay
     from titan_hydra.train.trainer import TrainState
 
     cfg = compose_cfg(TINY + list(overrides))
@@ -133,7 +133,7 @@ def manager(run_dir: Path, overrides: list[str] = (), loader=None, world_size: i
         p.grad = torch.ones_like(p)
     opt.step()  # an optimizer state to save
     return CheckpointManager(
-        run_dir=run_dir, model_parts=[model], optimizer=opt, lr_scheduler=build_lr_scheduler(opt, 10),
+        run_dir=run_dir, model_parts=[model], optimizer=opt, lr_scheduler=WarmupDecay()(opt, 10),
         train_loader=loader if loader is not None else packed_loader(), train_state=TrainState(),
         dims=ParallelDims(world_size=world_size), family=family, model_args=args, flavor=str(cfg.model.flavor),
         world_size=world_size, **{"enable": True, "interval": 1, **settings},

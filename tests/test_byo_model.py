@@ -100,7 +100,7 @@ def test_evaluation_during_training_needs_the_family_to_build_a_copy():
     before the run starts, while the built-in families (which build) pass the same check."""
     from titan_hydra.errors import ConfigError
     from titan_hydra.models.registry import get_family
-    from titan_hydra.train.eval import PeriodicEval
+    from titan_hydra.config.eval import EvalSettings
 
     sys.path.insert(0, str(BYO))
     try:
@@ -109,6 +109,6 @@ def test_evaluation_during_training_needs_the_family_to_build_a_copy():
         sys.path.remove(str(BYO))
     assert not tiny_gpt.FAMILY.builds_models() and get_family("llama3").builds_models()
     with pytest.raises(ConfigError, match=r"model family 'tiny_gpt' has no build\(args\)"):
-        PeriodicEval(freq=5, tasks=["builtin_ppl"]).check(tiny_gpt.FAMILY)
-    PeriodicEval(freq=0).check(tiny_gpt.FAMILY)  # nothing to evaluate: nothing needed
-    PeriodicEval(freq=5, tasks=["builtin_ppl"]).check(get_family("llama3"))
+        EvalSettings(freq=5, tasks=["builtin_ppl"]).check(tiny_gpt.FAMILY)
+    EvalSettings(freq=0).check(tiny_gpt.FAMILY)  # nothing to evaluate: nothing needed
+    EvalSettings(freq=5, tasks=["builtin_ppl"]).check(get_family("llama3"))

@@ -179,13 +179,13 @@ def _manager(tmp_path: Path, dim: int = 32, n_layers: int = 2) -> CheckpointMana
     from titan_hydra.models.llama3 import FAMILY, Llama3
     from titan_hydra.train.trainer import TrainState
     from titan_hydra.parallel.parallelism import ParallelDims
-    from titan_hydra.train.lr_scheduler import build_lr_scheduler
+    from titan_hydra.schedules import WarmupDecay
 
     torch.manual_seed(0)
     model = Llama3(dim=dim, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return CheckpointManager(run_dir=tmp_path, model_parts=[model], optimizer=opt,
-                             lr_scheduler=build_lr_scheduler(opt, 10), train_loader=object(), train_state=TrainState(),
+                             lr_scheduler=WarmupDecay()(opt, 10), train_loader=object(), train_state=TrainState(),
                              dims=ParallelDims(), family=FAMILY, model_args=model.args, flavor="custom",
                              enable=True, interval=1)
 
@@ -262,7 +262,7 @@ def test_extended_run_takes_its_learning_rates_from_the_new_schedule(tmp_path):
     the checkpoint holds the 4-step schedule's value, which must not leak into step 5)."""
     import json
 
-    from titan_hydra.train.lr_scheduler import lr_multiplier
+    from titan_hydra.schedules import lr_multiplier
 
     def lrs(run_dir):
         rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]

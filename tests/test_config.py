@@ -377,7 +377,7 @@ def test_default_warmup_fits_any_run_length():
     import torch
 
     from titan_hydra.errors import ConfigError
-    from titan_hydra.train.lr_scheduler import lr_multiplier
+    from titan_hydra.schedules import lr_multiplier
     from titan_hydra.validate import validate
 
     for steps, warmup in ((5, 1), (50, 10), (1000, 200)):

@@ -85,11 +85,10 @@ def test_the_recipe_passes_what_the_schema_leaves_out():
         own = target_defaults(get_object(OmegaConf.structured(schema)._target_))
         left_out[group] = sorted(set(own) - keys)
     assert left_out["parallelism"] == ["replica_group", "replica_groups", "world_size"]
-    assert left_out["lr_scheduler"] == ["optimizer", "total_steps"]
     assert left_out["profiling"] == ["device", "model_parts", "optimizer", "rank", "run_dir"]
     assert left_out["logger.wandb"] == ["config", "run_dir"]
     assert all(not v for g, v in left_out.items()
-               if g not in ("parallelism", "lr_scheduler", "profiling") and not g.startswith("logger."))
+               if g not in ("parallelism", "profiling") and not g.startswith("logger."))
 
 
 def test_choices_come_from_the_owner():

@@ -18,7 +18,7 @@ import pytest
 
 from titan_hydra.config.schemas import ClusterConfig
 from titan_hydra.errors import ConfigError
-from titan_hydra.launch.resolve import resolve_auto
+from titan_hydra.launch.resolve import resolved_spec
 from titan_hydra.planner.plan import plan
 from titan_hydra.spec import spec_of
 from helpers import compose_cfg
@@ -180,8 +180,8 @@ def test_auto_with_the_default_headroom_on_the_published_groups(row):
     expected = DEFAULT_HEADROOM_CHOICE[row["id"]]
     if expected is None:
         with pytest.raises(ConfigError, match=r"of which 73\.0 GiB usable \(cluster\.memory_headroom=0\.24\)"):
-            resolve_auto(cfg)
+            resolved_spec(cfg)
         return
-    resolve_auto(cfg)
+    resolved_spec(cfg)
     assert cfg.parallelism.name == "auto:" + expected.replace(" ", ",")
     assert plan(spec_of(cfg)).mem_total_gib <= DEVICE_GIB * (1 - ClusterConfig.memory_headroom)

@@ -14,11 +14,12 @@ from titan_hydra.errors import ConfigError
 from titan_hydra.models.common.hf_decoder import HFConversionError
 from titan_hydra.models.llama3 import FAMILY as LLAMA
 from titan_hydra.models.llama3 import LlamaArgs
-from titan_hydra.models.protocol import (DataSettings, DrawsSamples, ModelFamily, RunsStepHooks, ShardsRope,
+from titan_hydra.data.settings import DataSettings
+from titan_hydra.models.protocol import (DrawsSamples, ModelFamily, RunsStepHooks, ShardsRope,
                                          SizesSamples, WeighsLosses)
 from titan_hydra.models.qwen3 import FAMILY as QWEN3
 from titan_hydra.models.registry import BUILTIN, args_of, build_model, family_for_hf_type, get_family
-from titan_hydra.train.eval import PeriodicEval
+from titan_hydra.config.eval import EvalSettings
 
 
 def debug(name: str, *overrides: str):
@@ -195,7 +196,7 @@ def test_drawing_pictures_is_a_capability_a_family_opts_into():
         def sample_images(self, model, dataset, prompts, steps, guidance, seed):
             return torch.zeros(len(prompts), 4, 4, 3, dtype=torch.uint8)
 
-    pictures = PeriodicEval(sample_every=5, sample_prompts=["a cat"])
+    pictures = EvalSettings(sample_every=5, sample_prompts=["a cat"])
     pictures.check(Painter())
     with pytest.raises(ConfigError, match=r"eval\.sample_every=5: model family 'llama3' draws no sample pictures"):
         pictures.check(LLAMA)

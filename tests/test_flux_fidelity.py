@@ -15,6 +15,7 @@ import torch
 from titan_hydra.data.shapes import all_captions, heldout_captions, shapes_dataset
 from titan_hydra.data.shapes_reader import CHANCE, METRICS, parse_caption, read_picture, score_pictures
 from titan_hydra.errors import ConfigError, DataError
+from titan_hydra.config.eval import EvalSettings
 from titan_hydra.train.eval import PeriodicEval
 
 
@@ -92,7 +93,7 @@ class _Data:
 
 
 def test_fidelity_evaluation_scores_held_out_captions():
-    ev = PeriodicEval(fidelity_every=10, fidelity_prompts=20)
+    ev = PeriodicEval(EvalSettings(fidelity_every=10, fidelity_prompts=20))
     assert ev.enabled and ev.due(10, False) and not ev.due(5, False) and ev.due(7, True)
     right = ev.fidelity(None, _Copier(), _Data())
     assert right == {f"val/fidelity/{k}": 1.0 for k in METRICS}
@@ -103,15 +104,15 @@ def test_fidelity_evaluation_scores_held_out_captions():
 def test_fidelity_needs_a_drawing_family_and_held_out_data():
     from titan_hydra.models.registry import get_family
 
-    ev = PeriodicEval(fidelity_every=10)
+    ev = EvalSettings(fidelity_every=10)
     with pytest.raises(ConfigError, match=r"eval.fidelity_every=10: model family 'llama3' draws no pictures"):
         ev.check(get_family("llama3"))
     with pytest.raises(ConfigError, match="holds no captions out"):
         ev.check_data(object())
     with pytest.raises(ConfigError, match="eval.fidelity_every=-1 must be >= 0"):
-        PeriodicEval(fidelity_every=-1)
+        EvalSettings(fidelity_every=-1)
     with pytest.raises(ConfigError, match=r"^eval\.fidelity_prompts=0 must be > 0"):  # its own line, not the above's
-        PeriodicEval(fidelity_every=10, fidelity_prompts=0)
+        EvalSettings(fidelity_every=10, fidelity_prompts=0)
 
 
 def test_the_data_refuses_holdout_it_cannot_honour(tmp_path):

@@ -82,10 +82,10 @@ def bounds(tmp_path_factory, single) -> dict[str, float]:
 
 def build_dataset(num_images: int = 24):
     from titan_hydra.config import to_container
-    from titan_hydra.spec import DataSettings
+    from titan_hydra.data.settings import DataSettings
     from titan_hydra.train.services import build_dataset as build
 
-    return build(DataSettings(to_container(compose_cfg(FLUX + [f"data.num_images={num_images}"]).data)))
+    return build(DataSettings.of(to_container(compose_cfg(FLUX + [f"data.num_images={num_images}"]).data)))
 
 
 def test_examples_are_the_same_in_every_data_parallel_layout():

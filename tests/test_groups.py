@@ -27,7 +27,7 @@ from titan_hydra.errors import instantiate_checked
 from titan_hydra.models.parametrization import Parametrization
 from titan_hydra.models.registry import BUILTIN, get_family
 from titan_hydra.parallel.parallelism import ParallelDims
-from titan_hydra.train.lr_scheduler import build_lr_scheduler
+from titan_hydra.schedules import WarmupDecay
 
 PACKAGE = REPO / "titan_hydra"
 HAND_WRITTEN = {"optimizer", "logger", "cluster"}  # see tests/test_defaults_once.py
@@ -133,7 +133,7 @@ def test_the_group_list_is_written_once():
 
 def test_name_labels_the_option_and_reaches_no_constructor_that_ignores_it():
     assert "name" not in {f.name for f in dataclasses.fields(ParallelDims)}
-    assert "name" not in inspect.signature(build_lr_scheduler).parameters
+    assert "name" not in inspect.signature(WarmupDecay).parameters
     for group in ("parallelism", "lr_scheduler", "data", "data_image_caption", "data_mixture"):
         assert OmegaConf.structured(groups.SCHEMAS[group]).name == "custom", group
     dims = instantiate_checked({"_target_": "titan_hydra.parallel.parallelism.ParallelDims", "name": "fsdp",

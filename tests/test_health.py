@@ -22,8 +22,8 @@ from titan_hydra.train.health.guard import SpikeWindow, StepGuard
 from titan_hydra.train.health.monitor import HealthMonitor
 from titan_hydra.train.health.recheck import GradRecheck
 from titan_hydra.train.health.sdc import SilentCorruption
-from titan_hydra.train.health.fault_injection import FaultInjection
-from titan_hydra.train.health.settings import Health
+from titan_hydra.config.fault_injection import FaultInjection
+from titan_hydra.config.health import Health
 from titan_hydra.train.health.watchdog import DECISION, Watchdog, attempt_id, hang_line
 from titan_hydra.train.pretrain import run
 from titan_hydra.train.services import health_of

@@ -13,8 +13,8 @@ import pytest
 
 from helpers import BASE, FSDP2, STEPS, assert_same_checkpoint, by_step, fsdp2_reference, run_launch
 from titan_hydra.train.health.monitor import HealthMonitor
-from titan_hydra.train.health.fault_injection import FaultInjection
-from titan_hydra.train.health.settings import Health
+from titan_hydra.config.fault_injection import FaultInjection
+from titan_hydra.config.health import Health
 
 RUN = [a for a in BASE if not a.startswith("training.steps=")] + FSDP2  # each test sets its steps
 

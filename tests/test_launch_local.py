@@ -69,12 +69,12 @@ def test_torchrun_matches_spawn_and_fork(tmp_path):
 
 def bad_data_program(spec, run_dir: str, return_state: bool = False):
     """A rank program that finds bad data only inside the worker (the parent's data was fine)."""
-    from titan_hydra.spec import DataSettings
+    from titan_hydra.data.settings import DataSettings
     from titan_hydra.train.services import build_dataset
 
     bad = Path(run_dir) / "bad.jsonl"
     bad.write_text(json.dumps({"txt": "no text field"}) + "\n")
-    build_dataset(DataSettings({**spec.data.node, "name": "json", "source": "json", "path": str(bad)}))
+    build_dataset(DataSettings.of({**spec.data.dataset_node, "name": "json", "source": "json", "path": str(bad)}))
 
 
 def gc_state_program(spec, run_dir: str, return_state: bool = False):

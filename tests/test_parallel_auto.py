@@ -15,7 +15,7 @@ from helpers import (BASE, GLOBAL_BATCH, STEPS, assert_parity, compose_cfg, pari
 
 from titan_hydra.config.schemas import ClusterConfig
 from titan_hydra.errors import ConfigError
-from titan_hydra.launch.resolve import resolve_auto
+from titan_hydra.launch.resolve import resolved_spec
 from titan_hydra.planner import auto
 from titan_hydra.planner.plan import plan
 from titan_hydra.validate import validate
@@ -25,8 +25,9 @@ H100 = ["cluster=slurm_h100", "parallelism=auto", "training.seq_len=8192"]
 
 def resolved(overrides):
     cfg = compose_cfg(overrides)
-    resolve_auto(cfg)
-    return cfg, plan(spec_of(cfg))
+    spec = resolved_spec(cfg)  # the spec on the chosen layout, the degrees written into cfg
+    assert spec.dims == spec_of(cfg).dims
+    return cfg, plan(spec)
 
 
 def fixed_layout_plan(overrides, **degrees):
@@ -75,7 +76,7 @@ def test_llama3_70b_one_node_does_not_fit():
     mems = {tp: fixed_layout_plan(ov, tp=tp).mem_total_gib for tp in (1, 2, 4, 8)}
     assert min(mems.values()) > 80.0  # the estimator: no TP degree inside a node fits
     with pytest.raises(ConfigError) as e:
-        resolve_auto(compose_cfg(ov))
+        resolved_spec(compose_cfg(ov))
     msg = str(e.value)
     assert "\n" not in msg
     assert msg.startswith("parallelism=auto: model=llama3_70b does not fit on 1x8 devices")
@@ -137,10 +138,11 @@ def test_resolution_is_deterministic_and_idempotent():
     a, _ = resolved(ov)
     b, _ = resolved(ov)
     assert a.parallelism == b.parallelism
-    again = resolve_auto(a)  # a SLURM task re-entering launch(): already concrete
-    assert again.parallelism == b.parallelism
-    fixed = compose_cfg(["parallelism=fsdp_tp"])
-    assert resolve_auto(fixed).parallelism == compose_cfg(["parallelism=fsdp_tp"]).parallelism
+    resolved_spec(a)  # a SLURM task re-entering launch(): already concrete
+    assert a.parallelism == b.parallelism
+    fixed = compose_cfg(["parallelism=fsdp_tp", "cluster.nproc_per_node=4"])
+    resolved_spec(fixed)
+    assert fixed.parallelism == compose_cfg(["parallelism=fsdp_tp"]).parallelism
 
 
 # 8B at 2 x 8192 tokens with torchtitan's selective AC on one 80 GB node: pure FSDP is estimated
@@ -172,7 +174,7 @@ def test_a_layout_that_fits_only_without_headroom_is_not_chosen(capsys):
 @pytest.mark.parametrize("value", ["-0.1", "1", "1.5"])
 def test_memory_headroom_out_of_range_is_a_one_line_error(value):
     """Checked by auto (before validation) and by validation (for the runs that never plan)."""
-    for check in (resolve_auto, lambda cfg: validate(cfg, environment=False)):
+    for check in (resolved_spec, lambda cfg: validate(cfg, environment=False)):
         with pytest.raises(ConfigError) as e:
             check(compose_cfg([*EDGE, f"cluster.memory_headroom={value}"]))
         assert str(e.value) == (f"cluster.memory_headroom={float(value)} must be within [0, 1): the fraction of "

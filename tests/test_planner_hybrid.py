@@ -10,7 +10,7 @@ from helpers import compose_cfg
 from test_estimator import measured_peak_gib
 
 from titan_hydra.errors import ConfigError
-from titan_hydra.launch.resolve import resolve_auto
+from titan_hydra.launch.resolve import resolved_spec
 from titan_hydra.models.registry import args_of
 from titan_hydra.planner import auto
 from titan_hydra.planner.activations import linear_attention_bytes
@@ -97,4 +97,4 @@ def test_auto_plans_the_published_moe_flavor_without_tensor_parallel():
     assert chosen is not None and chosen.tp == 1 and chosen.fits
     one_node = compose_cfg(["model=qwen3_5_35b_a3b", "parallelism=auto", "cluster=slurm_h100"])
     with pytest.raises(ConfigError, match=r"does not fit on 1x8 devices.*add nodes \(cluster.nnodes\)"):
-        resolve_auto(one_node)
+        resolved_spec(one_node)

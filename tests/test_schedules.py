@@ -1,4 +1,4 @@
-"""Batch-size and sequence-length schedules (config/schedules.py): the per-step plan against a
+"""Batch-size and sequence-length schedules (titan_hydra/schedules.py): the per-step plan against a
 hand-computed table, the LR factor's closed forms, the one-line refusals, loss parity of a batch
 ramp under fsdp(2) against one process, and bit-for-bit resume inside the ramp and across a
 seq-len stage boundary."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers import BASE, UNTIED, compose_cfg, launch_here, machine_bound, series
-from titan_hydra.config.schedules import lr_factor, schedule_of
+from titan_hydra.schedules import lr_factor, schedule_of
 from titan_hydra.data.loader import BatchLoader
 from titan_hydra.data.staged import StagedLoader
 from titan_hydra.errors import ConfigError, DataError
@@ -58,8 +58,6 @@ def test_lr_factor_closed_forms(rule, expected):
 @pytest.mark.parametrize("target, rule", [("torch.optim.AdamW", "sqrt"), ("torch.optim.SGD", "linear")])
 def test_auto_lr_rule_and_the_scheduled_lr(target, rule, tmp_path):
     """auto resolves by optimizer; the LambdaLR's LR of step s is its own multiplier x the factor."""
-    from titan_hydra.train.batch_lr import with_batch_lr
-
     opt = ["optimizer=sgd"] if target.endswith("SGD") else []
     spec = spec_of(compose_cfg(BASE + opt + [RAMP, "training.steps=6"]))
     plan = spec.batch.schedule
@@ -67,7 +65,7 @@ def test_auto_lr_rule_and_the_scheduled_lr(target, rule, tmp_path):
     p = torch.nn.Parameter(torch.zeros(2))
     optimizers = [torch.optim.SGD([p], lr=1.0) for _ in range(2)]
     plain = spec.lr_scheduler(optimizers[0], 6)
-    scaled = with_batch_lr(spec.lr_scheduler(optimizers[1], 6), plan)
+    scaled = spec.lr_scheduler(optimizers[1], 6, plan.step_factor)
     for step in range(6):
         assert scaled.get_last_lr()[0] == plain.get_last_lr()[0] * lr_factor(rule, RAMP_BATCHES[step], 8)
         for optimizer, scheduler in zip(optimizers, (plain, scaled)):

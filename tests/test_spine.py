@@ -4,8 +4,10 @@ group is built once per process; everything after validation reads the typed ``R
 from __future__ import annotations
 
 import ast
+import collections.abc
 import dataclasses
 import pickle
+import typing
 from collections import Counter
 from pathlib import Path
 
@@ -23,12 +25,14 @@ PACKAGE = REPO / "titan_hydra"
 # entry points that act on the config before validation (resolve, sweeps, SLURM submission and
 # its pre-flight check, the data-preparation jobs).
 CONFIG_READERS = {
-    "config", "groups.py", "validate.py", "launch/entry.py", "launch/resolve.py", "launch/sweep.py",
+    "config", "groups.py", "launch/entry.py", "launch/resolve.py", "launch/sweep.py",
     "launch/sweep_check.py", "launch/slurm.py", "launch/slurm_check.py", "launch/submitit_jobs.py",
     "launch/prepare_jobs.py",
 }
 # In spec.py only spec_of and the helpers it reads the config through.
-SPEC_OF = {"spec_of", "world_size_of", "cluster_of", "dims_of", "flavor_of"}
+SPEC_OF = {"spec_of", "training_of", "cluster_of", "check_model_node", "dims_of", "flavor_of"}
+# In validate.py only the entry that builds the spec and Hydra's run-dir callback (the rules read the spec).
+VALIDATE_OF = {"validate", "check_run_dir", "on_run_start", "on_multirun_start"}
 
 
 def _reads_config(relative: str) -> bool:
@@ -84,14 +88,14 @@ def test_the_rule_catches_what_it_names():
 
 def test_nothing_after_validation_reads_the_raw_config():
     """Every module of the package except the config readers (``CONFIG_READERS``: the config layer,
-    groups.py, validate.py and the entry points that act before validation) and spec.py's
-    ``spec_of`` with its helpers: no ``.config`` off a RunSpec, no parameter typed DictConfig."""
+    groups.py and the entry points that act before validation), spec.py's ``spec_of`` with its
+    helpers and validate.py's entry: no ``.config`` off a RunSpec, no parameter typed DictConfig."""
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE).as_posix()
         if _reads_config(relative):
             continue
-        allowed = frozenset(SPEC_OF) if relative == "spec.py" else frozenset()
+        allowed = frozenset({"spec.py": SPEC_OF, "validate.py": VALIDATE_OF}.get(relative, ()))
         found += [f"titan_hydra/{relative}:{line} {what}" for line, what in raw_config_reads(path.read_text(), allowed)]
     assert not found, "\n".join(found)
 
@@ -106,6 +110,17 @@ def test_the_spec_holds_no_config_tree():
     assert type(spec.resolved) is dict
     again = pickle.loads(pickle.dumps(spec))  # into spawned workers, rebuilt from nothing
     assert again.family is spec.family and again.model_args == spec.model_args and again.dims == spec.dims
+
+
+def test_every_spec_field_is_typed():
+    """Each field names its settings class, built object or partial: none is ``Any`` or a raw
+    mapping, except the resolved config, which is logged and never read for settings."""
+    loose = []
+    for name, hint in typing.get_type_hints(RunSpec).items():
+        origin = typing.get_origin(hint) or hint
+        if hint is typing.Any or origin in (dict, collections.abc.Mapping, typing.Mapping):
+            loose.append(name)
+    assert loose == ["resolved"], loose
 
 
 def test_validation_leaves_the_config_as_composed():

@@ -15,7 +15,7 @@ import torch
 from titan_hydra.spec import spec_of
 from helpers import FAMILIES, TINY, UNTIED, assert_parity, compose_cfg, float8_bound, machine_bound
 from titan_hydra.errors import TrainingDiverged
-from titan_hydra.train.lr_scheduler import lr_multiplier
+from titan_hydra.schedules import lr_multiplier
 from titan_hydra.train.pretrain import run
 
 FAST = TINY + ["logger=minimal", "training.val_freq=0", "cluster.threads_per_proc=1"]

@@ -98,13 +98,13 @@ def test_bad_decay_is_refused():
 def _tiny_checkpoint(path: Path, step: int, dim: int = 32, seed: int = 0) -> None:
     from titan_hydra.models.llama3 import FAMILY, Llama3
     from titan_hydra.parallel.parallelism import ParallelDims
-    from titan_hydra.train.lr_scheduler import build_lr_scheduler
+    from titan_hydra.schedules import WarmupDecay
     from titan_hydra.train.trainer import TrainState
 
     torch.manual_seed(seed)
     model = Llama3(dim=dim, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    m = CheckpointManager(run_dir=path, model_parts=[model], optimizer=opt, lr_scheduler=build_lr_scheduler(opt, 10),
+    m = CheckpointManager(run_dir=path, model_parts=[model], optimizer=opt, lr_scheduler=WarmupDecay()(opt, 10),
                           train_loader=object(), train_state=TrainState(), dims=ParallelDims(), family=FAMILY,
                           model_args=model.args, flavor="custom")
     save_plain(path / "checkpoint" / f"step-{step}", m.state_to_save(model_only=True),
@@ -218,7 +218,7 @@ def _load_into_one_process(path: Path) -> dict[str, torch.Tensor]:
     """``initial_load_path``'s loader (CheckpointManager.load_initial) into a model in this process."""
     from titan_hydra.models.registry import get_family
     from titan_hydra.parallel.parallelism import ParallelDims
-    from titan_hydra.train.lr_scheduler import build_lr_scheduler
+    from titan_hydra.schedules import WarmupDecay
     from titan_hydra.train.trainer import TrainState
 
     info = read_marker(path)["model"]
@@ -226,7 +226,7 @@ def _load_into_one_process(path: Path) -> dict[str, torch.Tensor]:
     args = family.make_args(info["args"])
     model = family.build(args)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    m = CheckpointManager(run_dir=path.parent, model_parts=[model], optimizer=opt, lr_scheduler=build_lr_scheduler(
+    m = CheckpointManager(run_dir=path.parent, model_parts=[model], optimizer=opt, lr_scheduler=WarmupDecay()(
         opt, 10), train_loader=object(), train_state=TrainState(), dims=ParallelDims(), family=family,
         model_args=args, flavor="custom")
     m.load_initial(path)

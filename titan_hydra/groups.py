@@ -6,7 +6,7 @@ two cannot drift, and an option file under ``conf/<group>/`` states only what di
 A model family's schema is derived the same way, from its args class (``schema_model_<family>``).
 The string settings the schema checks while composing are Choice enums made from the owner's own
 constants (``parallelism.pp_schedule`` from ``PP_SCHEDULES``). The optimizer's schema is written
-in ``train/optimizers.py`` (its target is any torch class; see ``OptimizerConfig``).
+in ``config/optimizer.py`` (its target is any torch class; see ``OptimizerConfig``).
 
 This module sits in a layer above every class it reads; it registers all schemas in Hydra's
 ConfigStore on import (``launch.py`` imports it) and ``compose_config`` composes with them.
@@ -24,6 +24,8 @@ from hydra.core.config_store import ConfigStore
 from titan_hydra import errors
 from titan_hydra.checkpoint.manager import ASYNC_MODES, EXPORT_DTYPES, CheckpointSettings
 from titan_hydra.config import ClusterConfig, choice, register_resolvers, root_schema, schema_from
+from titan_hydra.config.eval import EvalSettings
+from titan_hydra.config.optimizer import OptimizerConfig
 from titan_hydra.data import dataset as token_data
 from titan_hydra.data import image_caption
 from titan_hydra.data.mixture import MixtureDataset
@@ -35,11 +37,9 @@ from titan_hydra.parallel.parallelism import CP_ROTATE_METHODS, PP_SCHEDULES, RE
 from titan_hydra.profiling import build_profiler
 from titan_hydra.float8 import Float8Converter
 from titan_hydra.runtime.fault_tolerance import FaultTolerance
-from titan_hydra.train.lr_scheduler import DECAY_TYPES, CooldownSchedule, build_lr_scheduler
-from titan_hydra.train.optimizers import OptimizerConfig
-from titan_hydra.train.eval import PeriodicEval
-from titan_hydra.train.health.fault_injection import FaultInjection
-from titan_hydra.train.health.settings import CHECKSUM_ACTIONS, SPIKE_ACTIONS, Health
+from titan_hydra.schedules import DECAY_TYPES, CooldownSchedule, WarmupDecay
+from titan_hydra.config.fault_injection import FaultInjection
+from titan_hydra.config.health import CHECKSUM_ACTIONS, SPIKE_ACTIONS, Health
 
 ReshardPolicy = choice("ReshardPolicy", RESHARD_POLICIES, __name__)
 RotateMethod = choice("RotateMethod", CP_ROTATE_METHODS, __name__)
@@ -68,8 +68,8 @@ ParallelismConfig = schema_from(
     ParallelDims, name="ParallelismConfig", module=__name__, labels=LABEL,
     given=("world_size", "replica_groups", "replica_group"),  # the recipe's: the launch and fault_tolerance
     choices={"fsdp_reshard_after_forward": ReshardPolicy, "pp_schedule": PPSchedule, "cp_rotate_method": RotateMethod})
-LRSchedulerConfig = schema_from(build_lr_scheduler, name="LRSchedulerConfig", module=__name__, partial=True,
-                                labels=LABEL, given=("optimizer", "total_steps"), choices={"decay_type": DecayType})
+LRSchedulerConfig = schema_from(WarmupDecay, name="LRSchedulerConfig", module=__name__, labels=LABEL,
+                                choices={"decay_type": DecayType})
 CooldownConfig = schema_from(CooldownSchedule, name="CooldownConfig", module=__name__, labels=LABEL,
                              choices={"decay_type": DecayType})
 Float8Config = schema_from(Float8Converter, name="Float8Config", module=__name__, choices={"recipe": Float8Recipe})
@@ -92,7 +92,7 @@ FaultToleranceConfig = schema_from(FaultTolerance, name="FaultToleranceConfig", 
 HealthConfig = schema_from(Health, name="HealthConfig", module=__name__,
                            choices={"spike_action": SpikeAction, "checksum_action": ChecksumAction})
 FaultInjectionConfig = schema_from(FaultInjection, name="FaultInjectionConfig", module=__name__)
-EvalConfig = schema_from(PeriodicEval, name="EvalConfig", module=__name__, links={"max_seq_len": SEQ_LEN})
+EvalConfig = schema_from(EvalSettings, name="EvalConfig", module=__name__, links={"max_seq_len": SEQ_LEN})
 ProfilingConfig = schema_from(build_profiler, name="ProfilingConfig", module=__name__, partial=True,
                               given=("run_dir", "rank", "model_parts", "optimizer", "device"))
 # metrics backends: MetricLogger passes the run dir (and the run's config to W&B)

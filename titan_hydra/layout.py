@@ -26,31 +26,8 @@ def check_layout(spec: RunSpec) -> None:
             f"training.seq_len={seq_len} must be divisible by 2*parallelism.cp={2 * dims.cp} "
             "(causal load balancing splits each sequence into 2*cp chunks); change training.seq_len or parallelism.cp"
         )
-    check_seq_len_stages(spec)
+    spec.batch.schedule.check_layout(dims, spec.data)
     check_parallel_modules(spec)
-
-
-def check_seq_len_stages(spec: RunSpec) -> None:
-    """A seq-len schedule's shorter stages keep the rules ``training.seq_len`` (the longest) keeps,
-    on data and a layout that can change window length between steps; a batch schedule (by
-    tokens seen) needs token data."""
-    if spec.batch.schedule.batch_stages and not spec.token_data:
-        raise ConfigError("training.batch_schedule counts tokens seen (sequences x seq_len), which data of "
-                          f"{spec.data.name!r} has not: drop the schedule or use token data")
-    stages = [v for _, v in spec.batch.schedule.seq_stages]
-    if not stages:
-        return
-    dims, node = spec.dims, spec.data.node
-    if not spec.token_data or node.get("streaming") or "sources" in node:
-        raise ConfigError("training.seq_len_schedule needs packed token data (one source, data.streaming=false; "
-                          "not a mixture, streamed or image data): drop the schedule or change data")
-    if dims.pp > 1:
-        raise ConfigError(f"training.seq_len_schedule is not supported with parallelism.pp={dims.pp} (a pipeline's "
-                          "stages are built for one micro-batch shape); use pp=1 or drop the schedule")
-    for s in stages:
-        if (dims.cp > 1 and s % (2 * dims.cp)) or (dims.tp_sequence_parallel and s % (dims.tp * dims.cp)):
-            raise ConfigError(f"training.seq_len_schedule stage seq_len {s} must be divisible by 2*cp={2 * dims.cp} "
-                              f"and tp*cp={dims.tp * dims.cp} under sequence parallel; change that stage")
 
 
 def check_parallel_modules(spec: RunSpec) -> None:

@@ -1,5 +1,8 @@
-"""Cross-field rules the schema cannot express, checked before any process starts.
+"""Cross-field rules the schema cannot express, checked on the run's ``RunSpec`` before any process starts.
 
+``spec_of`` reads the composed config once, into typed settings, refusing a value no setting
+can hold (each settings class's own rules: ``training_of``, ``cluster_of``, ``OptimizerSettings``,
+``Health``, ...); ``check_spec`` then asks every rule that spans settings, reading the spec only.
 Each rule raises ConfigError with one line: what is wrong, and which key fixes it.
 """
 
@@ -16,28 +19,24 @@ from titan_hydra.checkpoint.state import CATEGORIES
 from titan_hydra.checkpoint.storage import CheckpointError
 from titan_hydra.data import dataset as token_data
 from titan_hydra.data.mixture import check_sources
+from titan_hydra.data.settings import DataSettings
 from titan_hydra.data.tokenizer import Tokenizer
 from titan_hydra.errors import ConfigError, DataError, check_writable_dir  # check_writable_dir: also imported from here
 from titan_hydra.layout import check_layout
 from titan_hydra.runtime.device import check_backend, check_device, check_start_method
-from titan_hydra.spec import RunSpec, spec_of
-
-
-def _positive(cfg: DictConfig, key: str, allow_zero: bool = False) -> None:
-    value = OmegaConf.select(cfg, key)
-    if value is None:
-        return
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{key}={value} must be {bound}")
+from titan_hydra.schedules import CooldownSchedule, check_branch_point
+from titan_hydra.spec import RunSpec, check_positive, spec_of
 
 
 def validate(cfg: DictConfig, environment: bool = True) -> RunSpec:
-    """The run's RunSpec, or ConfigError on the first broken rule. ``environment=False`` (and a dry
-    run) skips what only the machine that runs it can answer: devices, start method, local paths."""
-    _validate_counts(cfg)
-    _validate_schedule(cfg.training, cfg.lr_scheduler)
-    spec = spec_of(cfg)  # every group built once: degrees vs world size, the model node, each group's own rules
+    """The RunSpec of a composed config, or ConfigError on the first broken rule (``check_spec``)."""
+    return check_spec(spec_of(cfg), environment)
+
+
+def check_spec(spec: RunSpec, environment: bool = True) -> RunSpec:
+    """``spec``, or ConfigError on the first broken rule. ``environment=False`` (and a dry run) skips
+    what only the machine that runs it can answer: devices, start method, local paths."""
+    spec.lr_scheduler.check(spec.training.steps)
     check_layout(spec)
     if spec.data.document_mask:
         _validate_document_mask(spec.family, spec.dims)
@@ -45,67 +44,39 @@ def validate(cfg: DictConfig, environment: bool = True) -> RunSpec:
     if here:
         _validate_environment(spec)
     if spec.token_data:  # (image data checks itself on build)
-        _validate_data(cfg, spec.shape.vocab_size)
+        _validate_data(spec.data, spec.shape.vocab_size)
     if spec.eval.enabled:
-        spec.eval.check(spec.family)  # lm-eval installed, tasks known, pictures drawable: before any model
-    _validate_ranges(cfg)
-    if getattr(spec.lr_scheduler, "branches_off_a_checkpoint", False):  # lr_scheduler=cooldown
-        _validate_branch(cfg.checkpoint, spec.training.steps, local_paths=here)
-    _validate_checkpoint(cfg.checkpoint, spec.world_size, local_paths=here)
-    _validate_fault_tolerance(cfg)
+        _validate_eval(spec)
+    _validate_ranges(spec)
+    if isinstance(spec.lr_scheduler, CooldownSchedule):
+        _validate_branch(spec, local_paths=here)
+    _validate_checkpoint(spec, local_paths=here)
+    _validate_fault_tolerance(spec)
     spec.fault_injection.check_ranks(spec.world_size)  # the health settings' own rules ran in spec_of
-    _validate_float8(cfg)
+    _validate_float8(spec)
     return spec
 
 
-def _validate_counts(cfg: DictConfig) -> None:
-    for key in ("training.steps", "training.local_batch_size", "training.seq_len", "training.log_freq",
-                "training.val_steps", "cluster.nproc_per_node", "cluster.nnodes", "optimizer.lr",
-                "model.dim", "model.n_layers", "model.n_heads", "model.vocab_size"):
-        _positive(cfg, key)
-    for key in ("training.max_norm", "training.val_freq", "lr_scheduler.warmup_steps", "checkpoint.interval",
-                "checkpoint.keep_latest_k"):
-        _positive(cfg, key, allow_zero=True)
-
-
-def _validate_schedule(t: DictConfig, s: DictConfig) -> None:
-    if not 0.0 <= t.ema_decay < 1.0:
-        raise ConfigError(f"training.ema_decay={t.ema_decay} must be within [0, 1): 0 keeps no EMA of the weights, "
-                          "0.999 averages over about the last 1000 steps")
-    if not 0.0 <= s.min_lr_factor <= 1.0:
-        raise ConfigError(f"lr_scheduler.min_lr_factor={s.min_lr_factor} must be within [0, 1]")
-    if "warmup_fraction" not in s:  # lr_scheduler=cooldown: no warmup or decay ratio (_validate_branch)
-        return
-    if not 0.0 <= s.warmup_fraction <= 1.0:
-        raise ConfigError(f"lr_scheduler.warmup_fraction={s.warmup_fraction} must be within [0, 1]")
-    if s.warmup_steps is not None and s.warmup_steps > t.steps:
-        raise ConfigError(
-            f"lr_scheduler.warmup_steps={s.warmup_steps} exceeds training.steps={t.steps}; lower it or set "
-            "lr_scheduler.warmup_steps=null (warmup_fraction of the run)"
-        )
-    if s.decay_ratio is not None and not 0.0 <= s.decay_ratio <= 1.0:
-        raise ConfigError(f"lr_scheduler.decay_ratio={s.decay_ratio} must be within [0, 1]")
-
-
-def _validate_float8(cfg: DictConfig) -> None:
+def _validate_float8(spec: RunSpec) -> None:
     """float8 converts through torchao: a missing one is one line now, not a traceback at model build."""
-    if str(cfg.float8.recipe) != "none" and importlib.util.find_spec("torchao") is None:
-        raise ConfigError(f"float8={cfg.float8.recipe} needs torchao, which is not installed; "
+    recipe = spec.float8.recipe
+    if str(recipe) != "none" and importlib.util.find_spec("torchao") is None:
+        raise ConfigError(f"float8={recipe} needs torchao, which is not installed; "
                           "pip install torchao==0.18.0, or float8=none")
 
 
-def _validate_fault_tolerance(cfg: DictConfig) -> None:
-    ft = cfg.fault_tolerance
-    if ft.name == "none":  # (its own value rules were spec_of's, when it built the group)
+def _validate_fault_tolerance(spec: RunSpec) -> None:
+    ft = spec.fault_tolerance
+    if not ft.enabled:  # (its own value rules were spec_of's, when it built the group)
         return
-    if cfg.training.ema_decay > 0:
-        raise ConfigError(f"training.ema_decay={cfg.training.ema_decay} with fault_tolerance={ft.name}: a replica "
+    if spec.training.ema_decay > 0:
+        raise ConfigError(f"training.ema_decay={spec.training.ema_decay} with fault_tolerance={ft.name}: a replica "
                           "group recovering from a live peer would not receive its EMA; set training.ema_decay=0")
-    if ft.group is not None and not ft.lighthouse:
+    if ft.starts_alone and not ft.lighthouse:
         raise ConfigError(f"fault_tolerance.group={ft.group} starts that replica group on its own: it needs the "
                           "Lighthouse every group meets at, fault_tolerance.lighthouse=http://host:port "
                           "(start one with: torchft_lighthouse --min_replicas 1 --bind 0.0.0.0:29510)")
-    if cfg.cluster.launcher == "slurm" and ft.group is None:
+    if spec.cluster.launcher == "slurm" and not ft.starts_alone:
         raise ConfigError("fault_tolerance=torchft on SLURM runs one job per replica group: submit them as a sweep, "
                           "-m fault_tolerance.group=0,1,... with fault_tolerance.lighthouse=http://host:port of a "
                           "Lighthouse you run beside them (torchft_lighthouse --bind 0.0.0.0:<port>)")
@@ -129,29 +100,18 @@ def _validate_environment(spec: RunSpec) -> None:
     check_backend(device, str(c.backend))
 
 
-def _validate_data(cfg: DictConfig, vocab: int) -> None:
+def _validate_data(data: DataSettings, vocab: int) -> None:
     """The data owners' own rules (``dataset.check_settings``, ``mixture.check_sources``), asked
     before any process starts, then the tokenizer against the model's vocabulary."""
     try:
-        _check_data_sources(cfg.data)
+        if data.mixture:
+            check_sources(data.sources or {})
+        elif data.source is not None:
+            token_data.check_settings(data.source, data.path, data.seq_len, data.val_fraction, data.hf_name,
+                                      data.streaming)
     except DataError as e:
         raise ConfigError(str(e)) from None
-    _validate_tokenizer(str(cfg.data.tokenizer), vocab)
-
-
-def _check_data_sources(d: DictConfig) -> None:
-    if "sources" in d:  # data=mixture
-        check_sources(OmegaConf.to_container(d.sources, resolve=True) if d.get("sources") is not None else {})
-    elif "source" in d:
-        token_data.check_settings(str(d.source), _given(d, "path"), int(d.seq_len), float(d.val_fraction),
-                                  _given(d, "hf_name"), bool(d.streaming))
-
-
-def _given(node: DictConfig, key: str) -> str | None:
-    """``node.key`` as a string, or None where it is unset (``???``) or null."""
-    if key not in node or OmegaConf.is_missing(node, key) or node[key] is None:
-        return None
-    return str(node[key])
+    _validate_tokenizer(str(data.tokenizer), vocab)
 
 
 def _validate_tokenizer(tokenizer: str, vocab: int) -> None:
@@ -163,39 +123,35 @@ def _validate_tokenizer(tokenizer: str, vocab: int) -> None:
                           "raise model.vocab_size or use a smaller tokenizer")
 
 
-# --------------------------------------------------------------------------- value ranges, checkpoint, run dir
-# Keys a family or option may lack are looked up with OmegaConf.select (absent: not checked).
-# Every key is checked whatever the layout: cluster.init_timeout_s matters only once a rendezvous
-# happens, but a one-process run that accepts -1 teaches the user it was fine.
-POSITIVE = ("training.val_local_batch_size", "cluster.threads_per_proc", "parallelism.pp_microbatches",
-            "model.rope_theta", "model.norm_eps", "data.max_documents", "cluster.init_timeout_s",
-            "cluster.timeout_min")
-NON_NEGATIVE = ("cluster.max_restarts", "optimizer.weight_decay", "optimizer.eps", "cluster.max_requeue",
-                "cluster.signal_delay_s")
+def _validate_eval(spec: RunSpec) -> None:
+    """The settings against the family (``EvalSettings.check``), then the harness: lm-eval
+    installed and every task known, before any model is built."""
+    settings = spec.eval
+    settings.check(spec.family)
+    if settings.freq <= 0:
+        return
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError(f"eval.freq={settings.freq} needs the lm-eval harness: pip install -e '.[eval]' "
+                          "(or set eval=none)")
+    from titan_hydra.evaluation import check_tasks  # lm-eval: the optional eval extra, loaded only when asked for
+    check_tasks(list(settings.tasks))
 
 
-def _validate_ranges(cfg: DictConfig) -> None:
-    """Values a constructor would refuse with a traceback (AdamW betas) or accept and go wrong with
-    (a negative rope_theta trains on NaNs), refused before anything is built."""
-    for key in POSITIVE:
-        _positive(cfg, key)
-    for key in NON_NEGATIVE:
-        _positive(cfg, key, allow_zero=True)
-    gbs = cfg.training.global_batch_size
-    if gbs != -1 and gbs < 1:
-        raise ConfigError(f"training.global_batch_size={gbs} must be -1 (local batch x data parallel) or > 0")
-    betas = OmegaConf.select(cfg, "optimizer.betas")
-    if betas is not None and not all(0.0 <= float(b) < 1.0 for b in betas):
-        raise ConfigError(f"optimizer.betas={list(betas)} must each be within [0, 1)")
-    p = cfg.profiling
-    if p.enable:
+def _validate_ranges(spec: RunSpec) -> None:
+    """Values of settings without a class of their own to refuse them, refused before anything is
+    built: the pipeline's micro-batches, the data's document cap, the profiler's schedule."""
+    check_positive("parallelism.pp_microbatches", spec.dims.pp_microbatches)
+    check_positive("data.max_documents", spec.data.max_documents)
+    profiling = spec.profiler.keywords
+    if profiling.get("enable"):
         for key in ("profile_freq", "active"):
-            _positive(cfg, f"profiling.{key}")
-        _positive(cfg, "profiling.warmup", allow_zero=True)
+            check_positive(f"profiling.{key}", profiling.get(key))
+        check_positive("profiling.warmup", profiling.get("warmup"), allow_zero=True)
 
 
-def _validate_branch(c: DictConfig, steps: int, local_paths: bool) -> None:
+def _validate_branch(spec: RunSpec, local_paths: bool) -> None:
     """``lr_scheduler=cooldown``: a full-state start from a stable run's checkpoint, before its end."""
+    c = spec.checkpoint_settings
     if not c.initial_load_path:
         raise ConfigError("lr_scheduler=cooldown branches off a stable run's checkpoint: set "
                           "checkpoint.initial_load_path=<base run>/checkpoint/step-S (experiment=anneal_branches)")
@@ -208,16 +164,17 @@ def _validate_branch(c: DictConfig, steps: int, local_paths: bool) -> None:
         step = branch_point(c.initial_load_path)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
-    if step >= steps:
-        raise ConfigError(f"lr_scheduler=cooldown: the branch point (step {step} of {c.initial_load_path}) is not "
-                          f"before training.steps={steps}; set training.steps to the branch point + the cooldown steps")
+    check_branch_point(step, spec.training.steps, c.initial_load_path)
 
 
-def _validate_checkpoint(c: DictConfig, world_size: int, local_paths: bool) -> None:
+def _validate_checkpoint(spec: RunSpec, local_paths: bool) -> None:
+    c = spec.checkpoint_settings
+    check_positive("checkpoint.interval", c.interval, allow_zero=True)
+    check_positive("checkpoint.keep_latest_k", c.keep_latest_k, allow_zero=True)
     unknown = sorted(set(c.exclude_from_loading or []) - set(CATEGORIES))
     if unknown:
         raise ConfigError(f"checkpoint.exclude_from_loading has unknown entries {unknown}; use {', '.join(CATEGORIES)}")
-    if c.create_seed_checkpoint and world_size != 1:
+    if c.create_seed_checkpoint and spec.world_size != 1:
         raise ConfigError("checkpoint.create_seed_checkpoint=true runs in one process: set "
                           "cluster.nproc_per_node=1 and parallelism=single")
     if not local_paths:  # a plan for another machine: its paths need not exist here

@@ -9,7 +9,9 @@ Where a default lives: a group whose option builds an object (``_target_``), a m
 included, has its schema derived from that object's class (``titan_hydra.groups``, a layer above
 the classes; it holds the group list, registers every schema and composes configs). This package
 holds what builds nothing (the root, ``training``, ``cluster``: ``schemas``), the one derivation
-(``derive``), Choice enums, run-dir naming and the precision helpers.
+(``derive``), Choice enums, run-dir naming and the precision helpers, and the settings a rank
+later binds to its parts (``eval``, ``health``, ``fault_injection``, ``optimizer``): typed here,
+below the ``RunSpec`` that carries them, and run by ``train/``.
 """
 
 from titan_hydra.config.choice import Choice, choice

@@ -106,7 +106,7 @@ class TrainingConfig:
     # (loss parity). sharded: each rank initializes its own shards (no full copy in memory;
     # weights then depend on the layout). auto: full below 1.5B parameters.
     init_mode: InitMode = InitMode["auto"]
-    # Schedules by tokens seen (config/schedules.py): [[tokens_seen, value], ...], the first at 0,
+    # Schedules by tokens seen (titan_hydra/schedules.py): [[tokens_seen, value], ...], the first at 0,
     # both columns increasing. batch_schedule: the global batch in samples (more micro-batches per
     # step: global_batch_size stays -1); seq_len_schedule: the window length, ending at seq_len.
     batch_schedule: Optional[List[List[int]]] = None

@@ -1,9 +1,9 @@
 """From a composed config to running ranks: compose -> resolve -> validate -> RunSpec -> run.
 
-``launch(cfg)`` resolves what the config leaves open (``parallelism=auto``, a sweep job's W&B
-identity: the only changes made to the config, all before validation), validates it into the
-run's ``RunSpec`` (one-line ``error:`` and exit 2 on bad input), prints the plan for ``dry_run``,
-and otherwise hands the spec to the pretraining recipe: in this process when it is the only
+``launch(cfg)`` resolves what the config leaves open (a sweep job's W&B identity,
+``parallelism=auto``: the only changes made to the config, all before validation), builds the
+run's ``RunSpec`` once and validates it (one-line ``error:`` and exit 2 on bad input), prints
+the plan for ``dry_run``, and otherwise hands the spec to the pretraining recipe: in this process when it is the only
 rank or when an outer launcher (torchrun, SLURM) already made this process a rank, or in
 workers that the local launcher spawns through torch elastic.
 """
@@ -23,11 +23,11 @@ from titan_hydra.launch.run_lock import RunDirLock, owns_run
 from titan_hydra.launch.slurm import export_dist_env, in_slurm_step, in_submitit_job, submit
 from titan_hydra.launch.submitit_jobs import JobFailed
 from titan_hydra.launch.sweep import apply_sweep_identity
-from titan_hydra.launch.resolve import resolve_auto
+from titan_hydra.launch.resolve import resolved_spec
 from titan_hydra.planner.plan import plan
 from titan_hydra.runtime.fault_tolerance import GROUP_ENV
 from titan_hydra.train.pretrain import run
-from titan_hydra.validate import validate
+from titan_hydra.validate import check_spec
 
 
 def fail(message: str) -> None:
@@ -48,10 +48,10 @@ def launch(cfg: DictConfig, run_dir: str | None = None) -> float | None:
     export_dist_env(cfg)  # a SLURM / submitit task becomes its rank
     submit_to_slurm = cfg.cluster.launcher == "slurm" and not (in_slurm_step() or in_submitit_job())
     try:
-        resolve_auto(cfg)  # parallelism=auto -> concrete degrees, before anything checks them
         apply_sweep_identity(cfg)  # W&B group / name of a multirun job
+        spec = resolved_spec(cfg)  # built once; parallelism=auto -> concrete degrees, before anything checks them
         # a SLURM submit host leaves the device checks to the compute nodes
-        spec = validate(cfg, environment=not submit_to_slurm)
+        spec = check_spec(spec, environment=not submit_to_slurm)
     except UserError as e:
         fail(str(e))
     if spec.dry_run:

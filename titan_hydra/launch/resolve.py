@@ -1,30 +1,41 @@
-"""Resolve what the composed config leaves open, before validation: ``parallelism=auto``.
+"""The run's spec, built once per process, with what the composed config leaves open resolved:
+``parallelism=auto``.
 
-The one place a layout choice is written into the config: the planner picks it from the run's
-spec (``planner/auto.py``), and the degrees land in ``cfg.parallelism`` with the name
-``auto:<degrees>``, so the run's logged config records the choice and a second call (a SLURM
-task re-entering ``launch``) is a no-op.
+The planner picks the layout from the run's spec (``planner/auto.py``); the spec continues on the
+chosen dims (its logged config records them), and the degrees are also written into the config
+with the name ``auto:<degrees>``: the config a SLURM submission hands its tasks then names a
+concrete layout, and a second call (a task re-entering ``launch``) resolves nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from titan_hydra.planner.auto import Candidate, choose_layout
-from titan_hydra.spec import spec_of
+from titan_hydra.planner.auto import Candidate, candidate_spec, choose_layout
+from titan_hydra.spec import RunSpec, spec_of
 
 
-def resolve_auto(cfg: DictConfig) -> DictConfig:
-    """Replace ``parallelism=auto`` by concrete degrees (in place); other layouts pass through."""
+def resolved_spec(cfg: DictConfig) -> RunSpec:
+    """``spec_of(cfg)``, under ``parallelism=auto`` on the planner's layout (the config updated in
+    place); other layouts as composed."""
+    spec = spec_of(cfg)
     if OmegaConf.select(cfg, "parallelism.name") != "auto":
-        return cfg
-    set_degrees(cfg, choose_layout(spec_of(cfg)))
-    return cfg
+        return spec
+    chosen = choose_layout(spec)
+    set_degrees(cfg, chosen)
+    on_layout = candidate_spec(spec, chosen)
+    parallelism = {**on_layout.resolved["parallelism"], **layout_settings(chosen)}
+    return dataclasses.replace(on_layout, resolved={**on_layout.resolved, "parallelism": parallelism})
+
+
+def layout_settings(c: Candidate) -> dict:
+    """The ``parallelism`` keys a chosen layout sets."""
+    return {**c.degrees(), "pp_microbatches": c.pp_microbatches, "name": "auto:" + c.describe(",")}
 
 
 def set_degrees(cfg: DictConfig, c: Candidate) -> None:
     with open_dict(cfg):
-        for k, v in c.degrees().items():
+        for k, v in layout_settings(c).items():
             cfg.parallelism[k] = v
-        cfg.parallelism.pp_microbatches = c.pp_microbatches
-        cfg.parallelism.name = "auto:" + c.describe(",")

@@ -33,8 +33,8 @@ from omegaconf import DictConfig, OmegaConf, read_write
 
 from titan_hydra.errors import UserError
 from titan_hydra.launch.slurm_check import check_slurm
-from titan_hydra.launch.resolve import resolve_auto
-from titan_hydra.validate import validate
+from titan_hydra.launch.resolve import resolved_spec
+from titan_hydra.validate import check_spec
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 _STOCK = "hydra_plugins.hydra_submitit_launcher.submitit_launcher."
@@ -84,9 +84,9 @@ def point_problem(config_loader: Any, config: DictConfig, overrides: Sequence[st
         return composition_problem(e)
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # parallelism=auto prints its choice per point
-            resolve_auto(job_cfg)
+            spec = resolved_spec(job_cfg)  # each group built once, as the job's launch will
             # a SLURM submit host leaves the device checks to the compute nodes
-            validate(job_cfg, environment=job_cfg.cluster.launcher != "slurm")
+            check_spec(spec, environment=spec.cluster.launcher != "slurm")
     except UserError as e:
         return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     checked_points.add(tuple(overrides))

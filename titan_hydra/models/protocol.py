@@ -22,7 +22,7 @@ engine checks with ``isinstance`` (structural: a family need not name it), or a 
 what the model's ``forward`` takes (``supports_document_mask``). They are:
 
 * ``SizesSamples``: samples that are not ``training.seq_len`` tokens (Flux's picture + caption),
-  sized, costed and checked against a layout from the typed ``DataSettings``;
+  sized, costed and checked against a layout from the typed data settings (``SampleSettings``);
 * ``ShardsRope``: rotary tables kept as buffers, which context parallel shards with the tokens;
 * ``WeighsLosses``: losses the model adds to the gradient itself (MoE auxiliary loss), weighed
   like each microbatch's;
@@ -100,52 +100,25 @@ class ModelShape:
         return self.n_kv_heads * self.head_dim
 
 
-@dataclass(frozen=True)
-class DataSettings:
-    """The ``data`` group as plain values. The dataset is built from ``node`` on each rank (it
-    reads files); the engine and a family's data rules read the typed properties, before any data
-    is read, so no raw config node crosses into a family."""
-
-    node: dict  # resolved, with the option's label ``name``
+class SampleSettings(Protocol):
+    """What a family's data rules read of the ``data`` group, before any data is read (the
+    settings themselves, ``titan_hydra.data.settings.DataSettings``, live with the data, a layer
+    above this protocol): no raw config node crosses into a family."""
 
     @property
-    def name(self) -> str:
-        return str(self.node.get("name", "custom"))
+    def name(self) -> str: ...  # the option's label, or "custom"
 
     @property
-    def dataset_node(self) -> dict:
-        """What the dataset's constructor takes: the node less its label."""
-        return {k: v for k, v in self.node.items() if k != "name"}
+    def image_data(self) -> bool: ...  # an image-caption group: an example builder and an image size
 
     @property
-    def token_data(self) -> bool:
-        """A tokenized corpus (False: the family's own samples, e.g. images)."""
-        return self.node.get("tokenizer") is not None
+    def image_size(self) -> int | None: ...  # pixels on a side of every picture (image data only)
 
     @property
-    def document_mask(self) -> bool:
-        return bool(self.node.get("document_mask"))
+    def text_tokens(self) -> int | None: ...  # caption tokens of every sample (image data only)
 
     @property
-    def image_data(self) -> bool:
-        """An image-caption group: an example builder (``examples``) and an image size."""
-        return self.node.get("examples") is not None and self.node.get("image_size") is not None
-
-    @property
-    def image_size(self) -> int:
-        """Pixels on a side of every picture (image data only)."""
-        return int(self.node["image_size"])
-
-    @property
-    def text_tokens(self) -> int:
-        """Caption tokens of every sample, each caption padded or cut to them (image data only)."""
-        return int(self.node["examples"]["max_text_len"])
-
-    @property
-    def guidance(self) -> float | None:
-        """The guidance scale the example builder feeds a guidance-distilled model (None: none)."""
-        examples = self.node.get("examples")
-        return examples.get("guidance") if hasattr(examples, "get") else None
+    def guidance(self) -> float | None: ...  # the scale fed to a guidance-distilled model (None: none)
 
 
 class HFAdapter:
@@ -294,11 +267,11 @@ class SizesSamples(Protocol):
     the data settings, before any data is read. Without it a sample is ``seq_len`` tokens that
     cost ``flops_per_token`` each, and the data puts no rule on the layout."""
 
-    def sample_tokens(self, args: Any, data: DataSettings, seq_len: int) -> int:
+    def sample_tokens(self, args: Any, data: SampleSettings, seq_len: int) -> int:
         """Sequence positions one training sample occupies (what activations scale with)."""
         ...
 
-    def flops_per_sample(self, args: Any, data: DataSettings, seq_len: int) -> float:
+    def flops_per_sample(self, args: Any, data: SampleSettings, seq_len: int) -> float:
         """Training FLOPs of one sample (the planner's per-step arithmetic, from config alone)."""
         ...
 
@@ -307,7 +280,7 @@ class SizesSamples(Protocol):
         built ``dataset`` serves."""
         ...
 
-    def check_data(self, args: Any, dims: Any, data: DataSettings) -> None:
+    def check_data(self, args: Any, dims: Any, data: SampleSettings) -> None:
         """Raise ConfigError (one line) for a layout this family cannot run on these samples
         (e.g. context parallel splits every sample's tokens into equal chunks)."""
         ...

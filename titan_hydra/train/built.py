@@ -65,7 +65,7 @@ class BuiltModel:
 @dataclass(frozen=True)
 class Schedule:
     """How many steps, and what happens every how many of them; ``plan.at(step)`` is each
-    step's batch, accumulation and seq_len (config/schedules.py: fixed without a schedule)."""
+    step's batch, accumulation and seq_len (titan_hydra/schedules.py: fixed without a schedule)."""
 
     steps: int
     grad_accum_steps: int
@@ -73,7 +73,7 @@ class Schedule:
     log_freq: int
     val_freq: int
     val_steps: int
-    plan: Any = None  # titan_hydra.config.schedules.StepSchedule
+    plan: Any = None  # titan_hydra.schedules.StepSchedule
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Evaluation during training: the ``eval`` config group's object.
+"""Evaluation during training: the ``eval`` group's settings run on the rank's model.
 
 Three things, each on its own schedule: the lm-eval harness (``eval.freq`` steps apart; language
 families), sample pictures (``eval.sample_every`` steps apart; families that draw them, e.g. a
@@ -19,100 +19,38 @@ future work.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from titan_hydra.errors import ConfigError
-from titan_hydra.models.protocol import DrawsSamples
+from titan_hydra.config.eval import EvalSettings
 from titan_hydra.parallel.full_state import gather_full_state
 
 
 class PeriodicEval:
-    """lm-eval harness tasks run on a full copy of the model every ``freq`` steps (0 = never);
-    sample pictures drawn by it every ``sample_every`` steps (families that draw them: Flux).
-    The ``eval`` group's target: its keyword defaults are the group's schema."""
+    """The ``eval`` group's settings (``config/eval.EvalSettings``) run on this rank's model: the
+    harness, the sample pictures and the fidelity scores, each when its schedule says."""
 
-    def __init__(self, freq: int = 0,
-                 tasks: Sequence[str] = (),  # builtin_ppl, jsonl_mc:<file>, harness names
-                 limit: int | None = None,  # documents per task
-                 batch_size: int = 8,
-                 max_seq_len: int | None = None,  # scoring window (the schema links it to training.seq_len)
-                 sample_every: int = 0,  # steps between sample pictures (and at the end); 0 = none
-                 sample_prompts: Sequence[str] = (),  # one picture each, in one row
-                 sample_steps: int = 20,  # sampler steps per picture
-                 sample_guidance: float = 3.0,  # guidance scale (classifier-free, or flux_dev's embedded one)
-                 sample_seed: int = 0,  # the pictures' noise: the same at every step, so rows compare
-                 fidelity_every: int = 0,  # steps between fidelity scores (and at the end); 0 = none
-                 fidelity_prompts: int = 64):  # held-out captions scored, one picture each
-        if freq < 0:
-            raise ConfigError(f"eval.freq={freq} must be >= 0 (0 = no evaluation during training)")
-        if sample_every < 0:
-            raise ConfigError(f"eval.sample_every={sample_every} must be >= 0 (0 = no sample pictures)")
-        if fidelity_every < 0:
-            raise ConfigError(f"eval.fidelity_every={fidelity_every} must be >= 0 (0 = no fidelity scores)")
-        if fidelity_prompts <= 0:
-            raise ConfigError(f"eval.fidelity_prompts={fidelity_prompts} must be > 0 (held-out captions scored "
-                              "each time)")
-        if sample_steps <= 0:
-            raise ConfigError(f"eval.sample_steps={sample_steps} must be positive (sampler steps per picture)")
-        self.freq, self.tasks, self.limit = int(freq), [str(t) for t in tasks], limit
-        self.batch_size, self.max_seq_len = int(batch_size), max_seq_len
-        self.sample_every, self.sample_prompts = int(sample_every), [str(p) for p in sample_prompts]
-        self.sample_steps, self.sample_guidance, self.sample_seed = int(sample_steps), float(sample_guidance), int(sample_seed)
-        self.fidelity_every, self.fidelity_prompts = int(fidelity_every), int(fidelity_prompts)
+    def __init__(self, settings: EvalSettings):
+        self.settings = settings
 
     @property
     def enabled(self) -> bool:
-        return self.freq > 0 or self.sample_every > 0 or self.fidelity_every > 0
-
-    def check(self, family) -> None:
-        """Before training (one line each): lm-eval importable and every task known; a family
-        that draws pictures, and prompts to draw, for sample pictures."""
-        if self.enabled and not family.builds_models():
-            raise ConfigError(f"eval: model family {family.name!r} has no build(args) to make the evaluation copy "
-                              "from; define ModelFamily.build in it, or set eval.freq=0 eval.sample_every=0")
-        if self.fidelity_every > 0 and not isinstance(family, DrawsSamples):
-            raise ConfigError(f"eval.fidelity_every={self.fidelity_every}: model family {family.name!r} draws no "
-                              "pictures to score; set eval.fidelity_every=0")
-        if self.sample_every > 0:
-            if not isinstance(family, DrawsSamples):
-                raise ConfigError(f"eval.sample_every={self.sample_every}: model family {family.name!r} draws no "
-                                  "sample pictures; set eval.sample_every=0")
-            if not self.sample_prompts:
-                raise ConfigError(f"eval.sample_every={self.sample_every} needs prompts: set "
-                                  "eval.sample_prompts=['a red circle', ...]")
-        if self.freq <= 0:
-            return
-        if family.objective.unit != "token":
-            raise ConfigError(f"eval.freq={self.freq}: the lm-eval harness scores language models, not model family "
-                              f"{family.name!r}; set eval.freq=0")
-        try:
-            import lm_eval  # noqa: F401
-        except ImportError:
-            raise ConfigError(f"eval.freq={self.freq} needs the lm-eval harness: pip install -e '.[eval]' "
-                              "(or set eval=none)") from None
-        from titan_hydra.evaluation import check_tasks  # lm-eval: the optional eval extra, loaded only when asked for
-        check_tasks(self.tasks)
-
-    def check_data(self, dataset) -> None:
-        """Fidelity needs held-out captions and a reader of pictures from the data (one line if not)."""
-        if self.fidelity_every > 0:
-            if not hasattr(dataset, "heldout_prompts"):
-                raise ConfigError(f"eval.fidelity_every={self.fidelity_every}: this data holds no captions out to "
-                                  "score pictures against; set eval.fidelity_every=0")
-            dataset.heldout_prompts(self.fidelity_prompts)
+        return self.settings.enabled
 
     def _fidelity_due(self, step: int, last: bool) -> bool:
-        return self.fidelity_every > 0 and (step % self.fidelity_every == 0 or last)
+        every = self.settings.fidelity_every
+        return every > 0 and (step % every == 0 or last)
 
     def _harness_due(self, step: int, last: bool) -> bool:
-        return self.freq > 0 and (step % self.freq == 0 or last)
+        every = self.settings.freq
+        return every > 0 and (step % every == 0 or last)
 
     def _samples_due(self, step: int, last: bool) -> bool:
-        return self.sample_every > 0 and (step % self.sample_every == 0 or last)
+        every = self.settings.sample_every
+        return every > 0 and (step % every == 0 or last)
 
     def due(self, step: int, last: bool) -> bool:
         return self._harness_due(step, last) or self._samples_due(step, last) or self._fidelity_due(step, last)
@@ -138,9 +76,10 @@ class PeriodicEval:
             if self._fidelity_due(step, last):
                 scores[0].update(self.fidelity(model, family, dataset))
             if self._samples_due(step, last):
-                images = family.sample_images(model, dataset, self.sample_prompts, steps=self.sample_steps,
-                                              guidance=self.sample_guidance, seed=self.sample_seed)
-                pictures["samples"] = (np.asarray(images), list(self.sample_prompts))
+                s = self.settings
+                images = family.sample_images(model, dataset, list(s.sample_prompts), steps=s.sample_steps,
+                                              guidance=s.sample_guidance, seed=s.sample_seed)
+                pictures["samples"] = (np.asarray(images), list(s.sample_prompts))
         if distributed:
             dist.broadcast_object_list(scores, src=0)
         return scores[0], pictures
@@ -148,9 +87,10 @@ class PeriodicEval:
     def fidelity(self, model: torch.nn.Module, family, dataset) -> dict[str, float]:
         """{val/fidelity/<what>: fraction right} of one picture per held-out caption, drawn with
         the sample pictures' sampler (steps, guidance) and fixed noise (``sample_seed``)."""
-        prompts = dataset.heldout_prompts(self.fidelity_prompts)
-        images = family.sample_images(model, dataset, prompts, steps=self.sample_steps,
-                                      guidance=self.sample_guidance, seed=self.sample_seed)
+        s = self.settings
+        prompts = dataset.heldout_prompts(s.fidelity_prompts)
+        images = family.sample_images(model, dataset, prompts, steps=s.sample_steps,
+                                      guidance=s.sample_guidance, seed=s.sample_seed)
         return {f"val/fidelity/{k}": v for k, v in dataset.score_pictures(np.asarray(images), prompts).items()}
 
     @staticmethod
@@ -170,10 +110,11 @@ class PeriodicEval:
         return model.float().eval()
 
     def _evaluate(self, model: torch.nn.Module, args, tokenizer) -> dict[str, float]:
-        from titan_hydra.evaluation import TitanLM, run_harness  # lm-eval (optional extra): see check
+        from titan_hydra.evaluation import TitanLM, run_harness  # lm-eval (optional extra): only when asked for
 
-        window = min(self.max_seq_len or args.max_seq_len, args.max_seq_len)
+        s = self.settings
+        window = min(s.max_seq_len or args.max_seq_len, args.max_seq_len)
         with torch.autocast("cpu", enabled=False):
-            results = run_harness(TitanLM(model, tokenizer, window, self.batch_size), self.tasks, self.limit)
+            results = run_harness(TitanLM(model, tokenizer, window, s.batch_size), list(s.tasks), s.limit)
         return {f"eval/{task}/{metric}": float(value) for task, metrics in results.items()
                 for metric, value in metrics.items() if metric != "sample_len"}

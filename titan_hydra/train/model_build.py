@@ -18,7 +18,6 @@ from titan_hydra.models.protocol import SizesSamples, WeighsLosses
 from titan_hydra.models.registry import model_from_args
 from titan_hydra.parallel.apply import parallelize
 from titan_hydra.spec import RunSpec
-from titan_hydra.train.batch_lr import with_batch_lr
 from titan_hydra.train.built import BuiltModel, Optimization
 from titan_hydra.train.mtp_metrics import mtp_loss_hooks
 from titan_hydra.train.optimizers import build_optimizer, clean_name
@@ -121,4 +120,4 @@ def optimization_of(spec: RunSpec, built: BuiltModel) -> Optimization:
     named = [(name, p) for part in built.parts for name, p in part.named_parameters()]
     optimizer = build_optimizer(spec.optimizer, named, built.geometry)
     built.float8.register(optimizer, built.parts)  # float8 scale precompute after each optimizer step
-    return Optimization(optimizer, with_batch_lr(spec.lr_scheduler(optimizer, spec.training.steps), spec.batch.schedule))
+    return Optimization(optimizer, spec.lr_scheduler(optimizer, spec.training.steps, spec.batch.schedule.step_factor))

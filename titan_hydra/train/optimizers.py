@@ -17,9 +17,10 @@ for them::
         _target_: titan_hydra.train.muon.Muon   # another optimizer: only its own settings apply
         lr: 0.02
 
-A group without ``_target_`` becomes a param group of the top-level optimizer (its keys override
-the top-level ones); a group with its own ``_target_`` gets its own optimizer instance built
-from the group's keys alone (another class may not take the top-level ones). Every parameter
+The node is read once into typed settings (``config/optimizer.OptimizerSettings``, beside the
+group's schema ``OptimizerConfig``): the spec carries them. A group without ``_target_``
+becomes a param group of the top-level optimizer (its keys override the top-level ones); a
+group with its own ``_target_`` gets its own optimizer instance built from the group's keys alone (another class may not take the top-level ones). Every parameter
 belongs to at most one group: a parameter two groups select, or a group that selects nothing,
 is a one-line ``ConfigError`` (a typo in a pattern must not silently train with the defaults).
 
@@ -35,44 +36,18 @@ from __future__ import annotations
 import fnmatch
 import inspect
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any
 
 import torch
 from hydra.utils import get_class
-from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+from titan_hydra.config.optimizer import OptimizerSettings, ParamGroupSettings
 from titan_hydra.errors import ConfigError
 from titan_hydra.models.parametrization import Geometry
 from titan_hydra.train.width_scaling import split_group
 
-SELECTORS = ("name", "match", "ndim")
-
-
-@dataclass
-class OptimizerConfig:
-    """The ``optimizer`` group's schema: the node ``build_optimizer`` reads, with the defaults the
-    recipe trains with. Written here rather than derived from ``_target_``: the target is any torch
-    optimizer class (AdamW, Adam, SGD, ...), the schema is the union of their settings, a null one
-    is not passed (left to the class), and torch's own AdamW defaults (lr 1e-3, betas (0.9,
-    0.999), weight_decay 0.01) are not the ones titan_hydra trains with."""
-
-    _target_: str = "torch.optim.AdamW"
-    _partial_: bool = True
-    lr: float = 8e-4
-    betas: Optional[List[float]] = field(default_factory=lambda: [0.9, 0.95])
-    eps: Optional[float] = 1e-8
-    weight_decay: float = 0.1
-    momentum: Optional[float] = None  # SGD's (null settings are not passed to the optimizer)
-    foreach: Optional[bool] = None
-    # null: fused where the optimizer class has a fused kernel for the parameters' device (AdamW,
-    # Adam, SGD, Adagrad on CPU and CUDA), as torchtitan does; torch's own CPU default is a loop
-    fused: Optional[bool] = None
-    # per-group settings / other optimizers by parameter name and shape (this module's docstring):
-    # [{name, match: [fnmatch FQN patterns], ndim, _target_?, <settings>}]
-    param_groups: List[Any] = field(default_factory=list)
 # wrapper segments that activation checkpointing / torch.compile may add to an FQN
 _WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.")
 
@@ -83,32 +58,10 @@ def clean_name(fqn: str) -> str:
     return fqn
 
 
-def _selects(group: Mapping[str, Any], name: str, p: torch.Tensor) -> bool:
-    patterns = group.get("match") or ["*"]
-    if isinstance(patterns, str):
-        patterns = [patterns]
-    if not any(fnmatch.fnmatchcase(name, pat) for pat in patterns):
+def _selects(group: ParamGroupSettings, name: str, p: torch.Tensor) -> bool:
+    if not any(fnmatch.fnmatchcase(name, pat) for pat in group.match):
         return False
-    ndim = group.get("ndim")
-    if ndim is None:
-        return True
-    allowed = [int(n) for n in (ndim if isinstance(ndim, (list, tuple)) else [ndim])]
-    return p.ndim in allowed
-
-
-def _plain(node: Any) -> dict[str, Any]:
-    if isinstance(node, DictConfig):
-        return OmegaConf.to_container(node, resolve=True, enum_to_str=True)  # type: ignore[return-value]
-    return dict(node)
-
-
-def _kwargs(node: Mapping[str, Any]) -> dict[str, Any]:
-    # a null setting is one this optimizer does not take (SGD has no betas): left to its default
-    out = {k: v for k, v in node.items()
-           if not k.startswith("_") and k not in SELECTORS and k != "param_groups" and v is not None}
-    if isinstance(out.get("betas"), list):
-        out["betas"] = tuple(out["betas"])
-    return out
+    return group.ndim is None or p.ndim in group.ndim
 
 
 def with_implementation(cls: type, kwargs: dict[str, Any], params: list[torch.Tensor]) -> dict[str, Any]:
@@ -145,61 +98,60 @@ def _optimizer_class(target: str, where: str) -> type:
     return cls
 
 
-def assign_groups(node: Mapping[str, Any], named_params: list[tuple[str, torch.Tensor]]
-                  ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[dict, list[tuple[str, torch.Tensor]]]]]:
-    """(parameters no group selects, [(group spec, its parameters)]), each parameter with its
-    name (wrappers removed), with the one-line checks."""
-    specs = [_plain(g) for g in (node.get("param_groups") or [])]
-    for i, spec in enumerate(specs):
-        if not spec.get("name"):
-            raise ConfigError(f"optimizer.param_groups[{i}] needs a name (and match / ndim to select parameters)")
-    chosen: list[list[tuple[str, torch.Tensor]]] = [[] for _ in specs]
-    owner: dict[int, str] = {}
+def assign_groups(groups: tuple[ParamGroupSettings, ...], named_params: list[tuple[str, torch.Tensor]]
+                  ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[ParamGroupSettings, list[tuple[str, torch.Tensor]]]]]:
+    """(parameters no group selects, [(group, its parameters)]), each parameter with its name
+    (wrappers removed), with the one-line checks."""
+    chosen: list[list[tuple[str, torch.Tensor]]] = [[] for _ in groups]
     rest: list[tuple[str, torch.Tensor]] = []
     for fqn, p in named_params:
         name = clean_name(fqn)
-        hits = [i for i, spec in enumerate(specs) if _selects(spec, name, p)]
+        hits = [i for i, group in enumerate(groups) if _selects(group, name, p)]
         if len(hits) > 1:
-            a, b = (specs[i]["name"] for i in hits[:2])
+            a, b = (groups[i].name for i in hits[:2])
             raise ConfigError(f"optimizer.param_groups {a!r} and {b!r} both select parameter {name!r}; "
                               "narrow their match / ndim so that each parameter has one group")
         if hits:
             chosen[hits[0]].append((name, p))
-            owner[id(p)] = specs[hits[0]]["name"]
         else:
             rest.append((name, p))
-    for spec, params in zip(specs, chosen):
+    for group, params in zip(groups, chosen):
         if not params:
-            raise ConfigError(f"optimizer.param_groups {spec['name']!r} selects no parameter (match="
-                              f"{spec.get('match') or ['*']}, ndim={spec.get('ndim')}); fix the pattern or drop the group")
-    return rest, list(zip(specs, chosen))
+            raise ConfigError(f"optimizer.param_groups {group.name!r} selects no parameter (match="
+                              f"{list(group.match)}, ndim={_ndim_text(group.ndim)}); fix the pattern or drop the group")
+    return rest, list(zip(groups, chosen))
 
 
-def build_optimizer(node: Any, named_params: list[tuple[str, torch.Tensor]],
+def _ndim_text(ndim: tuple[int, ...] | None) -> Any:
+    """A group's ``ndim`` as the config wrote it, for the message (one value, a list, or None)."""
+    return ndim if ndim is None or len(ndim) > 1 else ndim[0]
+
+
+def build_optimizer(settings: OptimizerSettings | Mapping[str, Any], named_params: list[tuple[str, torch.Tensor]],
                     geometry: Mapping[str, Geometry] | None = None) -> torch.optim.Optimizer:
-    """The optimizer(s) the ``optimizer`` node describes, over ``named_params`` (FQN, parameter).
-    ``geometry`` (a width parametrization's, ``models/parametrization.py``): each group is split
-    by its parameters' muP LR / decay multipliers (``width_scaling.py``); None or empty (sp):
-    the groups exactly as configured."""
-    node = _plain(node)
+    """The optimizer(s) the ``optimizer`` settings describe (or a node of them: read with
+    ``OptimizerSettings.of``), over ``named_params`` (FQN, parameter). ``geometry`` (a width
+    parametrization's, ``models/parametrization.py``): each group is split by its parameters' muP
+    LR / decay multipliers (``width_scaling.py``); None or empty (sp): the groups exactly as configured."""
+    s = settings if isinstance(settings, OptimizerSettings) else OptimizerSettings.of(settings)
     geometry = geometry or {}
-    default_cls = _optimizer_class(str(node.get("_target_")), "optimizer")
-    default_kwargs = _kwargs(node)
-    rest, groups = assign_groups(node, named_params)
+    default_cls = _optimizer_class(s.target, "optimizer")
+    default_kwargs = s.kwargs()
+    rest, groups = assign_groups(s.param_groups, named_params)
     own: list[tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]] = [({}, rest)] if rest else []
     others: list[torch.optim.Optimizer] = []
-    for spec, named in groups:
-        target = spec.get("_target_")
-        if target is None or get_class(str(target)) is default_cls:
-            own.append(({**_kwargs(spec), "group_name": spec["name"]}, named))
+    for group, named in groups:
+        if group.target is None or get_class(group.target) is default_cls:
+            own.append(({**group.settings, "group_name": group.name}, named))
         else:
-            cls = _optimizer_class(str(target), f"optimizer.param_groups {spec['name']!r}")
+            cls = _optimizer_class(group.target, f"optimizer.param_groups {group.name!r}")
             params = [p for _, p in named]
+            kwargs = dict(group.settings)
             try:
-                others.append(cls(split_group({"group_name": spec["name"]}, named, cls, _kwargs(spec), geometry),
-                                  **with_implementation(cls, _kwargs(spec), params)))
+                others.append(cls(split_group({"group_name": group.name}, named, cls, kwargs, geometry),
+                                  **with_implementation(cls, kwargs, params)))
             except (TypeError, ValueError) as e:
-                raise ConfigError(f"optimizer.param_groups {spec['name']!r}: {e}") from None
+                raise ConfigError(f"optimizer.param_groups {group.name!r}: {e}") from None
     optimizers = []
     if own:
         if rest and len(own) > 1:
@@ -210,7 +162,7 @@ def build_optimizer(node: Any, named_params: list[tuple[str, torch.Tensor]],
             all_params = [p for g in param_groups for p in g["params"]]
             optimizers.append(default_cls(param_groups, **with_implementation(default_cls, default_kwargs, all_params)))
         except (TypeError, ValueError) as e:
-            raise ConfigError(f"optimizer ({node.get('_target_')}): {e}") from None
+            raise ConfigError(f"optimizer ({s.target}): {e}") from None
     optimizers.extend(others)
     return optimizers[0] if len(optimizers) == 1 else OptimizerList(optimizers)
 

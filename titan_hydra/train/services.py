@@ -20,13 +20,15 @@ from titan_hydra.logger.metric_logger import MetricLogger
 from titan_hydra.metrics.memory import MemoryMonitor
 from titan_hydra.metrics.summary import run_header
 from titan_hydra.metrics.throughput import ThroughputMeter, cpu_bf16_slower_than_fp32, device_peak_tflops
-from titan_hydra.models.protocol import DataSettings, RunsStepHooks
+from titan_hydra.data.settings import DataSettings
+from titan_hydra.models.protocol import RunsStepHooks
 from titan_hydra.parallel.compile import compiled_graphs
 from titan_hydra.runtime.preemption import requeue_on_hang, watch_for_preemption
 from titan_hydra.runtime.threads import threads_here
 from titan_hydra.spec import RunSpec
 from titan_hydra.train.built import BoundEval, BuiltModel, DataPlan, Monitors, Optimization, Placement, Services
 from titan_hydra.train.ema import weight_ema_of
+from titan_hydra.train.eval import PeriodicEval
 from titan_hydra.train.health.monitor import HealthMonitor
 from titan_hydra.train.moe_balance import moe_balance_hooks
 from titan_hydra.train.nulls import NoEval, NoFaultTolerance, NoHealth, NoPreemption, NoProfiler
@@ -36,7 +38,7 @@ log = logging.getLogger("titan_hydra")
 
 def build_dataset(data: DataSettings):
     """The ``data`` group's dataset (its label ``name`` is not a constructor argument)."""
-    return instantiate(data.dataset_node, _convert_="all")
+    return instantiate(dict(data.dataset_node), _convert_="all")
 
 
 def train_loader_of(spec: RunSpec, dataset: Any, dp_rank: int, dp_degree: int) -> tuple[Any, dict]:
@@ -152,7 +154,7 @@ def build_services(spec: RunSpec, run_dir: str, where: Placement, built: BuiltMo
         monitors=Monitors(metric_logger, build_throughput(spec, device, rank, built), MemoryMonitor(device),
                           NoProfiler() if profiler is None else profiler),
         checkpointer=checkpointer,
-        periodic_eval=BoundEval(spec.eval, built, data.dataset) if spec.eval.enabled else NoEval(),
+        periodic_eval=BoundEval(PeriodicEval(spec.eval), built, data.dataset) if spec.eval.enabled else NoEval(),
         fault_tolerance=spec.fault_tolerance if spec.fault_tolerance.enabled else NoFaultTolerance(),
         health=health_of(spec, run_dir, rank, device, built, data, checkpointer, state, metric_logger),
         preemption=preempted_by_slurm(rank, spec.world_size, device),

@@ -72,7 +72,7 @@ class Trainer:
         return self.model.runner.forward_backward(to_device(inputs, self.device), to_device(labels, self.device))
 
     def begin_plan(self) -> Any:
-        """This step's plan (config/schedules.py: fixed without a schedule): the runner's loss
+        """This step's plan (titan_hydra/schedules.py: fixed without a schedule): the runner's loss
         scaling follows its micro-batch count, the loader its seq_len stage."""
         plan = self.schedule.plan.at(self.state.step)
         if plan.grad_accum != self._accum:

@@ -27,7 +27,7 @@ from titan_hydra.models.flux.examples import image_tokens_of
 from titan_hydra.models.flux.model import Flux, FluxArgs
 from titan_hydra.models.flux.sampling import sample_images
 from titan_hydra.models.objective import Objective
-from titan_hydra.models.protocol import DataSettings, DrawsSamples, ModelFamily, ModelShape, SizesSamples
+from titan_hydra.models.protocol import DrawsSamples, ModelFamily, ModelShape, SampleSettings, SizesSamples
 
 
 class FlowMatching(Objective):
@@ -123,13 +123,13 @@ class FluxFamily(ModelFamily, SizesSamples, DrawsSamples):
         """Per token of a joint sequence of ``seq_len`` (planner's view; half image, half text)."""
         return self.flops_per_image(args, seq_len // 2, seq_len - seq_len // 2) / max(seq_len, 1)
 
-    def tokens_of(self, data: DataSettings) -> tuple[int, int]:
+    def tokens_of(self, data: SampleSettings) -> tuple[int, int]:
         """(image, text) tokens of one sample of image-caption data, before any data is read."""
         if not data.image_data:
             raise ConfigError(f"{NEEDS_IMAGE_DATA}: set {IMAGE_DATA} ({OWN_IMAGES})")
         return image_tokens_of(data.image_size), data.text_tokens
 
-    def require(self, args: FluxArgs, data: DataSettings) -> None:
+    def require(self, args: FluxArgs, data: SampleSettings) -> None:
         """Everything this flavor needs from the data settings and lacks, named in one line with the
         overrides that supply it: a user meets all of them at once, not one per attempt."""
         missing = []  # (why, the override that supplies it)
@@ -149,11 +149,11 @@ class FluxFamily(ModelFamily, SizesSamples, DrawsSamples):
                         f"data.examples.guidance={DEV_GUIDANCE} dry_run=true")
         raise ConfigError(message)
 
-    def sample_tokens(self, args: FluxArgs, data: DataSettings, seq_len: int) -> int:
+    def sample_tokens(self, args: FluxArgs, data: SampleSettings, seq_len: int) -> int:
         self.require(args, data)
         return sum(self.tokens_of(data))
 
-    def flops_per_sample(self, args: FluxArgs, data: DataSettings, seq_len: int) -> float:
+    def flops_per_sample(self, args: FluxArgs, data: SampleSettings, seq_len: int) -> float:
         self.require(args, data)
         return self.flops_per_image(args, *self.tokens_of(data))
 
@@ -175,7 +175,7 @@ class FluxFamily(ModelFamily, SizesSamples, DrawsSamples):
                                   "(the image and text streams join mid-block); set "
                                   "parallelism.tp_sequence_parallel=false")
 
-    def check_data(self, args: FluxArgs, dims: Any, data: DataSettings) -> None:
+    def check_data(self, args: FluxArgs, dims: Any, data: SampleSettings) -> None:
         """The examples feed a guidance scale iff the model embeds one; context parallel splits the
         image and the text tokens of each sample into 2*cp equal chunks."""
         self.require(args, data)

@@ -1,6 +1,7 @@
 """A run that watches itself: the ``health`` and ``fault_injection`` config groups.
 
-``settings``   the two groups' objects (their schemas are derived from them)
+(the two groups' settings, from which their schemas are derived, sit below the spec:
+``titan_hydra.config.health`` and ``titan_hydra.config.fault_injection``)
 ``guard``      non-finite and spiking steps: skip or apply, decided from reduced values
 ``rollback``   after too many skips in a row: back to the last checkpoint, past the bad data
 ``stragglers`` per-rank compute / wait time gathered every few steps

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from titan_hydra.train.health.fault_injection import FaultInjection
+from titan_hydra.config.fault_injection import FaultInjection
 
 
 def _scaled(output: Any, factor: float) -> Any:

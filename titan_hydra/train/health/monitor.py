@@ -23,8 +23,8 @@ from titan_hydra.train.health.inject import Injector
 from titan_hydra.train.health.recheck import GradRecheck
 from titan_hydra.train.health.rollback import Rollback
 from titan_hydra.train.health.sdc import ReplicaCheck
-from titan_hydra.train.health.fault_injection import FaultInjection
-from titan_hydra.train.health.settings import Health
+from titan_hydra.config.fault_injection import FaultInjection
+from titan_hydra.config.health import Health
 from titan_hydra.train.health.stragglers import StepClock, StragglerCheck
 from titan_hydra.train.health.watchdog import HANG_DIR, Watchdog
 

@@ -1,7 +1,7 @@
 """The ``fault_injection`` group's object: faults made on purpose to drill the ``health`` group.
 
-Its Hydra schema is derived from this dataclass (``titan_hydra.groups``); ``inject.py`` makes the
-faults it describes.
+Its Hydra schema is derived from this dataclass (``titan_hydra.groups``); ``train/health/inject.py`` makes
+the faults it describes (this class sits below the ``RunSpec`` that carries it).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Its Hydra schema is derived from this dataclass (``titan_hydra.groups``); the option files under
 ``conf/health/`` state only what differs. The runtime parts
-(``monitor.HealthMonitor``) read these settings; they hold nothing of the run themselves.
+(``train/health/``: ``HealthMonitor``) read these settings; they hold nothing of the run
+themselves, so they sit below the ``RunSpec`` that carries them.
 """
 
 from __future__ import annotations
