@@ -10,8 +10,8 @@ Which layouts support which attention mask (causal / sliding window / sinks):
   sharding with the heads);
 * cp: refused with one line: context parallel's ring attention handlers implement only the
   plain causal mask, not sliding windows or sinks;
-* compile: the masked path compiles (inductor on CPU, checked by hand: forward and gradients
-  equal eager within 3e-6); not part of the test suite.
+* compile: the masked path compiles (inductor on CPU; a manual check, not part of the test
+  suite: docs/bench/notes_models.md).
 """
 
 from __future__ import annotations
