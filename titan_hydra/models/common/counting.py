@@ -11,7 +11,8 @@ MFU see follow one rule.
 * FLOPs per token = 6 x (active parameters that are matmul weights) + attention's 12 x heads x
   head_dim per layer times the keys that layer's query meets (causal mask ignored, the common
   MFU convention). The input embedding is a lookup, not a matmul, unless it is tied to the output.
-* Attended keys: ``seq_len`` in a full-attention layer, at most the window in a sliding one.
+* Attended keys: ``seq_len`` in a full-attention layer, at most the window (or chunk) in a
+  sliding (or chunked) one.
 """
 
 from __future__ import annotations
@@ -65,7 +66,13 @@ def flops_per_token(shape: ModelShape, attended_keys: int) -> float:
     return float(6 * matmul_params(shape) + 12 * shape.n_heads * shape.head_dim * attended_keys)
 
 
+def bounded_keys(bounds: Iterable[int | None], seq_len: int) -> int:
+    """Keys one query meets, summed over the layers: ``seq_len``, or at most a layer's bound (its
+    window or chunk; None or 0: unbounded)."""
+    return sum(min(seq_len, b) if b else seq_len for b in bounds)
+
+
 def attended_keys(layer_types: Iterable[str], window: int | None, seq_len: int) -> int:
-    """Keys one query meets, summed over the layers: ``seq_len``, or at most ``window`` in a
-    ``sliding_attention`` layer (no window: every layer sees the whole sequence)."""
-    return sum(min(seq_len, window) if t == SLIDING and window else seq_len for t in layer_types)
+    """``bounded_keys`` of layers named by type (HF ``layer_types``): a ``sliding_attention`` layer
+    is bounded by ``window``, every other one sees the whole sequence."""
+    return bounded_keys((window if t == SLIDING else None for t in layer_types), seq_len)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from titan_hydra.models.common import counting
 from titan_hydra.models.common.decoder_family import DecoderFamily
 from titan_hydra.models.llama4.hf import Llama4HFAdapter
 from titan_hydra.models.llama4.model import Llama4, Llama4Args
@@ -35,6 +36,6 @@ class Llama4Family(DecoderFamily):
 
     def attended_keys(self, args: Llama4Args, seq_len: int) -> int:
         """A chunked (rotary) layer attends to at most ``attention_chunk_size`` keys."""
-        chunk = args.attention_chunk_size or seq_len
         nope = set(args.nope_layer_ids)
-        return sum(seq_len if i in nope else min(seq_len, chunk) for i in range(args.n_layers))
+        return counting.bounded_keys((None if i in nope else args.attention_chunk_size for i in range(args.n_layers)),
+                                     seq_len)
