@@ -15,7 +15,7 @@ from helpers import compose_cfg, floor_bound, launch_here, norm_bound, read_metr
 from titan_hydra.models.common.mtp import future_valid, shift_left
 from titan_hydra.models.deepseek_v3 import FAMILY
 from titan_hydra.models.hf_io import load_hf_checkpoint, save_hf_checkpoint
-from titan_hydra.models.mtp_loss import MultiTokenLoss
+from titan_hydra.models.common.mtp_loss import MultiTokenLoss
 from titan_hydra.models.registry import args_of
 from titan_hydra.train.mtp_metrics import mtp_loss_hooks
 

@@ -5,8 +5,8 @@
 * ``auto`` (default): the hand-written small-head kernel (``titan_hydra/kernels``) on CPU where
   every attention module has 16-wide heads, context parallelism is off, AND it is faster than
   SDPA on this CPU; SDPA everywhere else. Which one is faster depends on the CPU, not on the
-  model: on the AVX-512 Xeons and EPYCs the kernel was written on it is 1.3-2.3x SDPA, on an
-  AVX2-only EPYC 2-5x slower. So ``auto`` times both once (forward + backward of one sequence at
+  model: with AVX-512 the kernel beats SDPA, on an AVX2-only CPU it loses to it
+  (docs/bench/notes_models.md). So ``auto`` times both once (forward + backward of one sequence at
   the run's heads, length and dtype; ~0.1-1 s), keeps the result in the machine's measurement
   cache (``titan_hydra.hardware``), and rank 0's answer is broadcast so every rank runs the
   same kernel. The kernel is compiled (once per machine, ~45 s) only to time it or to run it: a
@@ -14,8 +14,8 @@
   be built here (no C++ compiler), ``auto`` logs one line and uses SDPA.
 * ``auto`` also times the score-matrix kernel (``scores_attention.py``: two batched matmuls
   around an fp32 softmax) on CPU for sequences up to 512, for every head width, MLA's unequal
-  q/k and v widths included: at short lengths it can beat the flash kernel (DeepSeek-V3's MLA at
-  length 256: 1.7x per layer, +2-5% per training step).
+  q/k and v widths included: at short lengths it can beat the flash kernel (DeepSeek-V3's MLA
+  among them; docs/bench/notes_models.md).
 * ``sdpa``: always ``F.scaled_dot_product_attention`` (torch's fused kernels).
 * ``scores``: always the score-matrix kernel (any device; not with context parallel).
 * ``small_head``: require the kernel; a configuration it cannot serve is refused with one line
@@ -50,7 +50,7 @@ log = logging.getLogger("titan_hydra")
 KERNEL_NAME = "small_head"
 SCORES = "scores"
 SCORES_VERSION = 3  # part of the cache key: a changed kernel is timed again
-SMALL_HEAD_VERSION = 2  # likewise (2: AVX2 builds keep each row in two registers, ~3.5x faster there)
+SMALL_HEAD_VERSION = 2  # likewise
 CACHE_FILE = "attention_kernel.json"  # under hardware.cache_path
 PROBE_REPS = 5
 

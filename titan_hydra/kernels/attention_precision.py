@@ -3,15 +3,10 @@
 Under bf16 training q/k/v arrive in bf16 and SDPA runs in bf16, which is what GPUs want. torch's
 CPU flash-attention kernel is the exception for small heads at short sequences, where its bf16
 path is slower than its fp32 one: the per-score softmax work dominates when each score costs
-only 2*head_dim FLOPs, and below 768 queries the kernel also switches to small query blocks.
-Measured with torch 2.13 on 2 cores (AVX512-BF16), causal forward+backward of one layer,
-16 heads, 16k tokens per call, bf16 time / fp32 time:
-
-    head_dim 16: seq 256 1.40, seq 512 1.00, seq 1024 0.84, seq 2048 0.83
-    head_dim 32: seq 256 1.01, seq 512 0.85, seq 1024 0.75, seq 2048 0.76
-
-``auto`` therefore upcasts attention to fp32 on CPU only below head_dim 32 AND below 1024
-tokens per sequence, and leaves it in the compute dtype everywhere else (GPUs always).
+only 2*head_dim FLOPs, and below 768 queries the kernel also switches to small query blocks
+(bf16 / fp32 time by head width and length: docs/bench/notes_models.md). ``auto`` therefore
+upcasts attention to fp32 on CPU only below head_dim 32 AND below 1024 tokens per sequence, and
+leaves it in the compute dtype everywhere else (GPUs always).
 ``fp32`` forces the upcast (the more accurate choice), ``compute`` forbids it.
 
 The model exposes the knob (an attention module with ``sdpa_dtype`` and ``head_dim`` attributes,

@@ -1,16 +1,12 @@
 """Causal attention through its score matrix: q @ k^T, a causal mask, an fp32 softmax, @ v.
 
 Why, next to SDPA: on CPU at short sequences the score matrix is small and two batched bf16
-matmuls (oneDNN) beat torch's CPU flash kernel, which walks the sequence in blocks. On an AMD
-EPYC (AVX512-BF16, 2 threads), forward + backward of one layer under bf16 autocast at batch 8,
-16 heads, length 256, DeepSeek-V3's MLA widths (q/k 192, v 128): 115 ms against 200 ms for
-flash (whose single head size makes v padded to 192); 128-wide heads at batch 4 about 0.8x
-flash's time. At length 512 flash won (169 vs 317 ms) until the causal product was cut into
-query blocks (``_BlockCausal``): the score matrix above the diagonal blocks is never computed,
-which took the MLA shape from 110 to 72 ms (inputs laid out as the model passes them, [B, S, H,
-D] transposed), 128-wide heads at batch 4 from 33 to 27 ms, and length 512 from 192 to 121 ms.
+matmuls (oneDNN) beat torch's CPU flash kernel, which walks the sequence in blocks and, with one
+head size for q, k and v, pads MLA's narrower v to the q/k width. The causal product is cut into
+query blocks (``_BlockCausal``), so the score matrix above the diagonal blocks is never computed.
 The scores still cost B x H x S x S values per layer, so ``attention_kernel=auto`` only times
-this kernel up to ``MAX_SEQ`` and keeps whichever is faster on the machine.
+this kernel up to ``MAX_SEQ`` and keeps whichever is faster on the machine (timings against
+flash: docs/bench/notes_models.md).
 
 q and k may be wider than v (MLA): no padding is needed. The softmax runs in fp32 and its
 probabilities are rounded once to v's dtype, as SDPA's math path does.

@@ -6,8 +6,8 @@ keys, then separate softmax passes over each block, and diagonal blocks computed
 masked. With 16-wide heads (torchtitan's debug Llama, ``llama3_debug``) each score is only 16
 multiply-adds, so that overhead is most of the time. ``small_head_attention.cpp`` walks the causal
 triangle exactly in blocks of 8 (AVX2: 4) queries x 16 keys with one vector per head row, in fp32 whatever the input dtype
-(more accurate than bf16 SDPA, never less). Measured on 2 EPYC cores, batch 8 x seq 2048 x 16
-heads, one layer forward + backward: see the README's performance section.
+(more accurate than bf16 SDPA, never less). Whether it beats SDPA depends on the CPU's vector
+width, so the attention policy times both (``attention_policy.py``).
 
 The extension is compiled for the machine it runs on (``-O3 -march=native``; ~20 s the first
 time, then cached under torch's extension directory, ``TORCH_EXTENSIONS_DIR``). ``load()``

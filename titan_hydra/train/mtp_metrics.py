@@ -1,6 +1,6 @@
 """``mtp/loss`` once per optimizer step: the multi-token prediction term of the training loss.
 
-The loss object (``models/mtp_loss.MultiTokenLoss``) records the term of each microbatch it
+The loss object (``models/common/mtp_loss.MultiTokenLoss``) records the term of each microbatch it
 scores; only the rank holding a pipeline's last stage scores any. This hook averages the step's
 records, shares them over the pipeline (as the runner does with the loss) and averages over the
 data x context parallel ranks, so every rank logs the number the main loss is logged beside.
@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from titan_hydra.models.mtp_loss import MultiTokenLoss
+from titan_hydra.models.common.mtp_loss import MultiTokenLoss
 
 
 def mtp_loss_hooks(loss_fn: Any, dims: Any, loss_scale: float | Callable[[], float], device: torch.device

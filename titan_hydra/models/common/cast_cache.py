@@ -2,8 +2,8 @@
 
 Under autocast with fp32 parameters, MoE experts cast their stacked weights (most of the
 model's parameters) to bf16 explicitly (``torch._grouped_mm`` has no autocast rule): on every
-forward, again in each activation-checkpoint recompute, and once per microbatch. On torchtitan's
-Qwen3-MoE debug shape on 2 CPU cores that was ~0.3 s of a 3.5 s step. A ``WeightCastCache``
+forward, again in each activation-checkpoint recompute, and once per microbatch: on a small MoE
+on CPU a visible share of the step (docs/bench/notes_models.md). A ``WeightCastCache``
 keeps the cast copy until the weight changes: until the next optimizer step (every
 ``torch.optim.Optimizer`` step clears every cache, through torch's global step hook: fused
 optimizers update in place without bumping a tensor's version) or until the weight is written in

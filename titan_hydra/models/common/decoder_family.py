@@ -2,16 +2,13 @@
 
 What it decides, and why:
 
-* Counting is exact by construction: the model is built on the meta device (no memory) and its
-  parameters are counted, split into embedding / blocks / head. No hand formula can drift from
-  the code; results are cached per shape.
-* FLOPs per token = 6 x (active parameters that are matmul weights) + attention's
-  12 x layers x heads x head_dim x seq_len (causal mask ignored, the common MFU convention).
-  The input embedding is a lookup, not a matmul, unless it is tied to the output.
-* Mixture-of-Experts (args with a ``moe`` field, ``common/moe.py``): the routed-expert weights
-  are counted on the same meta build (``expert_modules``); a token uses top_k of num_experts
-  of them, so active = total - expert_params x (1 - top_k / num_experts), and that is what the
-  FLOPs count. Tensor parallel is refused for MoE models (the experts have no TP plan).
+* Counting and FLOPs follow ``counting.py``: the model is built on the meta device and its
+  parameters counted, split into embedding / blocks / head (the multi-token prediction depths
+  count with the head, their experts with the others); results are cached per shape. A family
+  whose layers attend over fewer keys (a window, a chunk) says so in ``attended_keys``.
+* Mixture-of-Experts (args with a ``moe`` field, ``common/moe.py``): the routed experts are the
+  ``expert_modules`` of the same meta build, of which a token uses top_k of num_experts; tensor
+  parallel is refused for MoE models (the experts have no TP plan).
 * Tensor parallel (Megatron-style): wq/wk/wv/w1/w3 column-wise, wo/w2 row-wise, so one
   all-reduce (or all-gather + reduce-scatter with sequence parallel) per sub-layer; embedding
   row-wise over the vocabulary; output column-wise with the logits left vocab-sharded for loss
@@ -30,17 +27,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 from functools import lru_cache
 from typing import Any
 
-import torch
 from torch import nn
 
 from titan_hydra.errors import ConfigError
-from titan_hydra.models.common import moe
+from titan_hydra.models.common import counting, moe
 from titan_hydra.models.common.decoder import MULTIPLIERS
-from titan_hydra.models.mtp_loss import MultiTokenLoss
+from titan_hydra.models.common.mtp_loss import MultiTokenLoss
 from titan_hydra.models.protocol import ModelFamily, ModelShape, ShardsRope, WeighsLosses, fsdp_units_in_order
 
 
@@ -86,17 +81,14 @@ class DecoderFamily(ModelFamily, ShardsRope, WeighsLosses):
         return active
 
     def shape(self, args: Any) -> ModelShape:
-        return _shape(self, json.dumps(self.args_fields(args), sort_keys=True))
+        return _shape(self, counting.args_key(self, args))
 
     def flops_per_token(self, args: Any, seq_len: int) -> float:
-        s = self.shape(args)
-        return float(6 * self.matmul_params(args) + 12 * s.n_heads * s.head_dim * self.attended_keys(args, seq_len))
+        return counting.flops_per_token(self.shape(args), self.attended_keys(args, seq_len))
 
     def matmul_params(self, args: Any) -> int:
-        """Active parameters a token multiplies by: the input embedding is a lookup, not a matmul,
-        unless it is tied to the output."""
-        s = self.shape(args)
-        return s.active_params - (0 if s.tied_embeddings else s.embedding_params)
+        """Active parameters a token multiplies by (``counting.matmul_params``)."""
+        return counting.matmul_params(self.shape(args))
 
     def attended_keys(self, args: Any, seq_len: int) -> int:
         """Keys one query meets, summed over the attention layers (causal mask ignored): ``seq_len``
@@ -244,29 +236,21 @@ class DecoderFamily(ModelFamily, ShardsRope, WeighsLosses):
 
 @lru_cache(maxsize=256)
 def _shape(family: DecoderFamily, key: str) -> ModelShape:
-    """``key``: the args fields as sorted JSON (hashable, nested ``moe`` included)."""
-    args = family.make_args(json.loads(key))
-    with torch.device("meta"):
-        model = family.build(args)
-    tied = bool(args.tie_word_embeddings)
-    total = sum(p.numel() for p in model.parameters())  # parameters() yields a shared one once
-    emb = model.tok_embeddings.weight.numel()
-    head = model.norm.weight.numel() + model.output.weight.numel()
+    """``key``: the args fields as sorted JSON (``counting.args_key``)."""
+    args, model = counting.meta_build(family, key)
     experts = family.expert_modules(model)
-    expert_params = sum(p.numel() for _, m in experts for p in m.parameters())
     mtp = getattr(model, "mtp_layers", None) or ()  # with the head; their experts with the others
-    head += sum(p.numel() for p in nn.ModuleList(mtp).parameters()) - sum(
-        p.numel() for n, m in experts if n.startswith("mtp_layers.") for p in m.parameters())
+    mtp_experts = {id(p) for n, m in experts if n.startswith("mtp_layers.") for p in m.parameters()}
+    head = [model.norm.weight, model.output.weight,
+            *(p for p in nn.ModuleList(mtp).parameters() if id(p) not in mtp_experts)]
     moe = getattr(args, "moe", None)
-    n_experts, top_k = (int(moe.num_experts), int(moe.top_k)) if experts and moe is not None else (0, 0)
-    # each token uses top_k / n_experts of every routed expert tensor (exact: E divides their sizes)
-    idle = expert_params * (n_experts - top_k) // n_experts if n_experts else 0
+    n_experts, top_k = (moe.num_experts, moe.top_k) if moe is not None else (0, 0)
+    counts = counting.parameter_counts(model, model.tok_embeddings.weight, head, [m for _, m in experts],
+                                       n_experts, top_k)
     return ModelShape(
         n_layers=int(args.n_layers), dim=int(args.dim), vocab_size=int(args.vocab_size),
         n_heads=int(args.n_heads), n_kv_heads=int(args.kv_heads), head_dim=int(args.head_dim),
-        ffn_dim=family.ffn_dim(args), params=total, active_params=total - idle, embedding_params=emb,
-        head_params=head, tied_embeddings=tied, qk_norm=bool(getattr(args, "qk_norm", False)),
-        n_experts=n_experts, top_k=top_k, moe_layers=len(experts), expert_params=expert_params,
-        mtp_layers=len(mtp),
+        ffn_dim=family.ffn_dim(args), tied_embeddings=bool(args.tie_word_embeddings),
+        qk_norm=bool(getattr(args, "qk_norm", False)), mtp_layers=len(mtp),
+        **counts,
     )
-

@@ -13,10 +13,10 @@ Why it is built this way:
 * The weights ``w1/w2/w3`` [E, ...] become DTensors ``Shard(0)`` over the ep mesh (checkpoints
   and the full-state init see the full [E, ...] tensors). The module takes its local part
   itself (``to_local()``, differentiable, in ``GroupedExperts.weights_in``), so the gradient
-  flows back into the DTensor parameter. The hooks leave the module's attributes alone: an
-  earlier form shadowed the parameters with their local tensors during the forward only, and a
-  selective-op checkpoint of the module then replayed a recompute (no shadows: ``to_local``
-  views) that its forward had not recorded, which torch refuses.
+  flows back into the DTensor parameter. The hooks leave the module's attributes alone:
+  parameters shadowed by their local tensors during the forward only would break selective
+  activation checkpointing (its recompute, run without the shadows, makes ``to_local`` views the
+  forward never recorded, which torch refuses).
 * The token all-to-all is an autograd function whose backward is the reverse all-to-all, so
   the gradient of every token comes back to the rank that sent it. It uses plain
   ``dist.all_to_all_single`` (gloo and NCCL both take uneven split sizes).

@@ -86,7 +86,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor | N
     zero instead. Returns (y [B, S, C], the last W-1 inputs [B, C, W-1]).
 
     W shifted multiply-adds in x's own layout: no transposes (a grouped conv1d wants [B, C, S],
-    and its CPU backward was the slower of the two in local timings), and a document reset is
+    and its CPU backward is the slower of the two), and a document reset is
     one mask per tap."""
     bsz, s, ch = x.shape
     width = weight.shape[-1]

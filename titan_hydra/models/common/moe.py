@@ -175,7 +175,8 @@ def bucket_counts(counts: torch.Tensor, min_step: int = 32) -> torch.Tensor:
     12.5% padding above 8 x min_step rows, and about eight sizes per doubling. 0 stays 0.
 
     ``min_step`` trades padding (a smaller step pads less) against the number of distinct shapes
-    oneDNN keeps state for (a larger step makes fewer); 32 keeps both near 10% on qwen3_moe_debug."""
+    oneDNN keeps state for (a larger step makes fewer); the default keeps both small
+    (docs/bench/notes_models.md)."""
     octave = torch.exp2(torch.floor(torch.log2(counts.clamp_min(1).double()))).long()
     step = (octave // 8).clamp_min(min_step)
     return (counts + step - 1) // step * step

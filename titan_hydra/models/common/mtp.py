@@ -17,7 +17,7 @@ What it is built on, and why:
   with the hidden states: the gradient reaches the one embedding by the ordinary backward.
 * Shapes stay [B, S]: the last k positions, and positions whose t(i+k) lies in another packed
   document, have no input (zeroed) and no target (``future_valid``); the loss
-  (``models/mtp_loss.py``) ignores them.
+  (``mtp_loss.py``) ignores them.
 * A training forward (``model.train()``) returns ``(logits, valid, logits_depth1, ...)``; an
   eval forward, generation and HF parity see the plain decoder (the report discards the MTP
   modules at inference). With ``mtp_layers=0`` nothing here is built.

@@ -26,10 +26,10 @@ import json
 from functools import lru_cache
 from typing import Any, Mapping
 
-import torch
 from torch import nn
 
 from titan_hydra.errors import ConfigError
+from titan_hydra.models.common import counting
 from titan_hydra.models.hf import plans
 from titan_hydra.models.hf.adapter import HFCheckpointAdapter
 from titan_hydra.models.hf.ep import TopKExpertParallel
@@ -65,15 +65,13 @@ class HFFamily(ModelFamily):
         return causal_lm(**self.args_fields(args))
 
     def shape(self, args: HFArgs) -> ModelShape:
-        return _shape(self, _key(self, args))
+        return _shape(self, counting.args_key(self, args))
 
     def flops_per_token(self, args: HFArgs, seq_len: int) -> float:
         s, cfg = self.shape(args), args.hf_config
-        matmul = s.active_params - (0 if s.tied_embeddings else s.embedding_params)
-        window = getattr(cfg, "sliding_window", None) or seq_len
         types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * s.n_layers)
-        spans = sum(min(window, seq_len) if t == "sliding_attention" else seq_len for t in types[:s.n_layers])
-        return float(6 * matmul + 12 * s.n_heads * s.head_dim * spans)
+        keys = counting.attended_keys(types[:s.n_layers], getattr(cfg, "sliding_window", None), seq_len)
+        return counting.flops_per_token(s, keys)
 
     def signature(self, args: HFArgs) -> dict[str, Any]:
         # what differs from the architecture's defaults, as JSON has it (the checkpoint marker's form)
@@ -116,7 +114,7 @@ class HFFamily(ModelFamily):
             raise ConfigError(f"parallelism.cp={dims.cp} is not wired for model=hf (transformers' attention "
                               "modules); use parallelism.cp=1")
         if dims.ep > 1:
-            if not getattr(cfg, "base_model_ep_plan", None) or not _topk_experts(self, _key(self, args)):
+            if not getattr(cfg, "base_model_ep_plan", None) or not _topk_experts(self, counting.args_key(self, args)):
                 raise ConfigError(f"parallelism.ep={dims.ep}: transformers' {kind} model has no experts module "
                                   "called with each token's top-k experts (base_model_ep_plan); use parallelism.ep=1")
             if s.n_experts % dims.ep:
@@ -173,40 +171,32 @@ def routed_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
             and any(p.dim() == 3 for p in m.parameters(recurse=False))]
 
 
-def _key(family: HFFamily, args: HFArgs) -> str:
-    return json.dumps(family.args_fields(args), sort_keys=True)
-
-
 @lru_cache(maxsize=64)
 def _topk_experts(family: HFFamily, key: str) -> bool:
     """Whether every experts module is transformers' ``@use_experts_implementation`` kind, called
     as (hidden, top_k_index, top_k_weights): what ``TopKExpertParallel`` dispatches."""
-    with torch.device("meta"):
-        model = family.build(family.make_args(json.loads(key)))
+    _, model = counting.meta_build(family, key)
     experts = routed_experts(model)
     return bool(experts) and all(hasattr(m, "_is_expert_parallel") for _, m in experts)
 
 
 @lru_cache(maxsize=64)
 def _shape(family: HFFamily, key: str) -> ModelShape:
-    args = family.make_args(json.loads(key))
+    args, model = counting.meta_build(family, key)
     cfg = args.hf_config
-    with torch.device("meta"):
-        model = family.build(args)
     base = base_model(model)
     emb_name, norm_name = pipeline_ends(cfg)
     emb = getattr(base, emb_name).weight
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is emb
-    total = sum(p.numel() for p in model.parameters())
     norm = getattr(base, norm_name, None)
-    head_params = (sum(p.numel() for p in norm.parameters()) if isinstance(norm, nn.Module) else 0) + (
-        head.weight.numel() if head is not None else 0)
+    head_tensors = [*(norm.parameters() if isinstance(norm, nn.Module) else ()),
+                    *([head.weight] if head is not None else ())]
     experts = [m for _, m in routed_experts(model)]
-    expert_params = sum(p.numel() for m in experts for p in m.parameters())
-    n_experts = next((int(getattr(cfg, k)) for k in EXPERT_COUNT_KEYS if getattr(cfg, k, None)), 0) if experts else 0
-    top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0) if experts else 0
-    idle = expert_params * (n_experts - top_k) // n_experts if n_experts else 0
+    n_experts = next((int(getattr(cfg, k)) for k in EXPERT_COUNT_KEYS if getattr(cfg, k, None)), 0)
+    counts = counting.parameter_counts(model, emb, head_tensors, experts, n_experts,
+                                       int(getattr(cfg, "num_experts_per_tok", 0) or 0))
+    top_k = counts["top_k"]
     n_heads = int(cfg.num_attention_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads)
     ffn = int(getattr(cfg, "intermediate_size", 0) or 0)
@@ -216,8 +206,6 @@ def _shape(family: HFFamily, key: str) -> ModelShape:
     return ModelShape(
         n_layers=int(cfg.num_hidden_layers), dim=int(cfg.hidden_size), vocab_size=int(cfg.vocab_size),
         n_heads=n_heads, n_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or n_heads), head_dim=head_dim,
-        ffn_dim=ffn, params=total, active_params=total - idle, embedding_params=emb.numel(),
-        head_params=head_params, tied_embeddings=tied,
-        qk_norm=any(n.endswith("q_norm") for n, _ in model.named_modules()),
-        n_experts=n_experts, top_k=top_k, moe_layers=len(experts), expert_params=expert_params,
+        ffn_dim=ffn, tied_embeddings=tied, qk_norm=any(n.endswith("q_norm") for n, _ in model.named_modules()),
+        **counts,
     )

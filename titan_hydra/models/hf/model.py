@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from titan_hydra.errors import ConfigError
+from titan_hydra.models.common.masking import positions_in_documents
 from titan_hydra.quiet import loggers_at_error
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -149,16 +150,6 @@ class TitanForward:
                 t.__dict__.pop("_is_hf_initialized", None)
         self.tie_weights()  # before drawing: a tied pair is one tensor, drawn in the order a CPU build draws it
         self.initialize_weights()
-
-
-def positions_in_documents(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Position of each token within its document ([B, S] doc ids -> [B, S] positions)."""
-    s = doc_ids.shape[1]
-    idx = torch.arange(s, device=doc_ids.device).expand_as(doc_ids)
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    start_idx = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
-    return idx - start_idx
 
 
 def pipeline_ends(config: Any) -> tuple[str, str]:
