@@ -151,8 +151,7 @@ def test_the_sweep_report_tabulates_fidelity(tmp_path):
     """val/fidelity/* (logged on eval rows, apart from val/loss) become a column each, last value."""
     import json
 
-    _recipes()
-    import sweep_report
+    from titan_hydra.analysis import sweep as jobs, sweep_report
 
     run = tmp_path / "0"
     (run / ".hydra").mkdir(parents=True)
@@ -160,9 +159,9 @@ def test_the_sweep_report_tabulates_fidelity(tmp_path):
     rows = [{"step": s, "loss": 1.0 / s} for s in (1, 2)] + [{"step": 2, "val/loss": 0.5}]
     rows += [{"step": s, "val/fidelity/background": b, "val/fidelity/colour": c} for s, b, c in ((1, 0.5, 0.1), (2, 0.9, 0.3))]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    [row] = sweep_report.collect(tmp_path)
+    [row] = jobs.collect(tmp_path)
     assert row.fidelity_curves == {"background": [(1, 0.5), (2, 0.9)], "colour": [(1, 0.1), (2, 0.3)]}
-    sweep_report.label_rows([row])
+    jobs.label_rows([row])
     sweep_report.write_tables([row], tmp_path)
     table = (tmp_path / "report.md").read_text()
     assert "| fidelity background | fidelity colour |" in table and "| 0.900 | 0.300 |" in table
