@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, run_launch, series
+from helpers import run_launch, series
 from titan_hydra.logger.wandb_reader import read_offline_run
 
 
