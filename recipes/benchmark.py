@@ -37,22 +37,24 @@ are comparable; absolute numbers on shared 2-core machines are noisy.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import tempfile
 from pathlib import Path
 
 from titan_hydra.analysis.flags import add_out, add_threads, parser
-from titan_hydra.bench.data import data_suite
-from titan_hydra.bench.ft import ft_suite
-from titan_hydra.bench.hybrid import hybrid_suite
-from titan_hydra.bench.moe_memory import moe_memory_suite
-from titan_hydra.bench.mtp import mtp_suite
-from titan_hydra.bench.training import run_training_suite
 from titan_hydra.bench.variants import SUITES
 
-EXTRA_SUITES = {"data": data_suite, "ft": ft_suite, "moe_memory": moe_memory_suite, "mtp": mtp_suite,
-                "hybrid": hybrid_suite}
+# The suites that measure something other than training variants: (module of titan_hydra.bench,
+# function). A suite's module (torch, models, the config groups) is imported only once it is the
+# one asked for, so parsing the arguments (--help) costs nothing.
+EXTRA_SUITES = {"data": ("data", "data_suite"), "ft": ("ft", "ft_suite"), "moe_memory": ("moe_memory", "moe_memory_suite"),
+                "mtp": ("mtp", "mtp_suite"), "hybrid": ("hybrid", "hybrid_suite")}
+
+
+def suite_function(module: str, name: str):
+    return getattr(importlib.import_module(f"titan_hydra.bench.{module}"), name)
 
 
 def parse_args() -> argparse.Namespace:
@@ -84,13 +86,13 @@ def main() -> None:
     if args.suite in EXTRA_SUITES:
         run_extra_suite(args)
     else:
-        run_training_suite(args)
+        suite_function("training", "run_training_suite")(args)
 
 
 def run_extra_suite(args) -> None:
     """A suite that measures something other than training variants (data, ft, moe_memory, mtp, hybrid)."""
     with tempfile.TemporaryDirectory(prefix=f"titan_bench_{args.suite}_") as tmp:
-        lines, result = EXTRA_SUITES[args.suite](args, Path(tmp))
+        lines, result = suite_function(*EXTRA_SUITES[args.suite])(args, Path(tmp))
     print("\n".join(lines))
     out = Path(args.out or f"bench_out/{args.suite}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,9 @@
 A run dir is what ``launch.py`` wrote: ``metrics.jsonl`` (one JSON row per logged step),
 ``.hydra/config.yaml`` (the composed config), ``.hydra/overrides.yaml`` and, for a sweep job,
 ``status.json``. Every report, fit and comparison reads runs through here, so a partial last line
-or a schedule's per-step batch is handled in one place.
+or a schedule's per-step batch is handled in one place. Reading rows needs no torch: the config
+and the spec (which import it) are imported only by the functions that resolve a saved config, so
+a sweep's tables and a run comparison start in a second.
 """
 
 from __future__ import annotations
@@ -15,9 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-
-from titan_hydra.config import register_resolvers
-from titan_hydra.spec import spec_of
 
 
 def read_yaml(path: Path) -> Any:
@@ -41,6 +40,8 @@ def read_metrics(path: Path) -> list[dict]:
 
 def job_config(run_dir: Path) -> DictConfig:
     """A run's composed config (``.hydra/config.yaml``), its ``${th_...:}`` interpolations resolvable."""
+    from titan_hydra.config import register_resolvers  # (imports torch: only where a saved config is resolved)
+
     register_resolvers()
     return OmegaConf.load(run_dir / ".hydra" / "config.yaml")
 
@@ -99,6 +100,8 @@ class Tokens:
 def tokens_of(run_dir: Path, config_dir: Path | None = None) -> Tokens:
     """The tokens per step of a run dir, from its metrics rows and its saved config (or that of
     ``config_dir``, a run of the same batch settings: a branch for the run it left)."""
+    from titan_hydra.spec import spec_of  # (imports torch: a sweep report reads no config unless it must)
+
     batch = spec_of(job_config(config_dir or run_dir)).batch
     logged = {int(r["step"]): int(r.get("batch_size", batch.global_)) * int(r.get("seq_len", batch.seq_len))
               for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
