@@ -13,16 +13,17 @@ Every run goes through ``launch.py`` as a user would type it, one after another.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
 
-from sweep_report import anneal_curves, plot_anneal, tokens_per_step, val_curve
+from titan_hydra.analysis.anneal import anneal_curves, branch_tokens, plot_anneal
+from titan_hydra.analysis.flags import parser
+from titan_hydra.analysis.runs import tokens_of, val_curve
+from titan_hydra.hardware import cpu_model
 
 REPO = Path(__file__).resolve().parents[1]
 BUDGETS = (100, 200, 300)
@@ -53,25 +54,29 @@ def run_all(work: Path) -> None:
 
 
 def table(work: Path) -> dict:
-    """Per budget: the branch's and the cosine run's final validation loss; tokens in all."""
+    """Per budget: the branch's and the cosine run's final validation loss; tokens in all (each
+    run's logged batches: under a batch schedule a step is not a fixed number of tokens)."""
     base = work / "outputs" / "anneal_base"
     branches = anneal_curves(work / "multirun" / "branches")
-    per_step = tokens_per_step(base)
+    tokens = tokens_of(base)
+    spent = branch_tokens(work / "multirun" / "branches", tokens)  # each branch: the base's count, then its own
     stable = dict(val_curve(base))
     rows = []
     for steps in BUDGETS:
         branch = branches.get(steps)
         cosine = val_curve(work / "outputs" / f"cosine_{steps}")
-        rows.append({"budget_steps": steps, "budget_tokens": steps * per_step,
+        rows.append({"budget_steps": steps, "budget_tokens": tokens.through(steps),
                      "branch_point": branch[0][0] if branch else None, "val_loss_branch": branch[-1][1] if branch else None,
                      "val_loss_cosine": cosine[-1][1] if cosine else None,
                      "val_loss_stable": stable.get(steps)})  # the unfinished stable run there, if it got there
     base_steps = max(s for s, _ in val_curve(base))
+    cosine_tokens = [tokens_of(work / "outputs" / f"cosine_{steps}").through(steps) for steps in BUDGETS]
     return {
         "rows": rows,
-        "tokens_branches": (base_steps + sum(steps - r["branch_point"] for steps, r in zip(BUDGETS, rows))) * per_step,
-        "tokens_cosine": sum(BUDGETS) * per_step,
-        "tokens_per_step": per_step,
+        "tokens_branches": tokens.through(base_steps) + sum(spent[steps].through(steps) - tokens.through(r["branch_point"])
+                                                            for steps, r in zip(BUDGETS, rows)),
+        "tokens_cosine": sum(cosine_tokens),
+        "tokens_per_step": tokens.through(1),
         "base_steps": base_steps,
     }
 
@@ -89,34 +94,25 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", type=Path, default=Path("bench_out/anneal"), help="where the runs go")
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
-    parser.add_argument("--png", type=Path, default=None, help="write the figure here")
-    parser.add_argument("--reuse", action="store_true", help="report the runs already in --work, train nothing")
-    args = parser.parse_args(argv)
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--work", type=Path, default=Path("bench_out/anneal"), help="where the runs go")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--png", type=Path, default=None, help="write the figure here")
+    p.add_argument("--reuse", action="store_true", help="report the runs already in --work, train nothing")
+    args = p.parse_args(argv)
     if not args.reuse:
         run_all(args.work)
     result = table(args.work)
-    result.update(cpu=cpu_name(), cores=os.cpu_count(), date=datetime.date.today().isoformat(),
+    result.update(cpu=cpu_model(), cores=os.cpu_count(), date=datetime.date.today().isoformat(),
                   command="python recipes/bench_anneal.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     print(markdown(result))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     if args.png:
-        cosine = {f"cosine {s}": val_curve(args.work / "outputs" / f"cosine_{s}") for s in BUDGETS}
+        cosine = {f"cosine {s}": (val_curve(args.work / "outputs" / f"cosine_{s}"),
+                                  tokens_of(args.work / "outputs" / f"cosine_{s}")) for s in BUDGETS}
         plot_anneal(args.work / "multirun" / "branches", args.png, extra=cosine)
     return 0
 

@@ -17,31 +17,21 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from average_checkpoints import average_checkpoints  # noqa: E402
-from generate import load_model  # noqa: E402
-
-from titan_hydra.groups import compose_config  # noqa: E402
-from titan_hydra.models.objective import cross_entropy_loss  # noqa: E402
-from titan_hydra.spec import spec_of  # noqa: E402
-from titan_hydra.train.pretrain import run  # noqa: E402
-from titan_hydra.train.services import build_dataset  # noqa: E402
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+from titan_hydra.analysis.flags import add_out, parser
+from titan_hydra.checkpoint.average import average_checkpoints
+from titan_hydra.checkpoint.offline import load_model
+from titan_hydra.groups import compose_config
+from titan_hydra.hardware import cpu_model
+from titan_hydra.models.objective import cross_entropy_loss
+from titan_hydra.spec import spec_of
+from titan_hydra.train.pretrain import run
+from titan_hydra.train.services import build_dataset
 
 
 @torch.no_grad()
@@ -76,7 +66,7 @@ def bench(a: argparse.Namespace, work: Path) -> dict:
         steps = [s["step"] for s in json.loads((out / "COMPLETE.json").read_text())["averaged"]]
         rows.append({"weights": f"average of last {n} (steps {steps[0]}..{steps[-1]})",
                      "val_loss": val_loss(out, spec, a.val_batches), "logged": None})
-    return {"date": datetime.date.today().isoformat(), "cpu": cpu_name(), "threads": torch.get_num_threads(),
+    return {"date": datetime.date.today().isoformat(), "cpu": cpu_model(), "threads": torch.get_num_threads(),
             "model": spec.flavor, "steps": a.steps, "every": a.every, "lr_scheduler": "constant",
             "overrides": overrides, "rows": rows}
 
@@ -92,14 +82,14 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--decay", type=float, default=0.95, help="training.ema_decay")
     p.add_argument("--every", type=int, default=20, help="checkpoint.interval")
     p.add_argument("--last", type=lambda s: [int(x) for x in s.split(",")], default=[3, 5],
                    help="comma-separated: average the last N checkpoints for each N")
     p.add_argument("--val-batches", type=int, default=16, help="held-out batches scored (training.val_steps)")
-    p.add_argument("--out", default=None, help="JSON file (default: none)")
+    add_out(p, "JSON file (default: none)")
     p.add_argument("overrides", nargs="*", help="more launch.py overrides (model.dim=..., optimizer.lr=...)")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as work:

@@ -12,16 +12,15 @@ within every repetition so a burst of load on a shared machine hits all of them 
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
-import platform
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
+from titan_hydra.analysis.flags import add_out, add_threads, parser
+from titan_hydra.hardware import cpu_model
 from titan_hydra.quiet import import_quietly
 
 # transformers' Qwen3.5 module imports torchao where it is installed, which logs its missing CUDA kernels
@@ -32,14 +31,6 @@ Qwen3_5TextConfig = import_quietly("transformers").Qwen3_5TextConfig
 from titan_hydra.kernels import gated_delta_policy
 from titan_hydra.models.common.gated_deltanet import GatedDeltaNet
 from titan_hydra.models.qwen3_5.hf import fuse_qkv
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor()
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "")
 
 
 def layers(args, device: torch.device, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
@@ -81,10 +72,10 @@ def time_shape(modules: dict[str, torch.nn.Module], x: torch.Tensor, reps: int) 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=int, default=1)
+    add_threads(p)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seqs", type=int, nargs="+", default=[256, 1024, 4096])
     p.add_argument("--heads", type=int, default=4)
@@ -92,7 +83,7 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--out", default="bench_out/gdn.json")
+    add_out(p, "JSON path", default="bench_out/gdn.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -109,7 +100,7 @@ def main() -> None:
         rows.append({"batch": args.batch, "seq": seq, "seconds": times})
         speedups = ", ".join(f"{base / times[n]:.2f}x" for n in names[1:])
         print(f"| {args.batch} x {seq} | {' | '.join(f'{times[n] * 1e3:.1f}' for n in names)} | {speedups} |")
-    meta = {"date": datetime.date.today().isoformat(), "cpu": cpu_name(), "threads": torch.get_num_threads(),
+    meta = {"date": datetime.date.today().isoformat(), "cpu": cpu_model(), "threads": torch.get_num_threads(),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": args.dtype,
             "torch": torch.__version__, "heads": args.heads, "head_dim": args.head_dim, "dim": args.dim,
             "chunk_size": args.chunk_size, "reps": args.reps}

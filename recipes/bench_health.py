@@ -16,7 +16,6 @@ re-run time in a run that rechecks every step (``--recheck-steps``), its share s
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import io
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from titan_hydra.analysis.flags import add_out, parser
 from titan_hydra.groups import compose_config
 from titan_hydra.runtime.rendezvous import free_port
 from titan_hydra.spec import spec_of
@@ -116,14 +116,14 @@ def monitor_alone(steps: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--gathers", type=int, default=200)
     p.add_argument("--every", type=int, default=100, help="health.straggler_every to state the gather's share at")
     p.add_argument("--recheck-steps", type=int, default=4, help="steps of the run that rechecks every step")
     p.add_argument("--recheck-every", type=int, default=100, help="health.recheck_every to state the recheck's share at")
-    p.add_argument("--out", default="bench_out/health.json")
+    add_out(p, "JSON path", default="bench_out/health.json")
     args = p.parse_args()
 
     gathers = gather_seconds(args.gathers)

@@ -17,162 +17,38 @@ every metric agrees, 1 when one differs, 2 for bad input (a missing dir, no metr
 
 from __future__ import annotations
 
-import argparse
-import math
-import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-from sweep_report import read_metrics
-
-RTOL, ATOL = 1e-5, 0.0
-# Per-step timings, throughput and memory (by the name after the last "/"): differ between any two
-# runs, so never compared unless asked for by --keys.
-UNSHARED = ("time", "data_time", "tps", "tps_global", "tflops", "mfu")
-TIMING = re.compile(r"^memory|_s(_max)?$")  # memory_peak_gib, health/compute_s_max, recheck_s
-
-
-class CompareError(ValueError):
-    """Bad input: one line, what is wrong."""
-
-
-@dataclass
-class KeyDiff:
-    key: str
-    steps: int  # compared (logged by both)
-    first_step: int | None  # the first step beyond the tolerance; None: within it throughout
-    max_abs: float
-    max_abs_step: int | None
-    max_rel: float
-    max_rel_step: int | None
-    only_a: int  # steps logged by one run only (not compared)
-    only_b: int
-
-
-def series_of(run: Path) -> dict[str, dict[int, float]]:
-    """{metric: {step: value}} of a run's metrics.jsonl (the last value of a step wins)."""
-    run = Path(run)
-    if not run.is_dir():
-        raise CompareError(f"{run} is not a directory (give a run dir or a multirun job dir)")
-    if not (run / "metrics.jsonl").is_file():
-        raise CompareError(f"{run} has no metrics.jsonl (give a run dir or a multirun job dir)")
-    out: dict[str, dict[int, float]] = {}
-    for row in read_metrics(run / "metrics.jsonl"):
-        for key, value in row.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                out.setdefault(key, {})[int(row["step"])] = float(value)
-    if not out:
-        raise CompareError(f"{run}/metrics.jsonl holds no metrics")
-    return out
-
-
-def _shared(key: str) -> bool:
-    name = key.rsplit("/", 1)[-1]
-    return name not in UNSHARED and not TIMING.search(name)
-
-
-def _differs(a: float, b: float, rtol: float, atol: float, exact: bool) -> bool:
-    if math.isnan(a) or math.isnan(b):
-        return math.isnan(a) != math.isnan(b)
-    if exact:
-        return a != b
-    return abs(a - b) > atol + rtol * abs(b)
-
-
-def compare_key(key: str, a: dict[int, float], b: dict[int, float], rtol: float, atol: float,
-                exact: bool) -> KeyDiff:
-    steps = sorted(set(a) & set(b))
-    diff = KeyDiff(key, len(steps), None, 0.0, None, 0.0, None, len(set(a) - set(b)), len(set(b) - set(a)))
-    for step in steps:
-        x, y = a[step], b[step]
-        if diff.first_step is None and _differs(x, y, rtol, atol, exact):
-            diff.first_step = step
-        gap = abs(x - y)
-        if gap > diff.max_abs:  # (NaN never is)
-            diff.max_abs, diff.max_abs_step = gap, step
-        rel = gap / abs(y) if y else (math.inf if gap else 0.0)
-        if rel > diff.max_rel:
-            diff.max_rel, diff.max_rel_step = rel, step
-    return diff
-
-
-def compare(run_a: Path, run_b: Path, rtol: float = RTOL, atol: float = ATOL, exact: bool = False,
-            keys: list[str] | None = None) -> list[KeyDiff]:
-    """Every shared metric of two runs (or ``keys``), compared over the steps both logged."""
-    a, b = series_of(run_a), series_of(run_b)
-    wanted = keys or sorted(k for k in set(a) & set(b) if _shared(k))
-    missing = [k for k in wanted if k not in a or k not in b]
-    if missing:
-        raise CompareError(f"metric(s) {missing} not logged by both runs; they share {sorted(set(a) & set(b))}")
-    if not wanted:
-        raise CompareError(f"{run_a} and {run_b} log no metric in common")
-    return [compare_key(k, a[k], b[k], rtol, atol, exact) for k in wanted]
-
-
-def _at(value: float, step: int | None) -> str:
-    return f"{value:.3g}" + (f" (step {step})" if step is not None else "")
-
-
-def table(diffs: list[KeyDiff]) -> str:
-    lines = ["| metric | steps | first step beyond tolerance | max abs diff | max rel diff |",
-             "|---|---:|---:|---:|---:|"]
-    for d in diffs:
-        extra = f" (+{d.only_a} only in A, {d.only_b} only in B)" if d.only_a or d.only_b else ""
-        first = "-" if d.first_step is None else str(d.first_step)
-        lines.append(f"| {d.key} | {d.steps}{extra} | {first} | {_at(d.max_abs, d.max_abs_step)} | "
-                     f"{_at(d.max_rel, d.max_rel_step)} |")
-    return "\n".join(lines)
-
-
-def plot(run_a: Path, run_b: Path, diffs: list[KeyDiff], path: Path) -> None:
-    """One row per metric: both runs' values, and |A - B| per step (log scale)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    a, b = series_of(run_a), series_of(run_b)
-    fig, axes = plt.subplots(len(diffs), 2, figsize=(10, 2.6 * len(diffs)), squeeze=False)
-    for (left, right), d in zip(axes, diffs):
-        for series, name, style in ((a[d.key], "A", "-"), (b[d.key], "B", "--")):
-            left.plot(*zip(*sorted(series.items())), style, label=name, lw=1)
-        left.set_title(d.key, fontsize=9)
-        left.legend(fontsize=7)
-        steps = sorted(set(a[d.key]) & set(b[d.key]))
-        gaps = [abs(a[d.key][s] - b[d.key][s]) for s in steps]
-        right.semilogy(steps, [g if g > 0 else float("nan") for g in gaps], ".", ms=3)
-        if d.first_step is not None:
-            right.axvline(d.first_step, color="C3", lw=0.8)
-        right.set_title(f"|A - B| of {d.key}" + ("" if any(gaps) else ": equal at every step"), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+from titan_hydra.analysis.compare import ATOL, RTOL, KeyDiff, compare, plot, table
+from titan_hydra.analysis.flags import parser
+from titan_hydra.errors import exit_status
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_a", type=Path)
-    parser.add_argument("run_b", type=Path)
-    parser.add_argument("--rtol", type=float, default=RTOL, help=f"relative tolerance (default {RTOL})")
-    parser.add_argument("--atol", type=float, default=ATOL, help=f"absolute tolerance (default {ATOL})")
-    parser.add_argument("--exact", action="store_true", help="bitwise: any difference counts")
-    parser.add_argument("--keys", default=None, help="comma-separated metrics (default: every shared one)")
-    parser.add_argument("--plot", type=Path, default=None, help="write a PNG of the curves and differences")
-    args = parser.parse_args(argv)
-    try:
-        diffs = compare(args.run_a, args.run_b, args.rtol, args.atol, args.exact,
-                        args.keys.split(",") if args.keys else None)
-    except CompareError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    rule = "bitwise" if args.exact else f"|a - b| <= {args.atol:g} + {args.rtol:g} * |b|"
-    print(f"A: {args.run_a}\nB: {args.run_b}\ntolerance: {rule}\n\n{table(diffs)}")
-    if args.plot:
-        plot(args.run_a, args.run_b, diffs, args.plot)
-    differing = [d.key for d in diffs if d.first_step is not None]
-    print("\n" + (f"differ: {', '.join(differing)}" if differing else "equal within the tolerance"))
-    return 1 if differing else 0
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("run_a", type=Path)
+    p.add_argument("run_b", type=Path)
+    p.add_argument("--rtol", type=float, default=RTOL, help=f"relative tolerance (default {RTOL})")
+    p.add_argument("--atol", type=float, default=ATOL, help=f"absolute tolerance (default {ATOL})")
+    p.add_argument("--exact", action="store_true", help="bitwise: any difference counts")
+    p.add_argument("--keys", default=None, help="comma-separated metrics (default: every shared one)")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG of the curves and differences")
+    args = p.parse_args(argv)
+    diffs: list[KeyDiff] = []
+
+    def report() -> str:
+        diffs.extend(compare(args.run_a, args.run_b, args.rtol, args.atol, args.exact,
+                             args.keys.split(",") if args.keys else None))
+        rule = "bitwise" if args.exact else f"|a - b| <= {args.atol:g} + {args.rtol:g} * |b|"
+        if args.plot:
+            plot(args.run_a, args.run_b, diffs, args.plot)
+        differing = [d.key for d in diffs if d.first_step is not None]
+        return (f"A: {args.run_a}\nB: {args.run_b}\ntolerance: {rule}\n\n{table(diffs)}\n\n"
+                + (f"differ: {', '.join(differing)}" if differing else "equal within the tolerance"))
+
+    status = exit_status(report)
+    return 1 if status == 0 and any(d.first_step is not None for d in diffs) else status
 
 
 if __name__ == "__main__":

@@ -15,20 +15,17 @@ D = training.steps x tokens per step, and the wall time of training.steps at the
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from titan_hydra.errors import UserError  # noqa: E402
-from titan_hydra.groups import compose_config  # noqa: E402
-from titan_hydra.planner.auto import estimated_step_time  # noqa: E402
-from titan_hydra.planner.plan import Plan, plan  # noqa: E402
-from titan_hydra.planner.scaling_law import load_fit  # noqa: E402
-from titan_hydra.spec import RunSpec, spec_of  # noqa: E402
+from titan_hydra.analysis.flags import parser
+from titan_hydra.analysis.scaling_law import load_fit
+from titan_hydra.errors import exit_status
+from titan_hydra.groups import compose_config
+from titan_hydra.planner.auto import estimated_step_time
+from titan_hydra.planner.plan import Plan, plan
+from titan_hydra.spec import RunSpec, spec_of
 
 
 def prediction(spec: RunSpec, p: Plan, law_path: Path) -> dict:
@@ -56,27 +53,22 @@ def format_prediction(pred: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, full=True)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--law", type=Path, help="a fit from recipes/scaling_law.py: add the predicted loss and wall time")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as for launch.py")
     args = p.parse_args(argv)
-
     cfg = compose_config(args.overrides)
-    try:
+
+    def estimate() -> str:
         spec = spec_of(cfg)
         result = plan(spec)
         pred = prediction(spec, result, args.law) if args.law else None
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps({**result.as_dict(), **({"prediction": pred} if pred else {})}, indent=1))
-    else:
-        print(result.format())
-        if pred:
-            print(format_prediction(pred))
-    return 0
+        if args.json:
+            return json.dumps({**result.as_dict(), **({"prediction": pred} if pred else {})}, indent=1)
+        return result.format() + (f"\n{format_prediction(pred)}" if pred else "")
+
+    return exit_status(estimate)
 
 
 if __name__ == "__main__":

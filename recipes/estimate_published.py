@@ -17,15 +17,15 @@ ratio is reported as it is, without a target.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
 import sys
 from pathlib import Path
 
+from titan_hydra.analysis.flags import add_out, parser
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 DATA = REPO / "tests" / "data" / "torchtitan_h100_202412.yaml"
 GPUS_PER_NODE = 8
 DEVICE_GIB = 96.0
@@ -96,8 +96,8 @@ def markdown(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(REPO / "bench_out" / "estimator_h100.json"), help="JSON output path")
+    ap = parser(__doc__, full=True)
+    add_out(ap, "JSON output path", default=str(REPO / "bench_out" / "estimator_h100.json"))
     args = ap.parse_args(argv)
     results = [evaluate_row(r) for r in load_rows()]
     print(markdown(results))

@@ -14,48 +14,18 @@ tokenizer whose ids exceed the model's vocabulary) are one line.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from titan_hydra.errors import UserError, first_line  # noqa: E402
-from titan_hydra.generate import SamplingConfig, generate  # noqa: E402
-
-
-def load_model(path: str | Path, device: str = "cpu", weights: str = "model"):
-    """(family, args, model in eval mode with the checkpoint's weights) of a step dir or HF dir;
-    ``weights="ema"``: a step dir's EMA of the weights (``training.ema_decay``)."""
-    from titan_hydra.checkpoint.storage import CheckpointError
-    from titan_hydra.models.hf_io import is_hf_dir, load_hf_checkpoint
-
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    if is_hf_dir(path):
-        family, args, sd = load_hf_checkpoint(path)
-    else:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from convert import read_model
-
-        family, args, sd = read_model(path, weights)
-    with torch.device("meta"):
-        model = family.build(args)
-    model.to_empty(device=device)
-    model.init_weights(buffer_device=device)  # non-persistent buffers (rotary tables)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if k != "output.weight" or not args.tie_word_embeddings]
-    if missing or unexpected:
-        raise CheckpointError(f"checkpoint {path} does not fit its own model: missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]}")
-    return family, args, model.eval()
+from titan_hydra.analysis.flags import parser
+from titan_hydra.checkpoint.offline import load_model, tokenizer_for
+from titan_hydra.errors import UserError, exit_status
+from titan_hydra.generate import SamplingConfig, generate
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("checkpoint")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -67,31 +37,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--device", default="cpu")
     a = p.parse_args(argv)
-    try:
-        from titan_hydra.data.tokenizer import Tokenizer
-        from titan_hydra.models.hf_io import is_hf_dir
 
+    def sample() -> str:
         cfg = SamplingConfig(a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.seed)
         _, args, model = load_model(a.checkpoint, a.device)
-        own = Path(a.checkpoint) / "tokenizer.json"
-        tok = Tokenizer(a.tokenizer or (str(a.checkpoint) if is_hf_dir(a.checkpoint) and own.is_file() else "builtin"))
+        tok = tokenizer_for(a.checkpoint, a.tokenizer)
         if tok.vocab_size > args.vocab_size:
             raise UserError(f"tokenizer {tok.path} has {tok.vocab_size} ids but the model's vocabulary is "
                             f"{args.vocab_size}; pass the tokenizer it was trained with (--tokenizer)")
         ids = [tok.bos_id] + tok.encode(a.prompt)
-        prompt = torch.tensor([ids] * a.num_samples, device=a.device)
-        out = generate(model, prompt, cfg, args.max_seq_len, eos_id=tok.eos_id)
-    except UserError as e:
-        print(f"error: {first_line(e)}", file=sys.stderr)
-        return 1
-    for i, row in enumerate(out.tolist()):
-        new = row[len(ids):]
-        if tok.eos_id in new:
-            new = new[: new.index(tok.eos_id)]
-        if a.num_samples > 1:
-            print(f"--- sample {i}")
-        print(a.prompt + tok.decode(new))
-    return 0
+        out = generate(model, torch.tensor([ids] * a.num_samples, device=a.device), cfg, args.max_seq_len,
+                       eos_id=tok.eos_id)
+        lines = []
+        for i, row in enumerate(out.tolist()):
+            new = row[len(ids):]
+            if tok.eos_id in new:
+                new = new[: new.index(tok.eos_id)]
+            lines += [f"--- sample {i}"] * (a.num_samples > 1) + [a.prompt + tok.decode(new)]
+        return "\n".join(lines)
+
+    return exit_status(sample)
 
 
 if __name__ == "__main__":

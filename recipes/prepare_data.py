@@ -22,21 +22,20 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hydra
+from omegaconf import DictConfig
 
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-import titan_hydra.groups  # noqa: E402,F401  (registers schemas and resolvers before composing)
-from titan_hydra.data.dataset import resolve_files  # noqa: E402
-from titan_hydra.data.documents import hub_shards  # noqa: E402
-from titan_hydra.data.prepare import PrepareSettings, prepare, val_every_of  # noqa: E402
-from titan_hydra.errors import UserError, first_line  # noqa: E402
-from titan_hydra.launch.prepare_jobs import submit_prepare  # noqa: E402
-from titan_hydra.launch.submitit_jobs import JobFailed  # noqa: E402
+import titan_hydra.groups  # noqa: F401  (registers schemas and resolvers before composing)
+from titan_hydra.data.dataset import resolve_files
+from titan_hydra.data.documents import hub_shards
+from titan_hydra.data.prepare import PrepareSettings, prepare, val_every_of
+from titan_hydra.errors import UserError, exit_status
+from titan_hydra.launch.prepare_jobs import submit_prepare
+from titan_hydra.launch.submitit_jobs import JobFailed
 
 
-def run(cfg: DictConfig) -> int:
+def run(cfg: DictConfig) -> str:
+    """Prepare the corpus ``cfg`` names; what to print (what was written, how to train on it)."""
     data = cfg.data
     source = str(data.source)
     if source == "hf":
@@ -64,25 +63,23 @@ def run(cfg: DictConfig) -> int:
     seconds = time.perf_counter() - started
     splits = manifest["splits"]
     total = sum(s["tokens"] for s in splits.values())
-    print(f"prepared {len(files)} {'shard' if source == 'hf' else 'file'}(s) with {where} in {seconds:.1f} s: "
-          + ", ".join(f"{name} {s['tokens']:,} tokens / {s['documents']:,} documents / {len(s['shards'])} shards"
-                      for name, s in splits.items())
-          + f" ({manifest['dtype']}; {total / max(seconds, 1e-9):,.0f} tokens/s)")
-    print(f"train on it: python launch.py data=prepared data.path={settings.out}"
-          + (f" data.tokenizer={settings.tokenizer}" if settings.tokenizer != "builtin" else ""))
-    return 0
+    return (f"prepared {len(files)} {'shard' if source == 'hf' else 'file'}(s) with {where} in {seconds:.1f} s: "
+            + ", ".join(f"{name} {s['tokens']:,} tokens / {s['documents']:,} documents / {len(s['shards'])} shards"
+                        for name, s in splits.items())
+            + f" ({manifest['dtype']}; {total / max(seconds, 1e-9):,.0f} tokens/s)\n"
+            + f"train on it: python launch.py data=prepared data.path={settings.out}"
+            + (f" data.tokenizer={settings.tokenizer}" if settings.tokenizer != "builtin" else ""))
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="prepare_data")
-def main(cfg: DictConfig) -> int:
+def main(cfg: DictConfig) -> None:
     try:
-        return run(cfg)
-    except UserError as e:
-        print(f"error: {first_line(e)}", file=sys.stderr)
-        sys.exit(2)
-    except JobFailed as e:  # a SLURM task died: its one-line error and log
+        status = exit_status(lambda: run(cfg))
+    except JobFailed as e:  # a SLURM task died: its one-line error and log (not bad input: status 1)
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        status = 1
+    if status:
+        sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -9,17 +9,15 @@ Python standard library and ``tokenizers`` version.
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from titan_hydra.analysis.flags import add_out, parser
+from titan_hydra.data.corpus import builtin_documents
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
-
-from titan_hydra.data.corpus import builtin_documents  # noqa: E402
 
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]
 
@@ -39,9 +37,9 @@ def train(vocab_size: int) -> Tokenizer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--vocab-size", type=int, default=2048)
-    ap.add_argument("--out", default=str(REPO / "titan_hydra" / "assets" / "builtin_tokenizer.json"))
+    add_out(ap, "the tokenizer file", default=str(REPO / "titan_hydra" / "assets" / "builtin_tokenizer.json"))
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     tok = train(args.vocab_size)

@@ -172,14 +172,10 @@ def test_branch_off_a_constant_run_is_the_uninterrupted_wsd_run(tmp_path):
 def test_sweep_report_draws_each_branch_from_its_branch_point(tmp_path):
     """A sweep of two cooldown jobs off a base run (relative paths, as the experiment writes them):
     each branch's curve starts at the base's step it left from, and the figure is written."""
-    import sys
-
     from omegaconf import OmegaConf
 
-    from helpers import REPO
-
-    sys.path.insert(0, str(REPO / "recipes"))
-    import sweep_report
+    from titan_hydra.analysis.anneal import anneal_curves, branch_base, plot_anneal
+    from titan_hydra.analysis.runs import tokens_of
 
     def metrics(run: Path, steps: range, loss) -> None:
         run.mkdir(parents=True, exist_ok=True)
@@ -195,9 +191,28 @@ def test_sweep_report_draws_each_branch_from_its_branch_point(tmp_path):
                                   f"checkpoint.initial_load_path=outputs/base/checkpoint/step-{branch}"])
         OmegaConf.save(cfg, run / ".hydra" / "config.yaml")
         OmegaConf.save({"hydra": {"runtime": {"cwd": str(tmp_path)}}}, run / ".hydra" / "hydra.yaml")
-    assert sweep_report.branch_base(tmp_path / "multirun" / "0") == tmp_path / "outputs" / "base"
-    assert sweep_report.anneal_curves(tmp_path / "multirun") == {
+    assert branch_base(tmp_path / "multirun" / "0") == tmp_path / "outputs" / "base"
+    assert anneal_curves(tmp_path / "multirun") == {
         6: [(4, None), (6, pytest.approx(7.0 - 1.2))], 10: [(8, None), (10, pytest.approx(7.0 - 2.0))]}
-    assert sweep_report.tokens_per_step(tmp_path / "multirun" / "0") == 2 * 32
-    sweep_report.plot_anneal(tmp_path / "multirun", tmp_path / "anneal.png")
+    assert tokens_of(tmp_path / "multirun" / "0").through(6) == 6 * 2 * 32  # no schedule: the config's batch
+    plot_anneal(tmp_path / "multirun", tmp_path / "anneal.png")
     assert (tmp_path / "anneal.png").stat().st_size > 0
+
+
+def test_tokens_are_read_from_the_logged_batch_under_a_schedule(tmp_path):
+    """Under a batch schedule each training row logs its step's batch_size: the tokens of a run are
+    their sum (seq_len 32 from the config), a step without a row counts as the next logged one,
+    and a branch continues its base's count."""
+    from omegaconf import OmegaConf
+
+    from titan_hydra.analysis.runs import tokens_of
+
+    (tmp_path / ".hydra").mkdir()
+    OmegaConf.save(compose_cfg(TINY), tmp_path / ".hydra" / "config.yaml")
+    rows = [{"step": 1, "loss": 7.0, "batch_size": 2.0}, {"step": 2, "loss": 7.0, "batch_size": 2.0},
+            {"step": 4, "loss": 7.0, "batch_size": 4.0}, {"step": 4, "val/loss": 7.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokens = tokens_of(tmp_path)
+    assert [tokens.through(s) for s in range(6)] == [0, 64, 128, 256, 384, 384 + 2 * 32]
+    branch = tokens.continued_by(type(tokens)({3: 8 * 32}, 2 * 32), at=2)
+    assert branch.through(3) == 128 + 256 and branch.through(4) == 128 + 256 + 64

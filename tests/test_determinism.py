@@ -14,8 +14,10 @@ import pytest
 
 from helpers import BASE, FSDP2, GLOBAL_BATCH, REPO, STEPS, assert_same_checkpoint, launch_here
 
+from titan_hydra.analysis.compare import compare
+
 sys.path.insert(0, str(REPO / "recipes"))
-import compare_runs  # noqa: E402  (a recipe: its directory is not a package)
+import compare_runs  # noqa: E402  (the command line: its directory is not a package)
 
 
 def _write(run: Path, rows: list[dict]) -> Path:
@@ -36,12 +38,12 @@ def test_compare_finds_the_first_differing_step_and_the_largest_difference(tmp_p
     a = _write(tmp_path / "a", _rows(losses, grad_norm=[1.0] * 5))
     b = _write(tmp_path / "b", _rows(one_ulp, grad_norm=[1.0] * 5))
     c = _write(tmp_path / "c", _rows(far, grad_norm=[1.0] * 5) + [{"step": 5, "val/loss": 7.0}])
-    exact = {d.key: d for d in compare_runs.compare(a, b, exact=True)}
+    exact = {d.key: d for d in compare(a, b, exact=True)}
     assert sorted(exact) == ["grad_norm", "loss"]  # tps (a timing) is never compared
     assert exact["loss"].first_step == 3 and exact["loss"].max_abs == math.ulp(7.25)
     assert exact["grad_norm"].first_step is None
-    assert compare_runs.compare(a, b)[1].first_step is None  # one ulp is within the default rtol
-    loose = {d.key: d for d in compare_runs.compare(a, c)}
+    assert compare(a, b)[1].first_step is None  # one ulp is within the default rtol
+    loose = {d.key: d for d in compare(a, c)}
     assert loose["loss"].first_step == 4
     assert (loose["loss"].max_abs, loose["loss"].max_abs_step) == (pytest.approx(0.15), 5)
     assert loose["loss"].max_rel == pytest.approx(0.15 / 6.9)
@@ -76,7 +78,7 @@ def test_two_deterministic_launches_are_bitwise_equal(tmp_path, layout):
     runs = [tmp_path / name for name in ("a", "b")]
     for run in runs:
         launch_here([*DETERMINISTIC, *layout], run)
-    diffs = compare_runs.compare(*runs, exact=True)
+    diffs = compare(*runs, exact=True)
     assert {d.key for d in diffs} >= {"loss", "grad_norm", "lr", "val/loss"}
     assert [(d.key, d.first_step) for d in diffs if d.first_step is not None] == []
     assert next(d for d in diffs if d.key == "loss").steps == STEPS

@@ -20,7 +20,8 @@ from helpers import compose_cfg, floor_bound  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "recipes"))
 import eval as eval_recipe  # noqa: E402
-from generate import load_model  # noqa: E402
+
+from titan_hydra.checkpoint.offline import load_model  # noqa: E402
 
 SEQ = 64
 
@@ -127,7 +128,7 @@ def test_local_multiple_choice_and_bad_tasks(checkpoint, capsys):
     capsys.readouterr()  # the harness's progress bars
     for tasks, message in [("no_such_task_xyz", "unknown task(s) ['no_such_task_xyz']"),
                            ("jsonl_mc:/nowhere.jsonl", "/nowhere.jsonl does not exist")]:
-        assert eval_recipe.main([str(checkpoint), "--tasks", tasks]) == 1
+        assert eval_recipe.main([str(checkpoint), "--tasks", tasks]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error:") and message in err and "\n" not in err, err
 

@@ -140,20 +140,11 @@ def test_word_tokens_give_each_word_of_the_grammar_its_own_id():
         FluxEncoders.tiny(16, 8, tokens="bpe")
 
 
-def _recipes():
-    import sys
-
-    from helpers import REPO
-
-    sys.path.insert(0, str(REPO / "recipes"))
-
-
 def test_the_sweep_report_tabulates_fidelity(tmp_path):
     """val/fidelity/* (logged on eval rows, apart from val/loss) become a column each, last value."""
     import json
 
-    _recipes()
-    import sweep_report
+    from titan_hydra.analysis import sweep as jobs, sweep_report
 
     run = tmp_path / "0"
     (run / ".hydra").mkdir(parents=True)
@@ -161,30 +152,28 @@ def test_the_sweep_report_tabulates_fidelity(tmp_path):
     rows = [{"step": s, "loss": 1.0 / s} for s in (1, 2)] + [{"step": 2, "val/loss": 0.5}]
     rows += [{"step": s, "val/fidelity/background": b, "val/fidelity/colour": c} for s, b, c in ((1, 0.5, 0.1), (2, 0.9, 0.3))]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    [row] = sweep_report.collect(tmp_path)
+    [row] = jobs.collect(tmp_path)
     assert row.fidelity_curves == {"background": [(1, 0.5), (2, 0.9)], "colour": [(1, 0.1), (2, 0.3)]}
-    sweep_report.label_rows([row])
+    jobs.label_rows([row])
     sweep_report.write_tables([row], tmp_path)
     table = (tmp_path / "report.md").read_text()
     assert "| fidelity background | fidelity colour |" in table and "| 0.900 | 0.300 |" in table
     assert (tmp_path / "report.csv").read_text().splitlines()[0].endswith("val/fidelity/background,val/fidelity/colour")
 
 
-def test_the_recipes_print_a_table_and_draw_a_labelled_grid():
-    _recipes()
-    import bench_flux_fidelity
-    import flux_fidelity
+def test_the_fidelity_table_and_the_labelled_grid():
+    from titan_hydra.analysis import fidelity
 
     rates = {**dict.fromkeys(METRICS, 0.5), "background_and_colour": 0.85, "prompts": 2}
-    assert "| background_and_colour | 85.0% | 1.6% |" in flux_fidelity.table(rates)
+    assert "| background_and_colour | 85.0% | 1.6% |" in fidelity.table(rates)
     images, captions = shapes_dataset(4, 64, seed=0)
-    grid = flux_fidelity.labelled_grid(images, captions[:2], rates, per_prompt=2)
-    assert grid.size[1] == 2 * (128 + flux_fidelity.LINE + 6) and grid.size[0] > 2 * 128
-    step, found = bench_flux_fidelity.last_fidelity([{"step": 5, "val/fidelity/background": 0.2},
+    grid = fidelity.labelled_grid(images, captions[:2], rates, per_prompt=2)
+    assert grid.size[1] == 2 * (128 + fidelity.LINE + 6) and grid.size[0] > 2 * 128
+    step, found = fidelity.last_fidelity([{"step": 5, "val/fidelity/background": 0.2},
                                                      {"step": 10, "val/loss": 1.0},
                                                      {"step": 10, **{f"val/fidelity/{k}": 0.85 for k in METRICS}}])
     assert step == 10 and found == dict.fromkeys(METRICS, 0.85)
-    row = bench_flux_fidelity.row_table({"cpu": "x", "threads": 2, "steps": 10, "wall_s": 60.0, "fidelity": found})
+    row = fidelity.row_table({"cpu": "x", "threads": 2, "steps": 10, "wall_s": 60.0, "fidelity": found})
     assert "| x | 2 | 10 | 60 | 85% | 85% | 85% | 85% | 85% | yes |" in row
     with pytest.raises(RuntimeError, match="logged no val/fidelity"):
-        bench_flux_fidelity.last_fidelity([{"step": 1, "loss": 1.0}])
+        fidelity.last_fidelity([{"step": 1, "loss": 1.0}])

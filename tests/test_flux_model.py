@@ -17,7 +17,8 @@ from titan_hydra.models.flux.diffusers_io import (
 from titan_hydra.models.flux.model import Flux, FluxArgs, image_ids, patchify, text_ids, unpatchify
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-import convert  # noqa: E402  (recipes/convert.py)
+import convert as convert_recipe  # noqa: E402  (recipes/convert.py)
+from titan_hydra.checkpoint import convert  # noqa: E402  (read_model)
 from numerics import assert_fp32_close  # noqa: E402
 
 TINY = dict(dim=64, n_heads=4, n_double_blocks=2, n_single_blocks=2, context_dim=32, pooled_dim=16,
@@ -126,7 +127,7 @@ def test_state_round_trips_are_bitwise(guidance):
 
 
 def _convert(*argv: str) -> None:
-    assert convert.main(list(argv)) == 0
+    assert convert_recipe.main(list(argv)) == 0
 
 
 @pytest.mark.parametrize("guidance", [False, True], ids=["schnell", "dev"])

@@ -22,7 +22,9 @@ from test_hf_convert import HF_CLASSES, hf_config  # noqa: E402  (tiny random co
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "recipes"))
-from generate import load_model, main  # noqa: E402
+from generate import main  # noqa: E402  (the command line)
+
+from titan_hydra.checkpoint.offline import load_model  # noqa: E402
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gpt_oss", "llama4_text", "deepseek_v3"])
@@ -106,7 +108,7 @@ def test_cli_samples_from_a_training_checkpoint_and_refuses_bad_input(tmp_path, 
              ([str(step), "--prompt", " ".join(f"v{i}" for i in range(800))], "not fewer than the model's max_seq_len="),
              ([str(step), "--prompt", "x", "--top-p", "0"], "top_p=0.0 must be in")]
     for argv, message in cases:
-        assert main(argv) == 1
+        assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error:") and message in err and "\n" not in err, err
     proc = subprocess.run([sys.executable, str(REPO / "recipes" / "generate.py"), str(step), "--prompt", "import"],

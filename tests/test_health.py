@@ -234,13 +234,12 @@ def test_the_benchmark_times_the_monitor_alone():
 
 
 def test_the_sweep_report_counts_skipped_steps_and_rollbacks(tmp_path):
-    sys.path.insert(0, str(REPO / "recipes"))
-    import sweep_report
+    from titan_hydra.analysis import sweep as jobs
 
     rows = [{"step": s, "loss": 7.0 - s} for s in range(1, 5)]
     rows += [{"step": 2, "health/skipped": 1}, {"step": 3, "health/skipped": 3}, {"step": 2, "health/rollbacks": 1}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    row = sweep_report.job_row(0, tmp_path, ["health=strict"])
+    row = jobs.job_row(0, tmp_path, ["health=strict"])
     assert (row.skipped, row.rollbacks, row.steps) == (3, 1, 4)
 
 

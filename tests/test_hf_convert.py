@@ -15,9 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-
-import convert  # noqa: E402
+from titan_hydra.checkpoint import convert  # read_model, to_hf, from_hf
 from helpers import model_logits
 from titan_hydra.spec import spec_of
 from titan_hydra.checkpoint import CheckpointError  # noqa: E402

@@ -280,17 +280,10 @@ def test_export_is_what_from_pretrained_loads(singles, tmp_path, arch):
     of our model with those weights, bit for bit (gemma3: a tied head, written once). ``from-hf`` of
     that directory: gemma3 comes back tensor for tensor; a Llama is read by the native llama3 port,
     which computes the same logits."""
-    import sys
-
     from transformers import AutoModelForCausalLM
 
-    from helpers import REPO
+    from titan_hydra.checkpoint import convert
 
-    sys.path.insert(0, str(REPO / "recipes"))
-    try:
-        import convert
-    finally:
-        sys.path.remove(str(REPO / "recipes"))
     path, _ = singles(arch)
     step = path / "run" / "checkpoint" / "step-10"
     convert.to_hf(step, tmp_path / "hf")

@@ -1,4 +1,4 @@
-"""Data mixing laws (titan_hydra/planner/mixture_law.py, recipes/mixture_law.py): the fit recovers
+"""Data mixing laws (titan_hydra/analysis/mixture_law.py, recipes/mixture_law.py): the fit recovers
 a law it did not make within its bootstrap intervals, the optimiser finds a closed-form optimum
 (and stops at a bound), bad targets and bounds are refused in one line, and a 2-job
 ``experiment=mixture_search`` sweep runs into the recipe, whose printed weights compose back into a
@@ -18,7 +18,7 @@ from helpers import REPO, TINY, compose_cfg, run_launch
 from test_mixture import prepared
 from titan_hydra.config.mixture_draw import dirichlet_weights
 from titan_hydra.errors import UserError
-from titan_hydra.planner.mixture_law import (MixtureLaw, SourceFit, check_bounds, fit_mixture_law,
+from titan_hydra.analysis.mixture_law import (MixtureLaw, SourceFit, check_bounds, fit_mixture_law,
                                              optimal_mixture, target_weights)
 from titan_hydra.spec import spec_of
 from titan_hydra.validate import validate

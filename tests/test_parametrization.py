@@ -6,8 +6,6 @@ from __future__ import annotations
 import functools
 import math
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,8 +24,7 @@ from titan_hydra.train.optimizers import OptimizerList, build_optimizer
 from titan_hydra.train.pretrain import run
 from titan_hydra.train.width_scaling import muon_lr_mult
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-import convert  # noqa: E402
+from titan_hydra.checkpoint import convert  # noqa: E402  (to_hf)
 
 BASE_WIDTH = 64
 # the coordinate check's model: 2 blocks, 4 heads (head_dim = width / 4, so the 1/head_dim

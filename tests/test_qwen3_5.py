@@ -6,16 +6,13 @@ Gated DeltaNet head refused in one line; the TP plan's keys)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import compose_cfg, model_logits
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-
-import convert  # noqa: E402
+from titan_hydra.checkpoint import convert  # noqa: E402  (read_model, to_hf, from_hf)
 from titan_hydra.checkpoint.state import FORMAT_VERSION  # noqa: E402
 from titan_hydra.checkpoint.storage import save_plain  # noqa: E402
 from titan_hydra.errors import ConfigError  # noqa: E402

@@ -18,9 +18,10 @@ from omegaconf import OmegaConf
 
 from helpers import REPO, compose_cfg
 from titan_hydra.errors import UserError
-from titan_hydra.planner.isoflop import isoflop_minima
+from titan_hydra.analysis.isoflop import isoflop_minima
+from titan_hydra.analysis.scaling_law import PARAMS, Fit, Law, bootstrap_fit, fit_law
+from titan_hydra.analysis.scaling_report import figure
 from titan_hydra.planner.plan import plan
-from titan_hydra.planner.scaling_law import PARAMS, Law, bootstrap_fit, fit_law
 from titan_hydra.spec import spec_of
 
 sys.path.insert(0, str(REPO / "recipes"))
@@ -206,13 +207,13 @@ def test_the_report_says_what_the_runs_do_not_pin_and_every_panel_carries_number
     with contextlib.redirect_stdout(out):
         assert scaling_law.main([str(sweep), "--resamples", "20"]) == 0
     record = json.loads((sweep / "scaling_law.json").read_text())
-    fit = scaling_law.Fit.from_dict(record["fit"])
+    fit = Fit.from_dict(record["fit"])
     loose = fit.not_pinned()
     assert loose and all(np.log10(fit.param_intervals()[p][1] / max(fit.param_intervals()[p][0], 1e-300)) > 2
                          for p in loose)
     assert f"not pinned: {', '.join(loose)}" in out.getvalue() and "inside the runs' range" in out.getvalue()
     assert record["isoflop"]["profiles"] == [] and "IsoFLOP panel left out" in out.getvalue()
-    fig = scaling_law.figure(record, fit)
+    fig = figure(record, fit)
     fig.canvas.draw()
     assert [ax.get_title() for ax in fig.axes] == ["Runs and the fitted L(N, D)", "Optimal model size"]
     for ax in fig.axes:

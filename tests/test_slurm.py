@@ -74,8 +74,7 @@ def test_multirun_becomes_array_and_report_lists_both(slurm, tmp_path):
     scripts = list(sweep.rglob("*submission.sh"))
     assert scripts and all("#SBATCH --hold" in f.read_text() for f in scripts), scripts
 
-    sys.path.insert(0, str(REPO / "recipes"))
-    import sweep_report
+    from titan_hydra.analysis import sweep_report
 
     rows = sweep_report.report(sweep)
     assert [r.job for r in rows] == [0, 1]

@@ -6,12 +6,11 @@ before anything runs; a job that fails at run time is one line with its own erro
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import REPO, run_launch, series
+from helpers import run_launch, series
 from titan_hydra.logger.wandb_reader import read_offline_run
 
 
@@ -35,8 +34,7 @@ def test_submitit_local_sweep_grouped_and_reported(tmp_path):
     assert "optimizer.lr=0.001" in runs[0]["run"]["name"] and "optimizer.lr=0.003" in runs[1]["run"]["name"]
     assert all("sweep" in r["run"]["tags"] for r in runs)
 
-    sys.path.insert(0, str(REPO / "recipes"))
-    import sweep_report
+    from titan_hydra.analysis import sweep_report
 
     rows = sweep_report.report(sweep)
     assert [(r.job, r.status) for r in rows] == [(0, "completed"), (1, "completed")]
@@ -59,8 +57,7 @@ def test_report_lists_failed_job_as_failed(tmp_path):
         + json.dumps({"step": 2, "loss": 8.25, "tps": 300.0, "mfu": 3.0, "memory_peak_gib": 0.75}) + "\n")
     (sweep / "jobs.json").write_text(json.dumps([{"num": 0, "overrides": ["optimizer.lr=0.1"]},
                                                  {"num": 1, "overrides": ["optimizer.lr=0.2"]}]))
-    sys.path.insert(0, str(REPO / "recipes"))
-    import sweep_report
+    from titan_hydra.analysis import sweep_report
 
     rows = sweep_report.report(sweep)
     assert [(r.job, r.status, r.steps) for r in rows] == [(0, "failed", 2), (1, "failed", 0)]
@@ -82,8 +79,7 @@ def test_report_shows_each_data_sources_validation_loss(tmp_path):
         rows = [{"step": s, "loss": 7.0 - s} for s in range(1, 5)]
         rows += [{"step": s, "val/loss": 6.0, "val/web/loss": web + 4 - s, "val/code/loss": code + 4 - s} for s in (2, 4)]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    sys.path.insert(0, str(REPO / "recipes"))
-    import sweep_report
+    from titan_hydra.analysis import sweep_report
 
     rows = sweep_report.report(sweep)
     assert rows[1].source_curves == {"code": [(2, pytest.approx(7.2)), (4, pytest.approx(5.2))],
@@ -97,14 +93,13 @@ def test_report_shows_each_data_sources_validation_loss(tmp_path):
 
 def test_report_labels_jobs_by_what_varies(tmp_path):
     """Table cells and legend entries name the swept keys only; the CSV keeps every override."""
-    sys.path.insert(0, str(REPO / "recipes"))
-    import sweep_report
+    from titan_hydra.analysis import sweep as jobs, sweep_report
 
     fixed = "model=qwen3_debug cluster=slurm_local training.steps=20 data.max_documents=200"
-    rows = [sweep_report.JobRow(job=i, overrides=f"{fixed} optimizer.lr={lr} parallelism={p}")
+    rows = [jobs.JobRow(job=i, overrides=f"{fixed} optimizer.lr={lr} parallelism={p}")
             for i, (lr, p) in enumerate([("1e-4", "fsdp"), ("3e-4", "fsdp"), ("1e-4", "tp")])]
-    rows.append(sweep_report.JobRow(job=3, overrides=f"{fixed} optimizer.lr=1e-4"))  # a default left out
-    sweep_report.label_rows(rows)
+    rows.append(jobs.JobRow(job=3, overrides=f"{fixed} optimizer.lr=1e-4"))  # a default left out
+    jobs.label_rows(rows)
     assert [r.label for r in rows] == ["optimizer.lr=1e-4 parallelism=fsdp", "optimizer.lr=3e-4 parallelism=fsdp",
                                        "optimizer.lr=1e-4 parallelism=tp", "optimizer.lr=1e-4 ~parallelism"]
     sweep_report.write_tables(rows, tmp_path)
@@ -161,8 +156,7 @@ def test_failed_jobs_are_one_line_each(tmp_path):
     assert lines[2] == (f"error: 2 of 2 sweep jobs failed (#0, #1, listed above); "
                         f"python recipes/sweep_report.py {sweep} tabulates the sweep")
 
-    sys.path.insert(0, str(REPO / "recipes"))
-    import sweep_report
+    from titan_hydra.analysis import sweep_report
 
     rows = sweep_report.report(sweep)
     assert [(r.job, r.status, r.error) for r in rows] == [(0, "failed", errors[0]), (1, "failed", errors[1])]
@@ -196,11 +190,10 @@ def test_report_draws_loss_against_the_learning_rate_per_width(tmp_path):
         (run / ".hydra" / "overrides.yaml").write_text(f"- model.dim={dim}\n- optimizer.lr={lr}\n- experiment=x\n")
         rows = [{"step": s, "loss": 7.0 - s} for s in (1, 2)] + ([{"step": 2, "val/loss": val}] if val else [])
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[: 3 if val else 1]))
-    sys.path.insert(0, str(REPO / "recipes"))
-    import sweep_report
+    from titan_hydra.analysis import sweep as jobs, sweep_report
 
     rows = sweep_report.report(sweep)
-    assert sweep_report.lr_curves(rows) == {"model.dim=64": [(1e-3, 6.0), (4e-3, 5.5)],
+    assert jobs.lr_curves(rows) == {"model.dim=64": [(1e-3, 6.0), (4e-3, 5.5)],
                                             "model.dim=128": [(1e-3, 5.9), (4e-3, 6.1)]}
     table = (sweep / "report.md").read_text()
     assert "| `model.dim=64` | 6.0000 | **5.5000** | 0.004 |" in table

@@ -26,9 +26,13 @@ from titan_hydra.train.ema import WeightEMA, weight_ema_of
 from titan_hydra.train.nulls import NoEMA
 from titan_hydra.validate import validate
 
+from titan_hydra.checkpoint.average import average_checkpoints
+from titan_hydra.checkpoint.convert import read_model
+from titan_hydra.checkpoint.offline import load_model
+
 sys.path.insert(0, str(REPO / "recipes"))
-import average_checkpoints  # noqa: E402
-import convert  # noqa: E402
+import average_checkpoints as average_recipe  # noqa: E402  (the command lines)
+import convert as convert_recipe  # noqa: E402
 
 DECAY = 0.8  # short runs: the EMA must sit visibly apart from both the first and the last weights
 U32 = 2.0**-24  # fp32's unit roundoff
@@ -115,14 +119,14 @@ def test_average_refuses_bad_inputs(tmp_path, capsys):
     for step in (1, 2):
         _tiny_checkpoint(tmp_path, step, seed=step)
     (tmp_path / "checkpoint" / "step-3").mkdir()  # an interrupted save: no marker, not counted
-    assert average_checkpoints.main([str(tmp_path), "--last", "3"]) == 2
+    assert average_recipe.main([str(tmp_path), "--last", "3"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "needs 3 complete ones" in err and "found 2 (steps: 1, 2)" in err, err
     _tiny_checkpoint(tmp_path, 4, dim=16)
     with pytest.raises(CheckpointError, match=r"step-2 is of another model than .*step-4 \(dim=32 \(run has 16\)"):
-        average_checkpoints.average_checkpoints(tmp_path, 2)
+        average_checkpoints(tmp_path, 2)
     with pytest.raises(CheckpointError, match=r"holds no EMA of the weights .* --weights model"):
-        convert.read_model(tmp_path / "checkpoint" / "step-1", "ema")
+        read_model(tmp_path / "checkpoint" / "step-1", "ema")
 
 
 # ---------------------------------------------------------------------------- launched runs
@@ -196,7 +200,7 @@ def test_average_of_last_3_is_their_mean_in_another_layout(runs, tmp_path):
     """The fsdp(2) run's last 3 checkpoints averaged: each tensor is their fp64 mean rounded once to
     fp32 (|avg - mean| <= u |mean|, plus the fp64 running mean's few units of 2^-53), and it loads
     through initial_load_path into one process (not the layout that saved them) bit for bit."""
-    out = average_checkpoints.average_checkpoints(runs["fsdp2"], 3, tmp_path / "avg")
+    out = average_checkpoints(runs["fsdp2"], 3, tmp_path / "avg")
     marker = read_marker(out)
     assert marker["kind"] == "model_only" and [a["step"] for a in marker["averaged"]] == [6, 8, 10]
     keys = sorted(k for k in tensor_entries(read_metadata(out)))
@@ -209,8 +213,6 @@ def test_average_of_last_3_is_their_mean_in_another_layout(runs, tmp_path):
         assert bool(((avg[k].double() - mean).abs() <= slack).all()), k
     loaded = _load_into_one_process(out)
     assert all(torch.equal(loaded[k[len("model."):]], avg[k]) for k in keys if k.startswith("model."))
-    from generate import load_model  # what recipes/eval.py evaluates (recipes/ is on sys.path above)
-
     assert load_model(out)[2] is not None
 
 
@@ -237,7 +239,7 @@ def _load_into_one_process(path: Path) -> dict[str, torch.Tensor]:
 def test_ema_exports(runs, tmp_path):
     """convert.py --weights ema reads the EMA in place of each parameter (and to-hf writes it)."""
     path = runs["fsdp2"] / "checkpoint" / f"step-{STEPS}"
-    _, _, sd = convert.read_model(path, "ema")
+    _, _, sd = read_model(path, "ema")
     ema = _ema_tensors(runs["fsdp2"])
     assert sd.keys() == ema.keys() and all(torch.equal(sd[k], ema[k]) for k in ema)
-    assert convert.main(["to-hf", str(path), str(tmp_path / "hf"), "--weights", "ema"]) == 0
+    assert convert_recipe.main(["to-hf", str(path), str(tmp_path / "hf"), "--weights", "ema"]) == 0

@@ -479,7 +479,7 @@ def print_tables(rows: list[dict]) -> None:
         print("!" * 80)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="+", choices=sorted(COMPARISONS), metavar="NAME",
@@ -496,57 +496,71 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--isa-cap", choices=sorted(ISA_CAPS), help="run both sides as on a CPU with only this "
                     "instruction set (oneDNN and ATen capped; a separate inductor cache)")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and exit")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def print_commands(args: argparse.Namespace, names: list[str], work: Path) -> None:
+    """--dry-run: each comparison's two commands, as a shell would run them."""
+    for name in names:
+        c = COMPARISONS[name]
+        print(f"# {name}: {c.label}")
+        for system, (cmd, env, cwd) in commands(c, steps=args.steps, seq_len=args.seq_len, threads=args.threads,
+                                                tt_venv=args.tt_venv, work=work,
+                                                isa_cap=args.isa_cap).items():
+            envs = " ".join(f"{k}={v}" for k, v in env.items())
+            print(f"(cd {cwd} && {envs} {' '.join(cmd)})")
+        print()
+
+
+def run_rounds(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
+    """A comparison's rounds, the two systems alternating which goes first."""
+    c = COMPARISONS[name]
+    rounds = []
+    for k in range(1, args.rounds + 1):
+        cmds = commands(c, steps=args.steps, seq_len=args.seq_len, threads=args.threads,
+                        tt_venv=args.tt_venv, work=work, tag=f"r{k}",
+                        isa_cap=args.isa_cap)
+        order = ["torchtitan", "titan_hydra"] if k % 2 else ["titan_hydra", "torchtitan"]
+        result = {"round": k}
+        for system in order:
+            cmd, env, cwd = cmds[system]
+            short = "tt" if system == "torchtitan" else "th"
+            run_dir = work / name / f"r{k}_{short}"
+            res = run_one(system, c, cmd, env, cwd, work / name / f"r{k}_{short}.log", run_dir, args.timeout)
+            res["command"] = " ".join(f"{a}={b}" for a, b in env.items()) + " " + " ".join(cmd)
+            result[system] = res
+            status = f"{_fmt(res['tps'])} tok/s" if res["ok"] else f"FAILED ({res.get('error')})"
+            print(f"[{name} round {k}] {system:11s} {status}  ({res['wall_s']} s, log {res['log']})", flush=True)
+        rounds.append(result)
+    return rounds
+
+
+def write_json(args: argparse.Namespace, rows: list[dict], data_info: dict) -> None:
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({
+        "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(), "rounds": args.rounds, "steps": args.steps, "seq_len": args.seq_len,
+        "threads": args.threads, "isa_cap": args.isa_cap, "method": "alternated per round (order flips every round); tok/s per rank = "
+        "median of step rates after the first 2 steps (3 compiled); row = median over rounds",
+        "data": data_info, "rows": rows}, indent=1))
+    print(f"\nJSON: {args.json}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     names = args.only or list(COMPARISONS)
     work = args.work.resolve()
-
     if args.dry_run:
-        for name in names:
-            c = COMPARISONS[name]
-            print(f"# {name}: {c.label}")
-            for system, (cmd, env, cwd) in commands(c, steps=args.steps, seq_len=args.seq_len, threads=args.threads,
-                                                    tt_venv=args.tt_venv, work=work,
-                                                    isa_cap=args.isa_cap).items():
-                envs = " ".join(f"{k}={v}" for k, v in env.items())
-                print(f"(cd {cwd} && {envs} {' '.join(cmd)})")
-            print()
+        print_commands(args, names, work)
         return 0
-
     ensure_tt_venv(args.tt_venv)
     data_info = prepare_run_dir(work)
     print(f"data: {data_info['data']} ({data_info['data_documents']} documents, sha256 {data_info['data_sha256']})",
           flush=True)
-    rows = []
-    for name in names:
-        c = COMPARISONS[name]
-        rounds = []
-        for k in range(1, args.rounds + 1):
-            cmds = commands(c, steps=args.steps, seq_len=args.seq_len, threads=args.threads,
-                            tt_venv=args.tt_venv, work=work, tag=f"r{k}",
-                            isa_cap=args.isa_cap)
-            order = ["torchtitan", "titan_hydra"] if k % 2 else ["titan_hydra", "torchtitan"]
-            result = {"round": k}
-            for system in order:
-                cmd, env, cwd = cmds[system]
-                short = "tt" if system == "torchtitan" else "th"
-                run_dir = work / name / f"r{k}_{short}"
-                res = run_one(system, c, cmd, env, cwd, work / name / f"r{k}_{short}.log", run_dir, args.timeout)
-                res["command"] = " ".join(f"{a}={b}" for a, b in env.items()) + " " + " ".join(cmd)
-                result[system] = res
-                status = f"{_fmt(res['tps'])} tok/s" if res["ok"] else f"FAILED ({res.get('error')})"
-                print(f"[{name} round {k}] {system:11s} {status}  ({res['wall_s']} s, log {res['log']})", flush=True)
-            rounds.append(result)
-        rows.append(summarize(c, rounds, args.seq_len, args.threads))
+    rows = [summarize(COMPARISONS[name], run_rounds(name, args, work), args.seq_len, args.threads) for name in names]
     print_tables(rows)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "rounds": args.rounds, "steps": args.steps, "seq_len": args.seq_len,
-            "threads": args.threads, "isa_cap": args.isa_cap, "method": "alternated per round (order flips every round); tok/s per rank = "
-            "median of step rates after the first 2 steps (3 compiled); row = median over rounds",
-            "data": data_info, "rows": rows}, indent=1))
-        print(f"\nJSON: {args.json}")
+        write_json(args, rows, data_info)
     return 0 if all(r["ratio"] is not None for r in rows) else 1
 
 

@@ -16,6 +16,7 @@ recipes/ call it.
   devices.py      device memory and peak TFLOP/s by GPU name
   plan.py         ``plan()``: the per-rank plan of a run, and its report
   auto.py         ``parallelism=auto``: candidate layouts, ranked by the plan
-  scaling_law.py  L(N, D) fits from a sweep (bootstrap intervals); the loss a planned run should reach
-  isoflop.py      IsoFLOP minima: the compute-optimal size per FLOP budget, without a functional form
+
+Fitting finished sweeps (scaling laws, IsoFLOP minima, mixture laws) is not planning: it lives in
+titan_hydra/analysis/, which reads run dirs.
 """

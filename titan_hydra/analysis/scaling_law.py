@@ -6,9 +6,9 @@ logsumexp form, L-BFGS started from the best points of a grid, bootstrap resampl
 for confidence intervals. ``isoflop_minima`` finds, per FLOP budget, the loss-minimizing size from
 a parabola in log N and fits ``N_opt ~ C^a``, ``D_opt ~ C^b`` (Hoffmann et al.'s IsoFLOP profiles).
 
-In the planner because the planner is what turns a law into a plan (``recipes/estimate.py --law``:
-the predicted loss of a planned run); the recipe ``recipes/scaling_law.py`` reads the runs.
-Numbers only (numpy, scipy): nothing here knows about configs or run directories.
+In the analysis package because it fits finished sweeps (``scaling_report.py`` reads the runs);
+``recipes/estimate.py --law`` reads the saved fit beside a plan. Numbers only (numpy, scipy):
+nothing here knows about configs or run directories.
 """
 
 from __future__ import annotations

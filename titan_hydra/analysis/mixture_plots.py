@@ -1,4 +1,4 @@
-"""The figure of recipes/mixture_law.py: held-out predictions against measured losses, and the
+"""The figure of a mixture law (recipes/mixture_law.py): held-out predictions against measured losses, and the
 target against each source's proportion. Every axis that carries data is labelled; a panel with
 nothing to show is left out."""
 
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from titan_hydra.planner.mixture_law import MixtureLaw
+from titan_hydra.analysis import figures
+from titan_hydra.analysis.mixture_law import MixtureLaw
 
 
 def plot_held_out(ax, record: dict) -> None:
@@ -20,8 +21,8 @@ def plot_held_out(ax, record: dict) -> None:
     ax.plot([p["target"] for p in record["proxies"]], [p["held_out"] for p in record["proxies"]], "k^", ms=5,
             label=f"target ({record['target']})")
     for c in record["checks"]:
-        ax.errorbar(c["measured"], c["predicted"], yerr=[[c["predicted"] - c["interval"][0]],
-                    [c["interval"][1] - c["predicted"]]], fmt="D", color="k", mfc="none", capsize=3)
+        ax.errorbar(c["measured"], c["predicted"], yerr=figures.interval_bar(c["predicted"], c["interval"]), fmt="D",
+                    color="k", mfc="none", capsize=3)
     if record["checks"]:
         ax.plot([], [], "D", color="k", mfc="none", label="check runs (bars: interval)")
     lims = [min(ax.get_xlim()[0], ax.get_ylim()[0]), max(ax.get_xlim()[1], ax.get_ylim()[1])]
@@ -48,8 +49,8 @@ def plot_source(ax, record: dict, law: MixtureLaw, weights: np.ndarray, j: int) 
     ax.plot(xs, [law.predict(r, weights) for r in rs], "-", color="C0", label="law through the optimum")
     ax.fill_between(xs, band[:, 0], band[:, 1], color="C0", alpha=0.2, label="bootstrap interval")
     opt = record["optimum"]
-    ax.errorbar(best[j], opt["predicted"], yerr=[[opt["predicted"] - opt["interval"][0]],
-                [opt["interval"][1] - opt["predicted"]]], fmt="*", color="C3", ms=12, capsize=3, label="optimum")
+    ax.errorbar(best[j], opt["predicted"], yerr=figures.interval_bar(opt["predicted"], opt["interval"]), fmt="*",
+                color="C3", ms=12, capsize=3, label="optimum")
     lo, hi = record["bounds"][name]
     if lo > 0 or hi < 1:
         ax.axvspan(lo, hi, color="C2", alpha=0.08, label="bound")
@@ -62,16 +63,9 @@ def plot_source(ax, record: dict, law: MixtureLaw, weights: np.ndarray, j: int) 
 
 def write_plot(record: dict, law: MixtureLaw, weights: np.ndarray, path: Path) -> None:
     """The figure, saved to ``path``: the held-out panel, then one panel per source."""
-    import matplotlib  # a plotting dependency only where a figure is drawn
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     k = len(record["sources"])
-    fig, axes = plt.subplots(1, k + 1, figsize=(4.6 * (k + 1), 4.4))
+    fig, axes = figures.subplots(1, k + 1, figsize=(4.6 * (k + 1), 4.4))
     plot_held_out(axes[0], record)
     for j in range(k):
         plot_source(axes[j + 1], record, law, weights, j)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    figures.save(fig, path, dpi=90)

@@ -11,7 +11,7 @@ Three tables, each from one invocation so its rows share the machine's load:
   Gated DeltaNet), alternated per step the same way; the parameter counts are in the table (a
   DeltaNet layer and a gated attention layer of the debug shape differ by ~2%).
 * (c) validation loss after equal tokens of the built-in corpus for those three patterns: real
-  ``launch.py`` runs (``benchmark.mtp_run``), the same seed, batches and steps.
+  ``launch.py`` runs (``mtp.mtp_run``), the same seed, batches and steps.
 
 Measured in-process (a, b) rather than through ``launch.py``: both implementations get the same
 loop, and process start-up stays out of a sub-second step.
@@ -19,13 +19,17 @@ loop, and process start-up stays out of a sub-second step.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from titan_hydra.bench.mtp import mtp_run
 from titan_hydra.groups import compose_config
+from titan_hydra.hardware import cpu_isa, cpu_model
 from titan_hydra.models.registry import args_of
 from titan_hydra.quiet import import_quietly
 
@@ -154,3 +158,19 @@ def tables(result: dict, heading: str) -> list[str]:
             vals = " | ".join(f"{r['val_loss'].get(s, float('nan')):.4f}" for s in steps)
             lines.append(f"| {r['variant']} | {vals} | {r['train_next_token_ce_last10']:.4f} | {r['tokens_per_s']:,.0f} |")
     return lines
+
+
+def hybrid_suite(args, tmp: Path) -> tuple[list[str], dict]:
+    """Qwen3.5's hybrid: (a) tokens/s against transformers' implementation,
+    (b) tokens/s against the sequence length per layer pattern, (c) loss after equal tokens per
+    pattern (``--steps`` steps of launch.py; 0 skips it)."""
+    torch.set_num_threads(args.threads)
+    result = {"suite": "hybrid", "date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(), "threads": args.threads,
+              "torch": torch.__version__, "timed_steps": args.timed_steps,
+              "vs_transformers": versus_transformers(args),
+              "seq_sweep": seq_sweep(args), "loss_steps": args.steps}
+    result["loss"] = [mtp_run(args, tmp, name, (f"model.full_attention_interval={k}",), model="qwen3_5_debug")
+                      for name, k in PATTERNS.items()] if args.steps else []
+    heading = (f"suite `hybrid` — {result['date']}, {cpu_model()} ({cpu_isa()}), {os.cpu_count()} cores "
+               f"(shared), {args.threads} thread(s), torch {torch.__version__}, median of {args.timed_steps} timed steps")
+    return tables(result, heading), result
