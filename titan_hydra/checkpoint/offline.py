@@ -63,8 +63,9 @@ def load_flux_run(path: Path):
     if not config.exists():
         raise UserError(f"{run_dir} has no .hydra/config.yaml (a run directory launch.py wrote)")
     cfg = OmegaConf.to_container(OmegaConf.load(config), resolve=True)
-    if cfg.get("model", {}).get("family") != "flux" or "examples" not in cfg.get("data", {}):
-        raise UserError(f"{run_dir} is not a Flux run (model.family={cfg.get('model', {}).get('family')!r})")
+    if "examples" not in cfg.get("data", {}):  # image data with the family's example builder (Flux)
+        raise UserError(f"{run_dir} is not a text-to-image (Flux) run: its data has no example builder "
+                        f"(model.family={cfg.get('model', {}).get('family')!r})")
     family, args, sd = read_model(step)
     with torch.device("meta"):
         model = family.build(args)
