@@ -181,6 +181,26 @@ def test_memory_headroom_out_of_range_is_a_one_line_error(value):
                                 "device memory the planner keeps free (0 = none)")
 
 
+def test_launch_builds_the_spec_once(monkeypatch, capsys):
+    """parallelism=auto: the planner chooses from the spec that validation then checks and the dry
+    run plans; nothing composes or builds the groups a second time in the process."""
+    from titan_hydra import validate as validation
+    from titan_hydra.launch import entry, resolve
+
+    built = []
+
+    def counting(cfg):
+        built.append(cfg)
+        return spec_of(cfg)
+
+    monkeypatch.setattr(resolve, "spec_of", counting)
+    monkeypatch.setattr(validation, "spec_of", counting)
+    cfg = compose_cfg(["model=llama3_8b", *H100, "training.local_batch_size=1", "dry_run=true"])
+    entry.launch(cfg)
+    assert len(built) == 1 and cfg.parallelism.name.startswith("auto:")
+    assert f"chose {cfg.parallelism.name[len('auto:'):].replace(',', ' ')}" in capsys.readouterr().out
+
+
 def test_long_sequences_consider_context_parallel():
     cfg = compose_cfg(["model=llama3_8b", "cluster=slurm_h100", "parallelism=auto", "training.seq_len=65536",
                        "training.local_batch_size=1"])
