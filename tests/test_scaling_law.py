@@ -169,7 +169,10 @@ def test_recipe_fits_a_multirun_and_estimate_predicts_from_the_fit(tmp_path):
     pred = json.loads(out.getvalue())["prediction"]
     assert (pred["n"], pred["d"]) == (7_866_880, 512_000)
     assert pred["loss"] == pytest.approx(float(LADDER_LAW.loss(7_866_880, 512_000)), rel=0.01)
-    assert pred["loss_interval"][0] <= pred["loss"] <= pred["loss_interval"][1]
+    # noise-free runs: every resample refits the same law, the interval collapses onto the estimate
+    # and may miss it by the fits' fp64 rounding (4e-12 seen on an AVX2 EPYC)
+    lo, hi = pred["loss_interval"]
+    assert lo - 1e-9 * pred["loss"] <= pred["loss"] <= hi + 1e-9 * pred["loss"]
     flops_per_step = 512_000 / 500 * pred["flops"] / 512_000
     assert pred["wall_time_s"] == pytest.approx(500 * flops_per_step / (0.4 * 0.15e12), rel=0.05)
 
