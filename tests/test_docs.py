@@ -119,3 +119,20 @@ def test_code_layout_names_every_model_package():
     assert packages, "no model packages found under titan_hydra/models/"
     missing = [name for name in packages if not re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", layout)]
     assert not missing, f"README's 'Layout of the code' does not name these titan_hydra/models/ packages: {missing}"
+
+
+def test_design_module_map_names_every_module():
+    """docs/design.md's map names every module of the package (a new module gets its line there):
+    each file by its name, inside the block of its top-level package or module."""
+    design = (DOCS / "design.md").read_text(encoding="utf-8")
+    layout = design[design.index("## Layout of the code"):]
+    package = ROOT / "titan_hydra"
+    missing = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "__init__.py" or "__pycache__" in path.parts:
+            continue
+        top = path.relative_to(package).parts[0]
+        block = re.search(rf"^titan_hydra/{re.escape(top)}\b.*?(?=^\S|\Z)", layout, re.M | re.S)
+        if block is None or not re.search(rf"(?<![\w.]){re.escape(path.name)}(?!\w)", block.group(0)):
+            missing.append(str(path.relative_to(ROOT)))
+    assert not missing, f"docs/design.md's module map does not name: {missing}"

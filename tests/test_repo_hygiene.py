@@ -68,3 +68,19 @@ def test_the_length_check_sees_methods_and_nested_functions(tmp_path):
           f"def outer():\n    def inner():\n{body}\n"
     (tmp_path / "m.py").write_text(src)
     assert long_functions(tmp_path / "m.py") == {"A.long": 61, "outer": 62, "outer.inner": 61}
+
+
+def test_recipes_are_command_lines_over_the_package():
+    """No recipe edits sys.path or imports another recipe: shared code lives in the package."""
+    recipes = {p.stem for p in (ROOT / "recipes").glob("*.py")}
+    problems = []
+    for path in sorted((ROOT / "recipes").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", None) == "sys":
+                problems.append(f"{path.name}:{node.lineno} sys.path")
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            problems += [f"{path.name}:{node.lineno} imports {n}" for n in names
+                         if n.split(".")[0] in recipes | {"recipes"}]
+    assert not problems, problems
