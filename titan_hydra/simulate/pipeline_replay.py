@@ -1,0 +1,85 @@
+"""A pipeline rank's step replayed action by action on its stage modules.
+
+torch's schedules do not run under the fake process group (their P2P warm-up reads a received
+tensor's value, and stage shape inference exchanges Python objects), but what a rank holds is
+decided by the order of its actions: which micro-batch's forward runs before which backward.
+The schedule object the real run builds (``PipelineRunner.schedule``) lists that order for every
+rank (``pipeline_order``: forward / backward per stage and micro-batch, for single- and
+multi-stage schedules alike). This replays this rank's list on the same stage modules the real
+split built, with the runner's own loss function (scaled like the real schedule's) and step
+context. A received activation is a fresh fake tensor of the previous stage's output shape; a
+received gradient is one of the output's shape. FSDP is told, as torch's ``PipelineStage`` does,
+to skip the gradient reduce-scatter until each stage's last micro-batch. Zero-bubble schedules'
+split backward (input ``I``, then weight ``W``) is replayed as a full backward at ``I`` (a
+slight overstatement of the input-gradient phase's memory: the weight gradients come earlier).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.fsdp import FSDPModule
+
+from titan_hydra.parallel.runner import call_model
+from titan_hydra.spec import RunSpec
+
+FORWARD, FULL_BACKWARD, BACKWARD_INPUT = "F", "B", "I"
+
+
+class PipelineReplay:
+    def __init__(self, spec: RunSpec, built, fake: FakeTensorMode, stage_input: Any = None) -> None:
+        runner = built.runner
+        self.runner, self.fake = runner, fake
+        self.parts: dict[int, torch.nn.Module] = runner.parts
+        self.last_stage = len(runner.stage_owner) - 1
+        self.n_mb = runner.n_microbatches
+        order = runner.schedule.pipeline_order
+        self.actions = [a for a in order[runner.pp_rank] if a is not None
+                        and a.computation_type.value in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT)]
+        self.stage_input = stage_input  # (shape, dtype) of what a stage > 0 receives
+        self.stage_output = None
+
+    def _received(self) -> torch.Tensor:
+        if self.stage_input is None:
+            raise RuntimeError("no stage input shape yet: simulate pipeline rank 0 (stage 0) first")
+        shape, dtype = self.stage_input
+        return torch.empty(shape, dtype=dtype).requires_grad_(True)
+
+    def step(self, grad_accum: int, loader) -> None:
+        """One optimizer step's micro-batches (``grad_accum`` schedule steps) on this rank."""
+        for _ in range(grad_accum):
+            inputs, labels = next(loader)
+            with self.runner.step_context(inputs, labels):  # (fake mode is on: rank.py)
+                self._replay(inputs.tensor_split(self.n_mb), labels.tensor_split(self.n_mb))
+
+    def _sync_grads(self, part: torch.nn.Module, last: bool) -> None:
+        if isinstance(part, FSDPModule):
+            part.set_requires_gradient_sync(last)
+            part.set_reshard_after_backward(last)
+
+    def _replay(self, inputs: list[torch.Tensor], labels: list[torch.Tensor]) -> None:
+        alive: dict[tuple[int, int], torch.Tensor] = {}
+        done_backward = dict.fromkeys(self.parts, 0)
+        for action in self.actions:
+            sid, mb, kind = action.stage_index, action.microbatch_index, action.computation_type.value
+            part = self.parts[sid]
+            if kind == FORWARD:
+                x = inputs[mb] if sid == 0 else self._received()
+                out = call_model(part, x, self.runner.batch_kwargs(x) if sid == 0 else {})
+                if sid == 0 and self.stage_input is None and sid != self.last_stage:
+                    self.stage_input = (tuple(out.shape), out.dtype)
+                if sid == self.last_stage:
+                    out = self.runner.loss_fn(out, labels[mb])
+                elif self.stage_output is None:
+                    self.stage_output = (tuple(out.shape), out.dtype)
+                alive[(sid, mb)] = out
+            else:
+                out = alive.pop((sid, mb))
+                done_backward[sid] += 1
+                self._sync_grads(part, done_backward[sid] == self.n_mb)
+                if sid == self.last_stage:
+                    out.backward()
+                else:
+                    out.backward(torch.empty_like(out))
