@@ -13,6 +13,8 @@ import contextlib
 from typing import Iterator
 
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._redistribute import _gen_transform_infos
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 
@@ -26,3 +28,14 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        forget_meshes()
+
+
+def forget_meshes() -> None:
+    """Drop DTensor's sharding-propagation caches: they are keyed by meshes that compare equal
+    across worlds (same shape and names), so the next simulated rank would get this world's
+    meshes back and address process groups that no longer exist."""
+    propagator = DTensor._op_dispatcher.sharding_propagator  # noqa: SLF001
+    propagator.propagate_op_sharding.cache.cache_clear()
+    type(propagator)._propagate_tensor_meta_cached.cache_clear()  # noqa: SLF001
+    _gen_transform_infos.cache_clear()

@@ -11,6 +11,7 @@ Pipeline ranks replay their schedule's actions instead (``pipeline_replay.py``).
 
 from __future__ import annotations
 
+import time
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,7 @@ class RankResult:
     peak_bytes: int
     collectives: list[Collective]
     stage_output: Any = None  # (shape, dtype) of the last stage's output: the next rank's input
+    cpu_s: float = 0.0  # CPU seconds this rank's simulation took
 
 
 def storage_bytes(tensors) -> int:
@@ -107,6 +109,7 @@ def simulate_rank(spec: RunSpec, rank: int, steps: int, kernel_device: torch.dev
                   stage_input: Any = None) -> RankResult:
     """Build this rank's part of the run and step it ``steps`` times under the fake process group
     (already initialized as ``rank``)."""
+    cpu0 = time.process_time()
     dims = spec.dims
     dims.build_mesh("cpu")
     fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -147,5 +150,5 @@ def simulate_rank(spec: RunSpec, rank: int, steps: int, kernel_device: torch.dev
         activations_bytes=memory.phase_peaks["forward"],
         transient_bytes=peak.total - peak.by_phase["forward"] - pbytes - obytes,
         peak_bytes=peak.total, collectives=comms.per_step(steps),
-        stage_output=replay.stage_output if replay is not None else None,
+        stage_output=replay.stage_output if replay is not None else None, cpu_s=time.process_time() - cpu0,
     )

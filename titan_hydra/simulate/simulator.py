@@ -10,8 +10,10 @@ figure with the closed-form plan (``report.py``).
 
 from __future__ import annotations
 
+import multiprocessing
 import resource
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
@@ -19,15 +21,25 @@ from titan_hydra.errors import ConfigError
 from titan_hydra.planner.devices import usable_memory_of
 from titan_hydra.planner.plan import layout_label, plan
 from titan_hydra.simulate.fake_world import fake_world
-from titan_hydra.simulate.rank import simulate_rank
+from titan_hydra.simulate.rank import RankResult, simulate_rank
 from titan_hydra.simulate.report import GIB, GPU_NOTES, Simulation
 from titan_hydra.spec import RunSpec
+
+
+PARALLEL_RANKS = 2  # rank processes at once (each well under 1 GiB; 2 cores here)
 
 
 def representative_ranks(dims) -> list[int]:
     """Global rank of each pipeline rank's first member (pp is the outermost mesh dimension)."""
     per_stage = dims.world_size // dims.pp
     return [p * per_stage for p in range(dims.pp)]
+
+
+def rank_in_world(spec: RunSpec, rank: int, steps: int, stage_input=None) -> RankResult:
+    """One simulated rank in a process of its own (run by a fresh worker: DTensor's caches compare
+    meshes of different worlds as equal, so one process cannot host two worlds one after the other)."""
+    with fake_world(spec.world_size, rank):
+        return simulate_rank(spec, rank, int(steps), torch.device(spec.cluster.device), stage_input)
 
 
 def check_simulable(spec: RunSpec) -> None:
@@ -47,20 +59,25 @@ def simulate(spec: RunSpec) -> Simulation:
     """Simulate ``training.simulate_steps`` steps of every distinct rank of ``spec``."""
     check_simulable(spec)
     started, cpu0 = time.perf_counter(), time.process_time()
-    kernel_device = torch.device(spec.cluster.device)
+    # (each rank runs in a spawned worker: one process cannot host two fake worlds in turn)
     steps = int(spec.training.simulate_steps)
-    results, stage_input = [], None
-    for rank in representative_ranks(spec.dims):
-        with fake_world(spec.world_size, rank):
-            result = simulate_rank(spec, rank, steps, kernel_device, stage_input)
-        stage_input = stage_input or result.stage_output
-        results.append(result)
+    first, *others = representative_ranks(spec.dims)
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=spawn, max_tasks_per_child=1) as pool:
+        head = pool.submit(rank_in_world, spec, first, steps).result()
+    results = [head]
+    if others:  # the first stage's output shape is what the later stages receive
+        with ProcessPoolExecutor(min(PARALLEL_RANKS, len(others)), mp_context=spawn, max_tasks_per_child=1) as pool:
+            results += list(pool.map(rank_in_world, *zip(*[(spec, r, steps, head.stage_output) for r in others])))
     usable = usable_memory_of(spec.cluster)
-    wall, cpu = time.perf_counter() - started, time.process_time() - cpu0
-    notes = list(GPU_NOTES) + [f"cpu time {cpu:.1f} s (the wall time includes waiting for a shared CPU)"]
+    wall = time.perf_counter() - started
+    cpu = time.process_time() - cpu0 + sum(r.cpu_s for r in results)
+    notes = list(GPU_NOTES) + [f"cpu time {cpu:.1f} s over {len(results)} rank process(es); the wall time "
+                               "includes their start (imports) and any wait for a shared CPU"]
     return Simulation(
         world_size=spec.world_size, layout=layout_label(spec.dims, spec.dims.ep), flavor=spec.flavor,
         ranks=results, plan=plan(spec).as_dict(), usable_bytes=None if usable is None else usable * GIB,
-        wall_s=wall, process_peak_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        wall_s=wall, process_peak_bytes=1024 * max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                                                   resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss),
         steps=steps, notes=notes,
     )
