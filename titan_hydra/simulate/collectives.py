@@ -95,7 +95,7 @@ class CollectiveCounter(TorchDispatchMode):
             name = group.group_name
         return self.names.get(name, name)
 
-    def _add(self, dim: str, op: str, n: int) -> None:
+    def add(self, dim: str, op: str, n: int) -> None:
         entry = self.counts[(dim, op)]
         entry[0] += 1
         entry[1] += n
@@ -104,11 +104,11 @@ class CollectiveCounter(TorchDispatchMode):
         ns, name = func.namespace, func._opname  # noqa: SLF001
         if ns == "c10d" and name in C10D:
             op, data_arg, group_arg = C10D[name]
-            self._add(self._dim(args[group_arg]), op, nbytes(args[data_arg]))
+            self.add(self._dim(args[group_arg]), op, nbytes(args[data_arg]))
         out = func(*args, **(kwargs or {}))
         if ns == "_c10d_functional" and name in FUNCTIONAL:
             op, which = FUNCTIONAL[name]
-            self._add(self._dim(args[-1]), op, nbytes(out if which == "out" else args[0]))
+            self.add(self._dim(args[-1]), op, nbytes(out if which == "out" else args[0]))
         return out
 
     def per_step(self, steps: int) -> list[Collective]:

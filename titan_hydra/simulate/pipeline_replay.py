@@ -16,20 +16,23 @@ slight overstatement of the input-gradient phase's memory: the weight gradients 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import FSDPModule
 
 from titan_hydra.parallel.runner import call_model
+from titan_hydra.simulate.collectives import nbytes
 from titan_hydra.spec import RunSpec
 
 FORWARD, FULL_BACKWARD, BACKWARD_INPUT = "F", "B", "I"
 
 
 class PipelineReplay:
-    def __init__(self, spec: RunSpec, built, fake: FakeTensorMode, stage_input: Any = None) -> None:
+    def __init__(self, spec: RunSpec, built, fake: FakeTensorMode, stage_input: Any = None,
+                 p2p: Callable[[str, int], None] = lambda op, n: None) -> None:
+        """``p2p(op, bytes)`` is told of every send / recv the real schedule would make here."""
         runner = built.runner
         self.runner, self.fake = runner, fake
         self.parts: dict[int, torch.nn.Module] = runner.parts
@@ -40,12 +43,19 @@ class PipelineReplay:
                         and a.computation_type.value in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT)]
         self.stage_input = stage_input  # (shape, dtype) of what a stage > 0 receives
         self.stage_output = None
+        self.p2p = p2p
+        # stages whose neighbour lives on this same rank exchange tensors without P2P
+        self.owner = runner.stage_owner
 
     def _received(self) -> torch.Tensor:
         if self.stage_input is None:
             raise RuntimeError("no stage input shape yet: simulate pipeline rank 0 (stage 0) first")
         shape, dtype = self.stage_input
         return torch.empty(shape, dtype=dtype).requires_grad_(True)
+
+    def _boundary_bytes(self) -> int:
+        shape, dtype = self.stage_input
+        return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
 
     def step(self, grad_accum: int, loader) -> None:
         """One optimizer step's micro-batches (``grad_accum`` schedule steps) on this rank."""
@@ -67,6 +77,8 @@ class PipelineReplay:
             part = self.parts[sid]
             if kind == FORWARD:
                 x = inputs[mb] if sid == 0 else self._received()
+                if sid > 0 and self.owner[sid - 1] != self.owner[sid]:
+                    self.p2p("recv", nbytes(x))
                 out = call_model(part, x, self.runner.batch_kwargs(x) if sid == 0 else {})
                 if sid == 0 and self.stage_input is None and sid != self.last_stage:
                     self.stage_input = (tuple(out.shape), out.dtype)
@@ -75,6 +87,8 @@ class PipelineReplay:
                 elif self.stage_output is None:
                     self.stage_output = (tuple(out.shape), out.dtype)
                 alive[(sid, mb)] = out
+                if sid < self.last_stage and self.owner[sid + 1] != self.owner[sid]:
+                    self.p2p("send", nbytes(out))
             else:
                 out = alive.pop((sid, mb))
                 done_backward[sid] += 1
@@ -82,4 +96,8 @@ class PipelineReplay:
                 if sid == self.last_stage:
                     out.backward()
                 else:
+                    if self.owner[sid + 1] != self.owner[sid]:
+                        self.p2p("recv", nbytes(out))
                     out.backward(torch.empty_like(out))
+                if sid > 0 and self.owner[sid - 1] != self.owner[sid]:
+                    self.p2p("send", nbytes(out) if sid != self.last_stage else self._boundary_bytes())

@@ -11,6 +11,7 @@ Pipeline ranks replay their schedule's actions instead (``pipeline_replay.py``).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import types
 from dataclasses import dataclass
@@ -106,22 +107,25 @@ def trainer_of(spec: RunSpec, built, optim, rank: int, loader) -> Trainer:
 
 
 def simulate_rank(spec: RunSpec, rank: int, steps: int, kernel_device: torch.device,
-                  stage_input: Any = None) -> RankResult:
-    """Build this rank's part of the run and step it ``steps`` times under the fake process group
-    (already initialized as ``rank``)."""
+                  stage_input: Any = None, *, fake_tensors: bool = True) -> RankResult:
+    """Build this rank's part of the run and step it ``steps`` times in the process group already
+    initialized as ``rank`` (the fake one). ``fake_tensors=False`` measures a real CPU run the
+    same way (real weights, initialized as training does, and real batches): the simulator's
+    ground truth."""
     cpu0 = time.process_time()
     dims = spec.dims
     dims.build_mesh("cpu")
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = FakeTensorMode(allow_non_fake_inputs=True) if fake_tensors else contextlib.nullcontext()
     dataset = types.SimpleNamespace(seq_len=spec.batch.seq_len, document_eos_id=None)
-    built = build_parallel_model(spec, CPU, rank, dataset, materialize=fake_materializer(fake),
+    built = build_parallel_model(spec, CPU, rank, dataset, materialize=fake_materializer(fake) if fake_tensors else None,
                                  kernel_device=kernel_device)
     optim = optimization_of(spec, built)
     loader = FakeBatches(spec, fake)
     trainer = trainer_of(spec, built, optim, rank, loader)
     params = [p for part in built.parts for p in part.parameters()]
-    replay = PipelineReplay(spec, built, fake, stage_input) if dims.pp_enabled else None
     memory, comms = LiveMemory(), CollectiveCounter(dims)
+    replay = (PipelineReplay(spec, built, fake, stage_input, p2p=lambda op, n: comms.add("pp", op, n))
+              if dims.pp_enabled else None)
     with fake:
         memory.adopt([*params, *(b for part in built.parts for b in part.buffers())])
         with memory, comms:
