@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from titan_hydra.simulate.balanced_routing import balanced_routing
 from titan_hydra.simulate.collectives import Collective, CollectiveCounter
 from titan_hydra.simulate.live_memory import LiveMemory
 from titan_hydra.simulate.pipeline_replay import PipelineReplay
@@ -126,7 +127,8 @@ def simulate_rank(spec: RunSpec, rank: int, steps: int, kernel_device: torch.dev
     memory, comms = LiveMemory(), CollectiveCounter(dims)
     replay = (PipelineReplay(spec, built, fake, stage_input, p2p=lambda op, n: comms.add("pp", op, n))
               if dims.pp_enabled else None)
-    with fake:
+    routing = balanced_routing(kernel_device.type == "cuda") if fake_tensors else contextlib.nullcontext()
+    with fake, routing:
         memory.adopt([*params, *(b for part in built.parts for b in part.buffers())])
         with memory, comms:
             for step in range(steps):
