@@ -4,8 +4,8 @@ torch's schedules do not run under the fake process group (their P2P warm-up rea
 tensor's value, and stage shape inference exchanges Python objects), but what a rank holds is
 decided by the order of its actions: which micro-batch's forward runs before which backward.
 The schedule object the real run builds (``PipelineRunner.schedule``) lists that order for every
-rank (``pipeline_order``: forward / backward per stage and micro-batch, for single- and
-multi-stage schedules alike). This replays this rank's list on the same stage modules the real
+rank of a multi-stage schedule (``pipeline_order``: forward / backward per stage and micro-batch);
+GPipe's and 1F1B's are written out here from their definitions. This replays this rank's list on the same stage modules the real
 split built, with the runner's own loss function (scaled like the real schedule's) and step
 context. A received activation is a fresh fake tensor of the previous stage's output shape; a
 received gradient is one of the output's shape. FSDP is told, as torch's ``PipelineStage`` does,
@@ -29,6 +29,29 @@ from titan_hydra.spec import RunSpec
 FORWARD, FULL_BACKWARD, BACKWARD_INPUT = "F", "B", "I"
 
 
+def single_stage_order(schedule: str, pp_rank: int, pp: int, n_mb: int) -> list[tuple[int, str, int]]:
+    """(stage, F|B, micro-batch) of GPipe (all forwards, then all backwards) and 1F1B (``pp - rank - 1``
+    warm-up forwards, then one forward / one backward, then the remaining backwards)."""
+    if schedule == "GPipe":
+        return [(pp_rank, FORWARD, m) for m in range(n_mb)] + [(pp_rank, FULL_BACKWARD, m) for m in range(n_mb)]
+    warmup = min(n_mb, pp - pp_rank - 1)
+    order = [(pp_rank, FORWARD, m) for m in range(warmup)]
+    for m in range(warmup, n_mb):
+        order += [(pp_rank, FORWARD, m), (pp_rank, FULL_BACKWARD, m - warmup)]
+    return order + [(pp_rank, FULL_BACKWARD, m) for m in range(n_mb - warmup, n_mb)]
+
+
+def actions_of(schedule_obj, schedule: str, pp_rank: int, pp: int, n_mb: int) -> list[tuple[int, str, int]]:
+    """This rank's compute actions in order. Single-stage schedules by their definition (torch
+    2.13's ``Schedule1F1B.pipeline_order`` numbers a later rank's micro-batches from 1, which its
+    own runtime does not follow); multi-stage ones from the schedule's ``pipeline_order``."""
+    if schedule in ("GPipe", "1F1B"):
+        return single_stage_order(schedule, pp_rank, pp, n_mb)
+    return [(a.stage_index, a.computation_type.value, a.microbatch_index)
+            for a in schedule_obj.pipeline_order[pp_rank]
+            if a is not None and a.computation_type.value in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT)]
+
+
 class PipelineReplay:
     def __init__(self, spec: RunSpec, built, fake: FakeTensorMode, stage_input: Any = None,
                  p2p: Callable[[str, int], None] = lambda op, n: None) -> None:
@@ -38,9 +61,7 @@ class PipelineReplay:
         self.parts: dict[int, torch.nn.Module] = runner.parts
         self.last_stage = len(runner.stage_owner) - 1
         self.n_mb = runner.n_microbatches
-        order = runner.schedule.pipeline_order
-        self.actions = [a for a in order[runner.pp_rank] if a is not None
-                        and a.computation_type.value in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT)]
+        self.actions = actions_of(runner.schedule, spec.dims.pp_schedule, runner.pp_rank, spec.dims.pp, self.n_mb)
         self.stage_input = stage_input  # (shape, dtype) of what a stage > 0 receives
         self.stage_output = None
         self.p2p = p2p
@@ -72,8 +93,7 @@ class PipelineReplay:
     def _replay(self, inputs: list[torch.Tensor], labels: list[torch.Tensor]) -> None:
         alive: dict[tuple[int, int], torch.Tensor] = {}
         done_backward = dict.fromkeys(self.parts, 0)
-        for action in self.actions:
-            sid, mb, kind = action.stage_index, action.microbatch_index, action.computation_type.value
+        for sid, kind, mb in self.actions:
             part = self.parts[sid]
             if kind == FORWARD:
                 x = inputs[mb] if sid == 0 else self._received()
