@@ -64,6 +64,7 @@ def closed_form_shards(spec, stage_ids: list[int]) -> tuple[int, int]:
 
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+    from titan_hydra.models.common.tp_styles import PrepareInputShardParams
     from titan_hydra.models.registry import model_from_args
     from titan_hydra.parallel.pp import stage_layer_ranges
 
@@ -81,9 +82,13 @@ def closed_form_shards(spec, stage_ids: list[int]) -> tuple[int, int]:
                 for name, module in part.named_modules():
                     if not _matches(pattern, name):
                         continue
-                    for pname, _ in module.named_parameters(recurse=False):
+                    for pname, _ in module.named_parameters():
                         fqn = f"{name}.{pname}"
-                        if isinstance(style, ColwiseParallel):
+                        if "." in pname and not isinstance(style, PrepareInputShardParams):
+                            continue  # Colwise/Rowwise shard the module's own weight and bias
+                        if isinstance(style, PrepareInputShardParams) and pname in style.params:
+                            split[fqn] = 0
+                        elif isinstance(style, ColwiseParallel):
                             split[fqn] = 0
                         elif isinstance(style, RowwiseParallel):
                             split[fqn] = 0 if isinstance(module, torch.nn.Embedding) else (1 if pname == "weight" else -1)

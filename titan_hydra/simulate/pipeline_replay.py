@@ -21,12 +21,19 @@ from typing import Any, Callable
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from titan_hydra.parallel.runner import call_model
 from titan_hydra.simulate.collectives import nbytes
 from titan_hydra.spec import RunSpec
 
 FORWARD, FULL_BACKWARD, BACKWARD_INPUT = "F", "B", "I"
+
+
+def sent_spec(out: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    """(shape, dtype) of what a stage sends: a DTensor output travels as its local shard."""
+    local = out.to_local() if isinstance(out, DTensor) else out
+    return tuple(local.shape), local.dtype
 
 
 def single_stage_order(schedule: str, pp_rank: int, pp: int, n_mb: int) -> list[tuple[int, str, int]]:
@@ -101,11 +108,11 @@ class PipelineReplay:
                     self.p2p("recv", nbytes(x))
                 out = call_model(part, x, self.runner.batch_kwargs(x) if sid == 0 else {})
                 if sid == 0 and self.stage_input is None and sid != self.last_stage:
-                    self.stage_input = (tuple(out.shape), out.dtype)
+                    self.stage_input = sent_spec(out)
                 if sid == self.last_stage:
                     out = self.runner.loss_fn(out, labels[mb])
                 elif self.stage_output is None:
-                    self.stage_output = (tuple(out.shape), out.dtype)
+                    self.stage_output = sent_spec(out)
                 alive[(sid, mb)] = out
                 if sid < self.last_stage and self.owner[sid + 1] != self.owner[sid]:
                     self.p2p("send", nbytes(out))
