@@ -31,6 +31,7 @@ def _real_rank(rank: int, overrides: list[str], out_dir: str) -> None:
     Path(out_dir, f"{rank}.json").write_text(json.dumps(row))
 
 
+@pytest.mark.slow  # spawns the simulated ranks' processes
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
 def test_simulated_rank_holds_what_the_real_two_rank_run_holds(tmp_path, layout):
     overrides = [*DEBUG, f"parallelism={layout}"]
@@ -128,6 +129,7 @@ def simulated(overrides: list[str]):
     return spec, simulate(spec)
 
 
+@pytest.mark.slow  # spawns the simulated ranks' processes
 def test_dense_decoder_3d_at_64_ranks():
     """llama3_8b's widths, fsdp 8 x tp 4 x pp 2 (1F1B): every stage's shards exactly."""
     spec, sim = simulated(["model=llama3_8b", "model.n_layers=2", *H100, "parallelism=3d", "parallelism.tp=4",
@@ -147,6 +149,7 @@ def test_dense_decoder_3d_at_64_ranks():
             ("pp", "send"), ("pp", "recv")} <= ops
 
 
+@pytest.mark.slow  # spawns the simulated ranks' processes
 def test_moe_expert_parallel_at_64_ranks():
     """qwen3_30b_a3b's widths (128 experts), fsdp 64 with ep 8 (experts: efsdp 8 x ep 8): the experts'
     shards, the all-to-all per MoE layer (balanced routing)."""
@@ -165,6 +168,7 @@ def _error_line(proc) -> str:
     return lines[0]
 
 
+@pytest.mark.slow  # starts launch.py processes
 def test_a_config_that_cannot_be_built_is_refused_as_the_real_launch_refuses_it(tmp_path):
     args = ["model=llama3_debug", "cluster.nproc_per_node=4", "parallelism.tp=3", f"hydra.run.dir={tmp_path}"]
     real, sim = run_launch(args, tmp_path), run_launch([*args, "dry_run=simulate"], tmp_path)
@@ -172,6 +176,7 @@ def test_a_config_that_cannot_be_built_is_refused_as_the_real_launch_refuses_it(
     assert _error_line(sim) == _error_line(real)
 
 
+@pytest.mark.slow  # starts a launch.py process
 def test_what_the_simulator_cannot_represent_is_one_line(tmp_path):
     proc = run_launch(["model=llama3_debug", "cluster.nproc_per_node=2", "parallelism=fsdp", "compile=model",
                        "dry_run=simulate", f"hydra.run.dir={tmp_path}"], tmp_path)
@@ -189,6 +194,7 @@ def test_dry_run_takes_only_its_three_values():
         validate(compose_cfg(["dry_run=maybe"]), environment=False)
 
 
+@pytest.mark.slow  # spawns the simulated ranks' processes
 def test_hybrid_linear_attention_at_64_ranks():
     """qwen3_5_9b's widths, one period of its layer pattern (3 Gated DeltaNet + 1 full attention),
     fsdp 16 x tp 4 (the family's TP plan covers both kinds of layer)."""
@@ -207,6 +213,7 @@ LLAMA31_8B = {  # Llama 3.1 8B's published config.json, cut to 2 of its 32 layer
 }
 
 
+@pytest.mark.slow  # spawns the simulated ranks' processes
 def test_transformers_architecture_from_its_config_at_64_ranks(tmp_path):
     """model=hf from Llama 3.1 8B's config.json: fsdp 8 x tp 4 x pp 2 through transformers' own
     TP plan and the hf family's stage split."""
