@@ -72,6 +72,7 @@ class Simulation:
 
     def format(self) -> str:
         est = self.estimate()
+        unit, scale = ("GiB", GIB) if self.tightest.peak_bytes >= GIB else ("MiB", 1024**2)
         cols = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "transient_bytes", "peak_bytes")
         head = ["rank", "stage", *[c.removesuffix("_bytes") for c in cols]]
         rows = [head]
@@ -80,11 +81,11 @@ class Simulation:
             for c in cols:
                 sim, plan = getattr(r, c), est[c]
                 diff = f"{(sim - plan) / plan:+.0%}" if plan else "n/a"
-                cells.append(f"{sim / GIB:.2f} | {plan / GIB:.2f} ({diff})")
+                cells.append(f"{sim / scale:.2f} | {plan / scale:.2f} ({diff})")
             rows.append(cells)
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
         lines = [f"simulated {self.flavor} on {self.world_size} ranks ({self.layout}), {self.steps} steps; "
-                 "GiB per rank: simulated | planner (difference)"]
+                 f"{unit} per rank: simulated | planner (difference)"]
         lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
         t = self.tightest
         if self.usable_bytes is None:
