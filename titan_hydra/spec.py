@@ -103,7 +103,8 @@ class RunSpec:
     checkpoint: functools.partial[CheckpointManager]  # the group's settings; the rank adds its parts and state
     profiler: functools.partial[Optional[Profiler]]  # build_profiler with the group's settings; the rank adds its parts
     resolved: Mapping[str, Any]  # the plain resolved config: logged (W&B) and written to disk, never read for settings
-    dry_run: bool = False
+    dry_run: bool = False  # dry_run=true or simulate: nothing trains
+    simulate: bool = False  # dry_run=simulate: the run is simulated on fake tensors (titan_hydra/simulate)
 
     @property
     def checkpoint_settings(self) -> CheckpointSettings:
@@ -271,5 +272,17 @@ def spec_of(cfg: DictConfig) -> RunSpec:
         lr_scheduler=instantiate(cfg.lr_scheduler, _convert_="all"),
         checkpoint=instantiate(cfg.checkpoint, _convert_="all"),
         profiler=instantiate(cfg.profiling, _convert_="all"),
-        resolved=resolved, dry_run=bool(cfg.dry_run),
+        resolved=resolved, dry_run=dry_run_of(cfg.dry_run) != "false", simulate=dry_run_of(cfg.dry_run) == "simulate",
     )
+
+
+DRY_RUN_MODES = ("false", "true", "simulate")
+
+
+def dry_run_of(value: Any) -> str:
+    """``dry_run``: false (train), true (print the plan) or simulate (build and step the run on fake
+    tensors); the booleans Hydra parses ``true`` / ``false`` into are accepted as they are."""
+    mode = str(value).lower()
+    if mode not in DRY_RUN_MODES:
+        raise ConfigError(f"dry_run={value!r} is not one of {', '.join(DRY_RUN_MODES)}")
+    return mode

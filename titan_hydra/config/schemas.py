@@ -116,6 +116,9 @@ class TrainingConfig:
     # Decay of an exponential moving average of the weights (train/ema.py), validated as
     # val/ema/loss and checkpointed as ema.*; 0 = none (no memory, no work). 0.999: ~1000 steps.
     ema_decay: float = 0.0
+    # dry_run=simulate: training steps simulated on fake tensors (the first creates the optimizer
+    # state; the later ones show the steady-state peak)
+    simulate_steps: int = 2
 
 
 def root_schema(groups: Iterable[str], *, name: str, module: str) -> type:
@@ -124,7 +127,7 @@ def root_schema(groups: Iterable[str], *, name: str, module: str) -> type:
     here, typed by the chosen option's own ``schema_<group>``) and the settings of no group."""
     specs: list[tuple[str, Any, Any]] = [(group, Any, field(default=MISSING)) for group in groups]
     specs += [("training", TrainingConfig, field(default_factory=TrainingConfig)),
-              ("dry_run", bool, field(default=False)),
+              ("dry_run", Any, field(default=False)),  # false | true | simulate (spec.dry_run_of)
               ("run_name", Optional[str], field(default=None)),
               ("tags", List[str], field(default_factory=list))]
     schema = make_dataclass(name, specs)

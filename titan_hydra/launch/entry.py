@@ -3,7 +3,8 @@
 ``launch(cfg)`` resolves what the config leaves open (a sweep job's W&B identity,
 ``parallelism=auto``: the only changes made to the config, all before validation), builds the
 run's ``RunSpec`` once and validates it (one-line ``error:`` and exit 2 on bad input), prints
-the plan for ``dry_run``, and otherwise hands the spec to the pretraining recipe: in this process when it is the only
+the plan for ``dry_run`` (or simulates the run for ``dry_run=simulate``: titan_hydra/simulate),
+and otherwise hands the spec to the pretraining recipe: in this process when it is the only
 rank or when an outer launcher (torchrun, SLURM) already made this process a rank, or in
 workers that the local launcher spawns through torch elastic.
 """
@@ -26,6 +27,7 @@ from titan_hydra.launch.sweep import apply_sweep_identity
 from titan_hydra.launch.resolve import resolved_spec
 from titan_hydra.planner.plan import plan
 from titan_hydra.runtime.fault_tolerance import GROUP_ENV
+from titan_hydra.simulate.simulator import simulate
 from titan_hydra.train.pretrain import run
 from titan_hydra.validate import check_spec
 
@@ -54,6 +56,13 @@ def launch(cfg: DictConfig, run_dir: str | None = None) -> float | None:
         spec = check_spec(spec, environment=not submit_to_slurm)
     except UserError as e:
         fail(str(e))
+    if spec.simulate:  # dry_run=simulate: build and step the run on fake tensors, report beside the plan
+        try:
+            simulation = simulate(spec)
+        except UserError as e:
+            fail(str(e))
+        print(simulation.format(), f"\nwrote {simulation.write(run_dir or run_dir_of(cfg))}", flush=True)
+        return None
     if spec.dry_run:
         print(plan(spec).format(), flush=True)
         return None

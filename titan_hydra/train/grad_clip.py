@@ -23,7 +23,9 @@ from torch.distributed.tensor import DTensor
 
 def _by_mesh(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
     """Parameters grouped by their gradient's mesh: plain tensors first, then one group per
-    DTensor mesh, ordered by the mesh's dim names and ranks (the same on every rank sharing it)."""
+    DTensor mesh, ordered by the mesh's dim names and process groups (the same on every rank
+    sharing it: groups are named in the order all ranks create them). Not by the mesh's rank
+    tensor: reading it runs tensor ops, which the simulator's fake-tensor mode cannot answer."""
     plain = [p for p in params if not isinstance(p.grad, DTensor)]
     groups: dict = {}
     for p in params:
@@ -31,7 +33,7 @@ def _by_mesh(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]
             groups.setdefault(p.grad.device_mesh, []).append(p)
 
     def key(mesh) -> tuple:
-        return (tuple(mesh.mesh_dim_names or ()), tuple(mesh.mesh.flatten().tolist()))
+        return (tuple(mesh.mesh_dim_names or ()), tuple(mesh.get_group(i).group_name for i in range(mesh.ndim)))
 
     return ([plain] if plain else []) + [groups[m] for m in sorted(groups, key=key)]
 

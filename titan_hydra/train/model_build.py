@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -25,19 +25,30 @@ from titan_hydra.train.optimizers import build_optimizer, clean_name
 FULL_INIT_MAX_PARAMS = 1.5e9
 
 
-def build_parallel_model(spec: RunSpec, device: torch.device, rank: int, dataset: Any) -> BuiltModel:
-    """Model on meta -> attention precision -> float8 -> layout -> materialized and initialized."""
+Materialize = Callable[[list[torch.nn.Module], torch.device], None]
+
+
+def build_parallel_model(spec: RunSpec, device: torch.device, rank: int, dataset: Any, *,
+                         materialize: Materialize | None = None,
+                         kernel_device: torch.device | None = None) -> BuiltModel:
+    """Model on meta -> attention precision -> float8 -> layout -> materialized and initialized.
+
+    ``materialize(parts, device)`` replaces the weights' allocation and init (the simulator
+    allocates fake tensors and draws nothing); ``kernel_device`` is the device whose attention
+    kernels and precision the model takes when it differs from where tensors live (the simulator
+    runs a GPU run's model on CPU fake tensors)."""
     dims, family, mp, training = spec.dims, spec.family, spec.mixed_precision, spec.training
+    kernels_on = kernel_device or device
     with torch.device("meta"):
         model = model_from_args(spec.model_target, family, spec.model_args)
     seq_len = spec.batch.seq_len
-    attention_dtype = apply_attention_precision(model, str(training.attention_precision), mp, device, seq_len)
+    attention_dtype = apply_attention_precision(model, str(training.attention_precision), mp, kernels_on, seq_len)
     sdpa_dtype = attention_dtype or (torch.bfloat16 if mp == "bf16" else torch.float32)
-    attention_kernel = apply_attention_kernel(model, str(training.attention_kernel), device, dims.cp,
+    attention_kernel = apply_attention_kernel(model, str(training.attention_kernel), kernels_on, dims.cp,
                                               seq_len=seq_len // dims.cp, dtype=sdpa_dtype)
     if attention_kernel.name == "small_head":
         attention_dtype = torch.float32  # the kernel computes in fp32 whatever q/k/v arrive in
-    delta_kernel = (apply_gated_delta_kernel(model, str(training.gated_delta_kernel), device)
+    delta_kernel = (apply_gated_delta_kernel(model, str(training.gated_delta_kernel), kernels_on)
                     if delta_layers(model) else None)
     model = spec.float8.convert(model)
     loss_fn = family.training_loss(spec.model_args)
@@ -51,7 +62,10 @@ def build_parallel_model(spec: RunSpec, device: torch.device, rank: int, dataset
         reweigh = functools.partial(family.set_loss_scale, pm.model_parts)
         reweigh(pm.runner.loss_scale)
     geometry = spec.parametrization.geometry(family, spec.model_args)
-    init_weights(spec, pm.model_parts, device, rank, geometry)
+    if materialize is None:
+        init_weights(spec, pm.model_parts, device, rank, geometry)
+    else:
+        materialize(pm.model_parts, device)
     return BuiltModel(family, spec.model_args, pm.model_parts, pm.runner, spec.float8,
                       flops_per_unit(family, spec.model_args, dataset), attention_dtype, attention_kernel,
                       loss_hooks=mtp_loss_hooks(loss_fn, dims, lambda: pm.runner.loss_scale, device),

@@ -1,0 +1,225 @@
+"""dry_run=simulate: the simulated rank against a real run, and real-size layouts at world >= 64.
+
+Ground truth: the same rank code (``simulate_rank``) runs once on fake tensors under the fake
+process group and once for real in a 2-rank gloo group, measured by the same live-storage
+tracker; the shards must be the same bytes exactly and the activations within 10%.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import compose_cfg, run_launch, spawn_gloo
+from titan_hydra.simulate.simulator import simulate
+from titan_hydra.validate import validate
+
+DEBUG = ["model=llama3_debug", "cluster.nproc_per_node=2", "training.attention_kernel=sdpa",
+         "training.local_batch_size=4", "training.seq_len=128"]
+
+
+def _real_rank(rank: int, overrides: list[str], out_dir: str) -> None:
+    from titan_hydra.simulate.rank import simulate_rank
+
+    spec = validate(compose_cfg(overrides), environment=False)
+    result = simulate_rank(spec, rank, 2, torch.device("cpu"), fake_tensors=False)
+    row = {k: v for k, v in asdict(result).items() if k.endswith("_bytes")}
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(row))
+
+
+@pytest.mark.slow  # spawns the simulated ranks' processes
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_simulated_rank_holds_what_the_real_two_rank_run_holds(tmp_path, layout):
+    overrides = [*DEBUG, f"parallelism={layout}"]
+    if layout == "tp":
+        overrides.append("parallelism.tp=2")
+    spawn_gloo(_real_rank, 2, overrides, str(tmp_path))
+    real = json.loads((tmp_path / "0.json").read_text())
+    sim = simulate(validate(compose_cfg(overrides), environment=False)).ranks[0]
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+        assert getattr(sim, key) == real[key], key
+    assert abs(sim.activations_bytes - real["activations_bytes"]) <= 0.10 * real["activations_bytes"]
+    assert abs(sim.peak_bytes - real["peak_bytes"]) <= 0.10 * real["peak_bytes"]
+
+
+# ----------------------------------------------------------------------------- at scale
+#
+# Real-size widths (the published flavors' dim, heads, FFN and vocabulary) at world >= 64 on a
+# 3-D layout. The depth is cut to a few blocks so that each test stays well under 30 s on a
+# shared 2-core machine: every block of a uniform stack is simulated alike, and the full-depth
+# runs (docs/scaling.md) take minutes.
+
+H100 = ["cluster=slurm_h100", "cluster.nnodes=8"]  # 64 ranks
+
+
+def closed_form_shards(spec, stage_ids: list[int]) -> tuple[int, int]:
+    """fp32 bytes of one rank's parameters from the unsharded model, by arithmetic only: each
+    parameter of its pipeline stages split by TP (column-wise: dim 0, row-wise: dim 1, embedding
+    row-wise: the vocabulary) or by EP (experts: dim 0), then FSDP's dim-0 shard, padded to the
+    largest (ceil) as FSDP2 stores it. Returns (bytes, how many parameter tensors)."""
+    import math
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from titan_hydra.models.common.tp_styles import PrepareInputShardParams
+    from titan_hydra.models.registry import model_from_args
+    from titan_hydra.parallel.pp import stage_layer_ranges
+
+    dims, family = spec.dims, spec.family
+    with torch.device("meta"):
+        model = model_from_args(spec.model_target, family, spec.model_args)
+    ranges = stage_layer_ranges(dims, len(family.blocks(model))) if dims.pp_enabled else [None]
+    total = tensors = 0
+    for sid in stage_ids:
+        part = model if ranges[sid] is None else family.cut_stage(
+            model, ranges[sid], is_first=sid == 0, is_last=sid == len(ranges) - 1)
+        split: dict[str, int] = {}
+        if dims.tp > 1:
+            for pattern, style in family.tp_plan(part, dims.tp_sequence_parallel, dims.loss_parallel_enabled).items():
+                for name, module in part.named_modules():
+                    if not _matches(pattern, name):
+                        continue
+                    for pname, _ in module.named_parameters():
+                        fqn = f"{name}.{pname}"
+                        if "." in pname and not isinstance(style, PrepareInputShardParams):
+                            continue  # Colwise/Rowwise shard the module's own weight and bias
+                        if isinstance(style, PrepareInputShardParams) and pname in style.params:
+                            split[fqn] = 0
+                        elif isinstance(style, ColwiseParallel):
+                            split[fqn] = 0
+                        elif isinstance(style, RowwiseParallel):
+                            split[fqn] = 0 if isinstance(module, torch.nn.Embedding) else (1 if pname == "weight" else -1)
+        experts = {f"{n}.{p}" for n, m in family.expert_modules(part) for p, _ in m.named_parameters(recurse=False)}
+        for fqn, p in part.named_parameters():
+            shape = list(p.shape)
+            if fqn in experts and dims.ep > 1:
+                shape[0] //= dims.ep
+                shard = dims.efsdp
+            else:
+                if split.get(fqn, -1) >= 0:
+                    shape[split[fqn]] //= dims.tp
+                shard = dims.dp_shard * dims.cp
+            rest = math.prod(shape[1:])
+            total += 4 * math.ceil(shape[0] / shard) * rest
+            tensors += 1
+    return total, tensors
+
+
+def _matches(pattern: str, name: str) -> bool:
+    import fnmatch
+
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def check_against_closed_form(spec, sim) -> None:
+    for r in sim.ranks:
+        shards, tensors = closed_form_shards(spec, r.stages)
+        assert r.params_bytes == shards, (r.rank, r.params_bytes, shards)
+        assert r.grads_bytes == shards, (r.rank, r.grads_bytes, shards)
+        # AdamW: exp_avg and exp_avg_sq like the shards, and a 4-byte step count per tensor
+        assert r.optimizer_bytes == 2 * shards + 4 * tensors, (r.rank, r.optimizer_bytes, shards, tensors)
+
+
+def simulated(overrides: list[str]):
+    spec = validate(compose_cfg(overrides), environment=False)
+    return spec, simulate(spec)
+
+
+@pytest.mark.slow  # spawns the simulated ranks' processes
+def test_dense_decoder_3d_at_64_ranks():
+    """llama3_8b's widths, fsdp 8 x tp 4 x pp 2 (1F1B): every stage's shards exactly."""
+    spec, sim = simulated(["model=llama3_8b", "model.n_layers=2", *H100, "parallelism=3d", "parallelism.tp=4",
+                     "parallelism.pp=2", "parallelism.pp_schedule=1F1B"])
+    assert sim.world_size == 64 and [r.stages for r in sim.ranks] == [[0], [1]]
+    check_against_closed_form(spec, sim)
+    # The planner's peak is a closed form for a deep uniform stack; a stage of one 8B block is
+    # dominated by what it leaves out (the embedding's gradient made at the full vocabulary under
+    # TP, 1 GiB in bf16, before its reduce-scatter): measured 2.4x its estimate here, 1.18x on
+    # llama3_70b at full depth (docs/scaling.md). The band says the two stay within 3x.
+    est = sim.estimate()["peak_bytes"]
+    for r in sim.ranks:
+        assert est / 3 <= r.peak_bytes <= 3 * est, (r.rank, r.peak_bytes, est)
+        assert r.peak_bytes >= r.params_bytes + r.optimizer_bytes + r.grads_bytes
+    ops = {(c.mesh_dim, c.op) for r in sim.ranks for c in r.collectives}
+    assert {("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"), ("tp", "all_gather"),
+            ("pp", "send"), ("pp", "recv")} <= ops
+
+
+@pytest.mark.slow  # spawns the simulated ranks' processes
+def test_moe_expert_parallel_at_64_ranks():
+    """qwen3_30b_a3b's widths (128 experts), fsdp 64 with ep 8 (experts: efsdp 8 x ep 8): the experts'
+    shards, the all-to-all per MoE layer (balanced routing)."""
+    spec, sim = simulated(["model=qwen3_30b_a3b", "model.n_layers=2", *H100, "parallelism=fsdp_ep", "parallelism.ep=8"])
+    check_against_closed_form(spec, sim)
+    a2a = [c for c in sim.ranks[0].collectives if c.op == "all_to_all"]
+    assert a2a and a2a[0].mesh_dim == "ep"
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _error_line(proc) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, proc.stderr[-2000:]
+    return lines[0]
+
+
+@pytest.mark.slow  # starts launch.py processes
+def test_a_config_that_cannot_be_built_is_refused_as_the_real_launch_refuses_it(tmp_path):
+    args = ["model=llama3_debug", "cluster.nproc_per_node=4", "parallelism.tp=3", f"hydra.run.dir={tmp_path}"]
+    real, sim = run_launch(args, tmp_path), run_launch([*args, "dry_run=simulate"], tmp_path)
+    assert real.returncode == sim.returncode == 2
+    assert _error_line(sim) == _error_line(real)
+
+
+@pytest.mark.slow  # starts a launch.py process
+def test_what_the_simulator_cannot_represent_is_one_line(tmp_path):
+    proc = run_launch(["model=llama3_debug", "cluster.nproc_per_node=2", "parallelism=fsdp", "compile=model",
+                       "dry_run=simulate", f"hydra.run.dir={tmp_path}"], tmp_path)
+    assert proc.returncode == 2
+    assert _error_line(proc).startswith("error: dry_run=simulate runs eagerly")
+
+
+def test_dry_run_takes_only_its_three_values():
+    from titan_hydra.errors import ConfigError
+
+    assert validate(compose_cfg(["dry_run=true"]), environment=False).dry_run
+    spec = validate(compose_cfg(["dry_run=simulate"]), environment=False)
+    assert spec.dry_run and spec.simulate
+    with pytest.raises(ConfigError, match="dry_run='maybe' is not one of false, true, simulate"):
+        validate(compose_cfg(["dry_run=maybe"]), environment=False)
+
+
+@pytest.mark.slow  # spawns the simulated ranks' processes
+def test_hybrid_linear_attention_at_64_ranks():
+    """qwen3_5_9b's widths, one period of its layer pattern (3 Gated DeltaNet + 1 full attention),
+    fsdp 16 x tp 4 (the family's TP plan covers both kinds of layer)."""
+    spec, sim = simulated(["model=qwen3_5_9b", "model.n_layers=4", *H100, "parallelism=fsdp_tp", "parallelism.tp=4"])
+    check_against_closed_form(spec, sim)
+    assert sim.ranks[0].activations_bytes > 0 and sim.fits
+
+
+LLAMA31_8B = {  # Llama 3.1 8B's published config.json, cut to 2 of its 32 layers
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "hidden_act": "silu",
+    "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "bos_token_id": 128000,
+    "eos_token_id": 128001, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+}
+
+
+@pytest.mark.slow  # spawns the simulated ranks' processes
+def test_transformers_architecture_from_its_config_at_64_ranks(tmp_path):
+    """model=hf from Llama 3.1 8B's config.json: HSDP (2 replicas x fsdp 8) x tp 4 through
+    transformers' own TP plan. (Not PP x TP: a real 4-rank run of model=hf with pp 2 x tp 2 fails
+    in torch's stage metadata, the stage output being a DTensor; docs/scaling.md.)"""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA31_8B))
+    spec, sim = simulated(["model=hf", f"model.config={tmp_path}", *H100, "parallelism=fsdp_tp", "parallelism.tp=4",
+                           "parallelism.dp_replicate=2"])
+    assert (spec.dims.dp_replicate, spec.dims.dp_shard, spec.dims.tp) == (2, 8, 4)
+    check_against_closed_form(spec, sim)

@@ -1,0 +1,83 @@
+"""``dry_run=simulate``: the run, at its configured world size, built and stepped on one CPU.
+
+One process simulates the ranks that differ: one per pipeline stage (pipeline rank ``p`` is the
+rank whose other mesh coordinates are 0; the first holds the embedding, the last the head and
+loss). Data-parallel, tensor-parallel and expert-parallel peers hold shards of one size (FSDP2
+pads uneven shards to the largest), so coordinate 0 stands for all of them. Each simulated rank
+runs under torch's fake process group and fake tensors (``rank.py``); the report compares every
+figure with the closed-form plan (``report.py``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import resource
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+
+from titan_hydra.errors import ConfigError
+from titan_hydra.planner.devices import usable_memory_of
+from titan_hydra.planner.plan import layout_label, plan
+from titan_hydra.simulate.fake_world import fake_world
+from titan_hydra.simulate.rank import RankResult, simulate_rank
+from titan_hydra.simulate.report import GIB, GPU_NOTES, Simulation
+from titan_hydra.spec import RunSpec
+
+
+PARALLEL_RANKS = 2  # rank processes at once (each well under 1 GiB; 2 cores here)
+
+
+def representative_ranks(dims) -> list[int]:
+    """Global rank of each pipeline rank's first member (pp is the outermost mesh dimension)."""
+    per_stage = dims.world_size // dims.pp
+    return [p * per_stage for p in range(dims.pp)]
+
+
+def rank_in_world(spec: RunSpec, rank: int, steps: int, stage_input=None) -> RankResult:
+    """One simulated rank in a process of its own (run by a fresh worker: DTensor's caches compare
+    meshes of different worlds as equal, so one process cannot host two worlds one after the other)."""
+    with fake_world(spec.world_size, rank):
+        return simulate_rank(spec, rank, int(steps), torch.device(spec.cluster.device), stage_input)
+
+
+def check_simulable(spec: RunSpec) -> None:
+    """One-line refusals for what the simulator cannot represent, before anything is built."""
+    if spec.training.simulate_steps < 1:
+        raise ConfigError(f"training.simulate_steps={spec.training.simulate_steps} must be >= 1")
+    if spec.compiler.enabled:
+        raise ConfigError("dry_run=simulate runs eagerly: torch.compile does not trace fake-tensor steps here; "
+                          "simulate with compile=none (compile changes activation memory, not the layout)")
+    if spec.fault_tolerant:
+        raise ConfigError("dry_run=simulate simulates one replica group: set fault_tolerance=none to simulate it")
+    if not spec.token_data:
+        raise ConfigError(f"dry_run=simulate makes token batches; {spec.flavor} reads other data: not simulated yet")
+
+
+def simulate(spec: RunSpec) -> Simulation:
+    """Simulate ``training.simulate_steps`` steps of every distinct rank of ``spec``."""
+    check_simulable(spec)
+    started, cpu0 = time.perf_counter(), time.process_time()
+    # (each rank runs in a spawned worker: one process cannot host two fake worlds in turn)
+    steps = int(spec.training.simulate_steps)
+    first, *others = representative_ranks(spec.dims)
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=spawn, max_tasks_per_child=1) as pool:
+        head = pool.submit(rank_in_world, spec, first, steps).result()
+    results = [head]
+    if others:  # the first stage's output shape is what the later stages receive
+        with ProcessPoolExecutor(min(PARALLEL_RANKS, len(others)), mp_context=spawn, max_tasks_per_child=1) as pool:
+            results += list(pool.map(rank_in_world, *zip(*[(spec, r, steps, head.stage_output) for r in others])))
+    usable = usable_memory_of(spec.cluster)
+    wall = time.perf_counter() - started
+    cpu = time.process_time() - cpu0 + sum(r.cpu_s for r in results)
+    notes = list(GPU_NOTES) + [f"cpu time {cpu:.1f} s over {len(results)} rank process(es); the wall time "
+                               "includes their start (imports) and any wait for a shared CPU"]
+    return Simulation(
+        world_size=spec.world_size, layout=layout_label(spec.dims, spec.dims.ep), flavor=spec.flavor,
+        ranks=results, plan=plan(spec).as_dict(), usable_bytes=None if usable is None else usable * GIB,
+        wall_s=wall, process_peak_bytes=1024 * max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                                                   resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss),
+        steps=steps, notes=notes,
+    )
