@@ -7,6 +7,8 @@ wrote it). Resumed by today's code, the run must give those losses bit for bit o
 wrote them (same model name and flags, same torch), and elsewhere within this machine's measured fp32
 rounding floor (helpers.machine_bound). A checkpoint of a newer format is refused in one line naming
 both versions; an older format is migrated, or refused saying what changed (titan_hydra/checkpoint/versions.py).
+A prepared corpus (``shards_format<N>``) must read as the same tokens and serve the same batches
+everywhere (integers), and one of a newer format is refused in one line naming both versions.
 
 When a change must break the checkpoint format:
 1. raise ``FORMAT_VERSION`` in titan_hydra/checkpoint/versions.py by one;
@@ -27,15 +29,20 @@ from pathlib import Path
 
 import pytest
 
-from compat_fixture import cpu_kind
+from compat_fixture import cpu_kind, shard_digest
 from helpers import compose_cfg, machine_bound
 from titan_hydra.checkpoint import versions
 from titan_hydra.checkpoint.storage import CheckpointError
+from titan_hydra.data.shards import FORMAT_VERSION as SHARDS_FORMAT
+from titan_hydra.data.shards import read_manifest
+from titan_hydra.errors import DataError
+from titan_hydra.version import project_version
 from titan_hydra.spec import spec_of
 from titan_hydra.train.pretrain import run
 
 COMPAT = Path(__file__).resolve().parent / "data" / "compat"
-FIXTURES = sorted(p.name for p in COMPAT.iterdir() if (p / "fixture.json").is_file())
+FIXTURES = sorted(p.name for p in COMPAT.iterdir() if (p / "checkpoint").is_dir())
+SHARD_FIXTURES = sorted(p.name for p in COMPAT.iterdir() if (p / "manifest.json").is_file())
 
 
 def fixture_of(name: str) -> dict:
@@ -95,7 +102,7 @@ def test_a_newer_format_is_refused_in_one_line_naming_both_versions(name, tmp_pa
     line = str(e.value)
     assert "\n" not in line
     assert f"has format {versions.FORMAT_VERSION + 1} (written by titan_hydra 9.0.0)" in line
-    assert f"this titan_hydra {versions.project_version()} reads formats up to {versions.FORMAT_VERSION}" in line
+    assert f"this titan_hydra {project_version()} reads formats up to {versions.FORMAT_VERSION}" in line
 
 
 def test_an_older_format_whose_meaning_changed_is_refused_saying_what_changed(monkeypatch):
@@ -109,3 +116,22 @@ def test_an_older_format_whose_meaning_changed_is_refused_saying_what_changed(mo
     # a migration that keeps the meaning converts the marker, one format at a time
     monkeypatch.setitem(versions.MIGRATIONS, 1, versions.Migration("format 2 renames nothing", lambda m: {**m, "format": 2}))
     assert versions.upgraded({"step": 3}, "ck") == {"step": 3, "format": 2}
+
+
+@pytest.mark.parametrize("name", SHARD_FIXTURES)
+def test_committed_prepared_corpus_reads_the_same_tokens_and_batches(name):
+    fixture = json.loads((COMPAT / name / "fixture.json").read_text())
+    assert shard_digest(COMPAT / name) == fixture["reads"]
+
+
+@pytest.mark.parametrize("name", SHARD_FIXTURES[-1:])
+def test_a_prepared_corpus_of_a_newer_format_is_refused_in_one_line_naming_both_versions(name, tmp_path):
+    copy = tmp_path / name
+    shutil.copytree(COMPAT / name, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    (copy / "manifest.json").write_text(json.dumps({**manifest, "version": SHARDS_FORMAT + 1, "titan_hydra": "9.0.0"}))
+    with pytest.raises(DataError) as e:
+        read_manifest(copy)
+    line = str(e.value)
+    assert "\n" not in line and f"has format version {SHARDS_FORMAT + 1} (written by titan_hydra 9.0.0)" in line
+    assert f"this titan_hydra {project_version()} reads format {SHARDS_FORMAT}: read it with titan_hydra 9.0.0" in line

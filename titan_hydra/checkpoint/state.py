@@ -32,8 +32,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from titan_hydra.checkpoint.rng import get_rng_state
 from titan_hydra.checkpoint.storage import CheckpointError, json_tensor
-from titan_hydra.checkpoint.versions import FORMAT_VERSION, project_version
+from titan_hydra.checkpoint.versions import FORMAT_VERSION
 from titan_hydra.models.registry import LEGACY_FAMILY
+from titan_hydra.version import project_version
 
 # What ``checkpoint.exclude_from_loading`` may name (validate.py checks the config against it).
 CATEGORIES = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng", "ema")

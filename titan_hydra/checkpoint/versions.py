@@ -21,21 +21,13 @@ format and resumes it bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from titan_hydra.errors import CheckpointError
+from titan_hydra.version import project_version
 
 FORMAT_VERSION = 1
-
-
-def project_version() -> str:
-    """The installed titan_hydra's version (pyproject.toml), "unknown" when it is not installed."""
-    try:
-        return metadata.version("titan_hydra")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 @dataclass(frozen=True)
