@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from titan_hydra.checkpoint.resume import branch_point
 from titan_hydra.checkpoint.state import CATEGORIES
 from titan_hydra.checkpoint.storage import CheckpointError
+from titan_hydra.config.targets import check_targets
 from titan_hydra.data import dataset as token_data
 from titan_hydra.data.mixture import check_sources
 from titan_hydra.data.tokenizer import Tokenizer
@@ -35,6 +36,7 @@ def _positive(cfg: DictConfig, key: str, allow_zero: bool = False) -> None:
 def validate(cfg: DictConfig, environment: bool = True) -> RunSpec:
     """The run's RunSpec, or ConfigError on the first broken rule. ``environment=False`` (and a dry
     run) skips what only the machine that runs it can answer: devices, start method, local paths."""
+    check_targets(cfg)  # every _target_ builds what its group builds, before anything is built
     _validate_counts(cfg)
     _validate_schedule(cfg.training, cfg.lr_scheduler)
     spec = spec_of(cfg)  # every group built once: degrees vs world size, the model node, each group's own rules
