@@ -58,12 +58,17 @@ def test_restart_moves_the_steps_trained_twice_and_a_rollback_the_steps_redone()
 
 def test_a_requeue_after_a_save_loses_only_the_restart():
     """A SLURM requeue (or a hang restart) saves at the step it stops on: the next attempt resumes
-    there, so no step is trained twice, and only its start-up is lost (the attempt wrote no end)."""
+    there, so no step is trained twice, and only its start-up is lost (the attempt wrote no end).
+    What counts is where the next attempt's first step continues, not what it restored."""
     records = [_start(0.0, 0, warmup=2.0)] + [_step(i, productive=1.0) for i in range(1, 6)]
     records += [_start(9.0, 5, lost=3.0), _step(6, warmup=1.5), _step(7, productive=1.0)]
     tally = tally_of(records)
     assert tally.restarts == 1 and tally.lost_steps == 0 and tally.totals["lost"] == 3.0
     assert tally.totals["productive"] == 6.0 and tally.goodput == 6.0 / 12.5
+    # a torchft group restarted without a checkpoint heals from a peer at step 5: its first step is 6,
+    # so nothing of its first attempt was trained twice, whatever it restored at start
+    healed = tally_of(records[:6] + [_start(9.0, 0, lost=3.0), _step(6, warmup=1.5)])
+    assert healed.lost_steps == 0 and healed.totals["lost"] == 3.0
 
 
 def test_corrupt_ledger_restarts_with_a_marker_and_the_run_goes_on(tmp_path, capsys):

@@ -14,8 +14,9 @@ The ledger (``goodput_ledger.py``) appends one JSON object per line to ``<run di
   ``{"kind": "restarted", "reason": ...}`` where a corrupt ledger was restarted.
 
 The file holds facts as they were measured; what a later event makes of earlier steps is decided
-when it is read (``Tally``): an attempt that resumes from step ``s`` turns the earlier attempts'
-steps after ``s`` into ``lost`` (trained twice), and a step number that comes again within an
+when it is read (``Tally``): an attempt whose first kept step is ``s + 1`` (it resumed from a
+checkpoint of step ``s``, or healed from a torchft peer at ``s``) turns the earlier attempts' steps
+after ``s`` into ``lost`` (trained twice), and a step number that comes again within an
 attempt (a health rollback to a checkpoint) turns the steps it redoes into ``health``. So the
 categories always sum to the wall time the records cover, and the live ledger and
 ``recipes/goodput.py`` reading the file agree.
@@ -122,6 +123,7 @@ class Tally:
     restarts: int = 0  # attempts that followed one which died
     attempts: list[dict[str, Any]] = field(default_factory=list)  # t, resumed_step, after_failure
     ended: bool = True  # the last attempt wrote its end record (a new one is not a restart)
+    _fresh: bool = False  # a later attempt has not kept a step yet
     # kept step records that a later restart or rollback may still move: [step, {cat: s}, timeline row]
     _alive: list[list[Any]] = field(default_factory=list)
     timeline: list[dict[str, Any]] = field(default_factory=list)  # t, attempt, s (final categories)
@@ -133,12 +135,16 @@ class Tally:
             return
         if kind == "start":
             after_failure = bool(self.attempts) and not self.ended
-            if self.attempts:
-                self._rewind(int(record.get("resumed_step", 0)), "lost")
             self.restarts += after_failure
             self.attempts.append({"t": float(record["t"]), "resumed_step": int(record.get("resumed_step", 0)),
                                   "after_failure": after_failure})
             self.ended = False
+            self._fresh = len(self.attempts) > 1
+        elif kind == "step" and self._fresh:
+            # an attempt's first kept step says where it really continued (a checkpoint's step + 1, or a
+            # torchft peer's step after healing): the earlier attempts' steps from there on were lost
+            self._fresh = False
+            self._rewind(record["step"] - 1, "lost")
         elif kind == "step" and self._alive and record["step"] <= self._alive[-1][0]:
             self._rewind(record["step"] - 1, "health")  # a rollback: the same steps again
         seconds = {c: float(v) for c, v in record.get("s", {}).items()}
