@@ -31,6 +31,7 @@ from titan_hydra.config.eval import EvalSettings
 from titan_hydra.config.fault_injection import FaultInjection
 from titan_hydra.config.health import Health
 from titan_hydra.config.optimizer import OptimizerSettings
+from titan_hydra.config.targets import check_targets
 from titan_hydra.data.settings import DataSettings
 from titan_hydra.errors import ConfigError
 from titan_hydra.errors import instantiate_checked as instantiate
@@ -242,6 +243,7 @@ def spec_of(cfg: DictConfig) -> RunSpec:
     world size, a model node its family rejects, a group's own value rules) as one-line
     ConfigErrors, with each typed setting's own value rules; the cross-field rules are
     ``validate``'s, which reads the spec."""
+    check_targets(cfg)  # every _target_ builds what its group builds, before anything is built
     cluster = cluster_of(cfg.cluster)
     world_size = world_size_of(cluster)
     training = training_of(cfg.training)

@@ -22,7 +22,7 @@ from titan_hydra.errors import UserError
 RTOL, ATOL = 1e-5, 0.0
 # Per-step timings, throughput and memory (by the name after the last "/"): differ between any two
 # runs, so never compared unless asked for by --keys.
-UNSHARED = ("time", "data_time", "tps", "tps_global", "tflops", "mfu")
+UNSHARED = ("time", "data_time", "tps", "tps_global", "tflops", "mfu", "goodput", "lost_steps", "restarts")
 TIMING = re.compile(r"^memory|_s(_max)?$")  # memory_peak_gib, health/compute_s_max, recheck_s
 
 

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from titan_hydra.checkpoint.rng import set_rng_state
 from titan_hydra.checkpoint.state import CATEGORIES, RunParts, members, signature_diff
+from titan_hydra.checkpoint.versions import upgraded
 from titan_hydra.checkpoint.storage import (
     DCP_ERRORS,
     CheckpointError,
@@ -47,7 +48,7 @@ def load(run: RunParts, path: str | Path, model_only: bool = False, exclude: lis
     if unknown:
         raise CheckpointError(f"checkpoint.exclude_from_loading has unknown entries {sorted(unknown)}; "
                               f"use {', '.join(CATEGORIES)}")
-    marker = read_marker(path)
+    marker = upgraded(read_marker(path), path)  # a newer format refused, an older one migrated
     if marker is None and require_marker:
         raise CheckpointError(f"checkpoint {path} is incomplete (no COMPLETE.json marker)")
     _check_signature(run, path, marker)

@@ -32,9 +32,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from titan_hydra.checkpoint.rng import get_rng_state
 from titan_hydra.checkpoint.storage import CheckpointError, json_tensor
+from titan_hydra.checkpoint.versions import FORMAT_VERSION
 from titan_hydra.models.registry import LEGACY_FAMILY
+from titan_hydra.version import project_version
 
-FORMAT_VERSION = 1
 # What ``checkpoint.exclude_from_loading`` may name (validate.py checks the config against it).
 CATEGORIES = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng", "ema")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -139,7 +140,8 @@ class RunParts:
     def marker_info(self, step: int, kind: str, dtype: str) -> dict[str, Any]:
         """The completion marker's content (storage.write_marker adds the files' checksums)."""
         return {
-            "format": FORMAT_VERSION,
+            "format": FORMAT_VERSION,  # checkpoint/versions.py: what a load does with another
+            "titan_hydra": project_version(),
             "step": step,
             "kind": kind,
             "dtype": dtype,

@@ -35,6 +35,9 @@ class FaultInjection:
     bitflip_rank: Optional[int] = None  # this rank flips one bit at step at_step, where bitflip_target says
     at_step: int = 1
     bitflip_target: str = "weight"  # one of BITFLIP_TARGETS
+    # fault_rank's process ends as step kill_at_step begins, as SIGKILL ends it (no cleanup, no final
+    # checkpoint); once per run dir, so the rerun that resumes it runs through
+    kill_at_step: Optional[int] = None
 
     def __post_init__(self) -> None:
         if str(self.bitflip_target) not in BITFLIP_TARGETS:
@@ -44,6 +47,8 @@ class FaultInjection:
             value = getattr(self, f.name)
             if isinstance(value, (int, float)) and value < 0:
                 raise ConfigError(f"fault_injection.{f.name}={value} must be >= 0")
+        if self.kill_at_step == 0:
+            raise ConfigError("fault_injection.kill_at_step=0 never strikes (steps count from 1): use a step >= 1")
 
     def check_ranks(self, world_size: int) -> None:
         """A fault aimed at a rank the run does not have would never strike, and the drill would pass
@@ -57,7 +62,7 @@ class FaultInjection:
     @property
     def enabled(self) -> bool:
         return any(v is not None for v in (self.nan_at_step, self.spike_at_step, self.slow_rank, self.hang_rank,
-                                           self.bitflip_rank))
+                                           self.bitflip_rank, self.kill_at_step))
 
     def describe(self) -> str:
         """The header's loud line: every fault this run will make on purpose."""
@@ -75,4 +80,6 @@ class FaultInjection:
             where = {"weight": "a weight bit after step", "grad": "a gradient bit in the recheck of step",
                      "grad_every_run": "a different gradient bit in every run of step"}[self.bitflip_target]
             faults.append(f"rank {self.bitflip_rank} flips {where} {self.at_step}")
+        if self.kill_at_step is not None:
+            faults.append(f"rank {self.fault_rank} killed (SIGKILL) as step {self.kill_at_step} begins, once")
         return "!!! FAULT INJECTION ON (a drill, not a real run): " + "; ".join(faults)

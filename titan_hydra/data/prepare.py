@@ -35,6 +35,7 @@ from titan_hydra.data.shards import (
 )
 from titan_hydra.data.tokenizer import Tokenizer
 from titan_hydra.errors import DataError
+from titan_hydra.version import project_version
 
 ENCODE_CHUNK = 256  # documents per encode_batch call
 SETTINGS = "settings.json"
@@ -168,6 +169,7 @@ def finish(files: list[Input], settings: PrepareSettings) -> dict[str, Any]:
                          "shards": shards}
     manifest = {
         "version": FORMAT_VERSION,
+        "titan_hydra": project_version(),  # the code that wrote it, named when a later one refuses it
         "dtype": token_dtype(tok.vocab_size).name,
         "tokenizer": {"name": settings.tokenizer, "hash": tok.content_hash, "vocab_size": tok.vocab_size,
                       "bos_id": tok.bos_id, "eos_id": tok.eos_id},

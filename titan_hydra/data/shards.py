@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from titan_hydra.errors import DataError
+from titan_hydra.version import project_version
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -121,9 +122,13 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         meta["splits"], meta["tokenizer"]["hash"]  # noqa: B018 - the keys every reader needs
     except (ValueError, KeyError, TypeError) as e:
         raise DataError(f"{manifest} is not a prepared-corpus manifest ({e}); prepare the corpus again") from None
-    if meta.get("version") != FORMAT_VERSION:
-        raise DataError(f"{manifest} has format version {meta.get('version')}, this code reads {FORMAT_VERSION}; "
-                        "prepare the corpus again")
+    version, wrote = meta.get("version"), meta.get("titan_hydra", "a titan_hydra from before versions were recorded")
+    if version != FORMAT_VERSION:
+        newer = isinstance(version, int) and version > FORMAT_VERSION
+        raise DataError(f"{manifest} has format version {version} (written by titan_hydra {wrote}); this titan_hydra "
+                        f"{project_version()} reads format {FORMAT_VERSION}: "
+                        + (f"read it with titan_hydra {wrote} or newer, or prepare the corpus again" if newer
+                           else "prepare the corpus again"))
     return meta
 
 

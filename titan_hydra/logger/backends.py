@@ -41,9 +41,10 @@ log = logging.getLogger("titan_hydra")
 
 
 def _per_layer(key: str) -> bool:
-    """Per-layer breakdowns (``moe/layer<i>/...``) and health counters (``health/*``: the health
-    monitor prints its own one-line events): logged to files, TB and W&B, not the console line."""
-    return key.startswith(("moe/layer", "health/"))
+    """Per-layer breakdowns (``moe/layer<i>/...``), health counters (``health/*``: the health
+    monitor prints its own one-line events) and the goodput ledger's ``goodput/*`` (the end summary
+    prints it): logged to files, TB and W&B, not the console line."""
+    return key.startswith(("moe/layer", "health/", "goodput/"))
 
 
 def _fmt_items(metrics: dict[str, Any], fields: Iterable[str] | None) -> str:

@@ -13,6 +13,8 @@ from typing import Any, Mapping
 
 import torch
 
+from titan_hydra.metrics.goodput import footer_line
+
 
 def _fmt_tokens(stats: Mapping[str, Any]) -> str:
     tokens = (stats or {}).get("tokens") or {}
@@ -87,6 +89,9 @@ def run_footer(summary: Mapping[str, Any], *, seconds: float, run_dir: str, outp
         rows.append(("health", f"{health['skipped']} step(s) skipped, {health['spikes']} spike(s), "
                                f"{health['rollbacks']} rollback(s); checks took {health['cost_s']:.3f} s "
                                f"({100 * health['cost_s'] / max(seconds, 1e-9):.2f}% of the run)"))
+    goodput = summary.get("goodput")
+    if goodput:
+        rows.append(("goodput", footer_line(goodput)))
     if "jsonl" in outputs:
         rows.append(("metrics", outputs["jsonl"]))
     if "tensorboard" in outputs:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from titan_hydra.kernels.attention_policy import KernelChoice
-from titan_hydra.train.nulls import NoEMA
+from titan_hydra.train.nulls import NoEMA, NoGoodput
 
 
 @dataclass(frozen=True)
@@ -133,3 +133,5 @@ class Services:
     step_hooks: tuple = ()
     # the EMA of the weights (train/ema.py's WeightEMA), NoEMA when training.ema_decay=0
     ema: Any = field(default_factory=NoEMA)
+    # the run's goodput ledger (metrics/goodput_ledger.py), NoGoodput for a loop outside a run
+    goodput: Any = field(default_factory=NoGoodput)

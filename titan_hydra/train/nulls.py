@@ -6,7 +6,8 @@ answering "apply", "commit", "not due", "do not stop").
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 
 class NoEval:
@@ -71,6 +72,9 @@ class NoHealth:
     def end_step(self, step: int) -> None:
         pass
 
+    def take_straggler_wait(self) -> float:
+        return 0.0
+
     def close(self) -> None:
         pass
 
@@ -110,6 +114,35 @@ class NoProfiler:
 
     def step(self) -> None:
         pass
+
+    def close(self) -> None:
+        pass
+
+
+class NoGoodput:
+    """No goodput ledger (a loop built without the recipe's services: tests, plain loops)."""
+
+    def begin(self, resumed_step: int) -> None:
+        pass
+
+    def add(self, category: str, seconds: float) -> None:
+        pass
+
+    @contextmanager
+    def span(self, category: str) -> Iterator[None]:
+        yield
+
+    def unkept(self, category: str = "health") -> None:
+        pass
+
+    def step(self, step: int) -> None:
+        pass
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def summary(self) -> None:
+        return None
 
     def close(self) -> None:
         pass

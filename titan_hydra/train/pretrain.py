@@ -83,6 +83,10 @@ def _run(spec: RunSpec, run_dir: str, where: Placement, return_state: bool = Fal
         outputs = monitors.metric_logger.outputs()
         monitors.metric_logger.close()
         monitors.profiler.close()
+    services.goodput.close()  # only a run that ended well: a failed attempt's successor counts a restart
+    goodput = services.goodput.summary()
+    if goodput is not None:
+        summary["goodput"] = goodput
     if where.rank == 0:
         print(run_footer(summary, seconds=time.perf_counter() - started, run_dir=run_dir, outputs=outputs), flush=True)
     summary["run_dir"] = run_dir
@@ -103,6 +107,7 @@ def _train(trainer: Trainer) -> dict[str, Any]:
                                   step=trainer.state.step, device=trainer.device, model_parts=trainer.model.parts,
                                   optimizer=trainer.optimizer)
     health.start()  # the watchdog counts from the restored step
+    trainer.goodput.begin(trainer.state.step)  # start-up (and restore) end here; the ledger continues
     try:
         summary = trainer.train()
     finally:

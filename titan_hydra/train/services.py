@@ -1,7 +1,7 @@
 """What runs around this rank's loop: data, metric sinks, throughput and memory monitors, the
 profiler, the checkpointer, periodic evaluation, health checks, preemption, fault tolerance;
 and the run header. Each built from the spec's settings or partials; an optional service that
-is off is a null object (``train/nulls.py``)."""
+is off is a null object (``train/nulls.py``). The goodput ledger is always on (rank 0 writes it)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from titan_hydra.data.staged import StagedLoader
 from titan_hydra.errors import ConfigError
 from titan_hydra.errors import instantiate_checked as instantiate
 from titan_hydra.logger.metric_logger import MetricLogger
+from titan_hydra.metrics.goodput_ledger import GoodputLedger
 from titan_hydra.metrics.memory import MemoryMonitor
 from titan_hydra.metrics.summary import run_header
 from titan_hydra.metrics.throughput import ThroughputMeter, cpu_bf16_slower_than_fp32, device_peak_tflops
@@ -161,6 +162,7 @@ def build_services(spec: RunSpec, run_dir: str, where: Placement, built: BuiltMo
         step_hooks=tuple(moe_balance_hooks(built.parts, spec.dims) + family_step_hooks(built, spec.dims)
                          + built.loss_hooks + compile_hooks(spec)),
         ema=ema,
+        goodput=GoodputLedger(run_dir, rank),
     )
 
 

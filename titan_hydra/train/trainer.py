@@ -62,6 +62,7 @@ class Trainer:
         self.monitors, self.checkpointer, self.step_hooks = services.monitors, services.checkpointer, services.step_hooks
         self.periodic_eval, self.fault_tolerance = services.periodic_eval, services.fault_tolerance
         self.health, self.preemption, self.ema = services.health, services.preemption, services.ema
+        self.goodput = services.goodput  # where the wall time goes (metrics/goodput_ledger.py)
         self.steps = schedule.steps  # a seed-checkpoint run sets it to 0
         self._accum = schedule.grad_accum_steps  # what the runner was built with
         self.last_val_loss: float | None = None
@@ -189,36 +190,44 @@ class Trainer:
         self.monitors.memory.reset_peak()
         while self.state.step < self.steps:
             metrics = self.train_step()
+            self.goodput.add("data_wait", metrics["data_time"])
             if not metrics.pop("committed"):
+                self.goodput.unkept()  # skipped by the health checks, or dropped by torchft
                 continue  # torchft dropped the step (a group failed mid-step): the next batch retries it
             self.state.step += 1
             self.state.losses.append(metrics["loss"])
             step = self.state.step
             self.health.end_step(step)
+            self.goodput.add("straggler_wait", self.health.take_straggler_wait())
             if step % self.schedule.log_freq == 0 or step == self.steps or step == 1:
                 metrics.update(self.monitors.throughput.report())
                 mem = self.monitors.memory.report()
                 metrics["memory"] = mem.get("memory_peak_gib", 0.0)
                 metrics.update(mem)
+                metrics.update(self.goodput.metrics())
                 if step == 1:  # optimizer state exists from the first step on
                     metrics.update(state_memory_gib(self.model.parts, self.optimizer))
                 self.monitors.metric_logger.log(metrics, step)
                 self.monitors.memory.reset_peak()
             if self.schedule.val_freq > 0 and (step % self.schedule.val_freq == 0 or step == self.steps):
-                val = self.validate()
-                val.update(self.ema.validate(self.validate))  # val/ema/loss; {} without an EMA
+                with self.goodput.span("eval"):
+                    val = self.validate()
+                    val.update(self.ema.validate(self.validate))  # val/ema/loss; {} without an EMA
                 self.last_val_loss = val["val/loss"]
                 self.monitors.metric_logger.log(val, step)
                 self.monitors.throughput.reset()  # validation time is not training throughput
             if self.periodic_eval.due(step, step == self.steps):
-                scores, pictures = self.periodic_eval.run(step, step == self.steps)
+                with self.goodput.span("eval"):
+                    scores, pictures = self.periodic_eval.run(step, step == self.steps)
                 if scores:
                     self.monitors.metric_logger.log(scores, step)
                 for key, (images, captions) in pictures.items():
                     self.monitors.metric_logger.log_images(key, images, step, captions)
                 self.monitors.throughput.reset()
-            self.checkpointer.maybe_save(step, last=step == self.steps)
+            with self.goodput.span("checkpoint"):  # an async save: its blocking part
+                self.checkpointer.maybe_save(step, last=step == self.steps)
             self.monitors.profiler.step()
+            self.goodput.step(step)
             if step < self.steps and self.preemption.should_stop():
                 self.preemption.save_and_requeue(self.checkpointer, step)  # all ranks; ends this attempt
         return {

@@ -12,10 +12,15 @@
   flips (fp32 weights), so this replica silently disagrees with the others (``bitflip_target=weight``);
   or one bit of its first gradient flips in the recheck's re-run of ``at_step`` (``grad``: a transient
   fault), or a different bit in every run of that step (``grad_every_run``: a persistent one).
+* kill: ``fault_rank``'s process sends itself SIGKILL as ``kill_at_step`` begins (steps before it ran,
+  their records and checkpoints are on disk; nothing else is flushed or saved). It leaves
+  ``<run>/faults/killed_at_step_N`` first, so the rerun that resumes the run is not killed again.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +29,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from titan_hydra.config.fault_injection import FaultInjection
+
+KILLED_DIR = "faults"  # <run>/faults/killed_at_step_N: the kill happened; a rerun runs through
 
 
 def _scaled(output: Any, factor: float) -> Any:
@@ -52,10 +59,15 @@ def _flip(t: torch.Tensor, bit: int) -> None:
 class Injector:
     """This rank's share of the configured faults; ``begin_step`` / ``end_step`` around each step."""
 
-    def __init__(self, faults: FaultInjection, rank: int, hang_dir: Path | None = None) -> None:
+    def __init__(self, faults: FaultInjection, rank: int, hang_dir: Path | None = None,
+                 run_dir: Path | None = None) -> None:
         self.faults, self.rank = faults, rank
         # a restarted run (the watchdog's reports exist) does not hang again: it resumes and finishes
         self.hang = faults.hang_rank == rank and not (hang_dir is not None and hang_dir.exists())
+        self.kill_marker = None
+        if faults.kill_at_step is not None and faults.fault_rank == rank and run_dir is not None:
+            marker = run_dir / KILLED_DIR / f"killed_at_step_{faults.kill_at_step}"
+            self.kill_marker = None if marker.exists() else marker
         self._hooks: list = []
         self.nan_left = faults.nan_attempts if faults.fault_rank == rank else 0
         self.spike_left = 1 if faults.fault_rank == rank else 0
@@ -64,6 +76,10 @@ class Injector:
         f = self.faults
         if f.slow_rank == self.rank:
             busy_wait(f.delay_s)
+        if self.kill_marker is not None and step == f.kill_at_step:
+            self.kill_marker.parent.mkdir(parents=True, exist_ok=True)
+            self.kill_marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)  # never returns
         if self.hang and step == f.hang_at_step:
             while True:  # never returns: the watchdog ends the process
                 time.sleep(1.0)

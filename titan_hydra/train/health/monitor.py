@@ -40,7 +40,7 @@ class HealthMonitor:
         self.settings, self.rank, self.parts, self.state = settings, rank, parts, state
         self.report = Path(run_dir) / "health" / f"rank{rank}.json"  # this rank's counts and events
         self.metric_logger = metric_logger
-        self.injector = Injector(faults, rank, Path(run_dir) / HANG_DIR)
+        self.injector = Injector(faults, rank, Path(run_dir) / HANG_DIR, Path(run_dir))
         self.guard = StepGuard(skip_nonfinite=settings.skip_nonfinite, spike_window=settings.spike_window,
                                spike_min_history=settings.spike_min_history, spike_k=settings.spike_k,
                                spike_action=settings.spike_action)
@@ -126,6 +126,11 @@ class HealthMonitor:
                 self.metric_logger.log(metrics, step)
                 if line:
                     self.say(line)
+
+    def take_straggler_wait(self) -> float:
+        """Seconds the fastest rank waited on the slowest over the windows gathered since the last take."""
+        waited, self.stragglers.waited_s = self.stragglers.waited_s, 0.0
+        return waited
 
     def summary(self) -> dict[str, Any]:
         """Counts for the run's end summary, and what the checks cost (seconds over the run)."""

@@ -44,6 +44,8 @@ class StragglerCheck:
         self.steps = 0
         self.hosts: list[str] | None = None
         self.gather_s = 0.0  # time spent gathering: the check's own cost
+        # the fastest rank's wait on the slowest since the last take (the goodput ledger's straggler_wait)
+        self.waited_s = 0.0
         self.warm = False
 
     @property
@@ -71,6 +73,7 @@ class StragglerCheck:
         every = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(every, mine)
         compute, wait = [float(t[0]) for t in every], [float(t[1]) for t in every]
+        self.waited_s += (max(compute) - min(compute)) * self.steps
         self.sums, self.steps = [0.0, 0.0], 0
         slowest = max(range(self.world_size), key=lambda r: compute[r])
         ratio = compute[slowest] / max(statistics.median(compute), 1e-9)
