@@ -27,19 +27,19 @@ def test_every_experiment_builds_what_its_groups_build(experiment):
 
 
 def test_a_wrong_kind_is_one_line_from_launch_before_anything_is_built(capsys, tmp_path, monkeypatch):
-    import titan_hydra.validate as validate
+    import titan_hydra.spec as spec
 
-    def never(*a, **k):  # nothing may be built: the check comes first
-        raise AssertionError("spec_of ran before the targets were checked")
+    def never(*a, **k):  # nothing may be built: the check is spec_of's first step
+        raise AssertionError("a group was built before the targets were checked")
 
-    monkeypatch.setattr(validate, "spec_of", never)
+    monkeypatch.setattr(spec, "cluster_of", never)
     with pytest.raises(SystemExit) as e:
         launch(compose_cfg(["lr_scheduler._target_=os.getcwd"]), str(tmp_path))
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err == ("error: lr_scheduler._target_=os.getcwd is not what the lr_scheduler group builds: it expects a "
-                   "torch.optim.lr_scheduler.LRScheduler (that class, a subclass, or a function annotated to return "
-                   "one); it is a function without a return annotation")
+                   "titan_hydra.schedules.WarmupDecay or torch.optim.lr_scheduler.LRScheduler (that class, a subclass, or a "
+                   "function annotated to return one); it is a function without a return annotation")
 
 
 DEFAULT_TARGETS = {path: str(node._target_) for path, node in targets_of(compose_cfg([]))}
