@@ -25,7 +25,7 @@ from titan_hydra.errors import ConfigError
 from titan_hydra.metrics.goodput import LEDGER, read_records, tally_of
 from titan_hydra.metrics import goodput_ledger
 from titan_hydra.metrics.goodput_ledger import GoodputLedger
-from titan_hydra.train.health.fault_injection import FaultInjection
+from titan_hydra.config.fault_injection import FaultInjection
 
 
 def _start(t: float, resumed: int, **s: float) -> dict:
