@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import compose_cfg, run_launch, spawn_gloo
+from tests.helpers import compose_cfg, spawn_gloo
 from titan_hydra.simulate.simulator import simulate
 from titan_hydra.validate import validate
 
@@ -162,26 +162,27 @@ def test_moe_expert_parallel_at_64_ranks():
 # ----------------------------------------------------------------------------- bad input
 
 
-def _error_line(proc) -> str:
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, proc.stderr[-2000:]
+def _refusal(args: list[str], capsys) -> str:
+    """launch.py's one-line refusal of ``args`` (run in this process: it exits 2 before any rank starts)."""
+    from titan_hydra.launch.entry import launch
+
+    with pytest.raises(SystemExit) as exit_info:
+        launch(compose_cfg(args))
+    assert exit_info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, lines
     return lines[0]
 
 
-@pytest.mark.slow  # starts launch.py processes
-def test_a_config_that_cannot_be_built_is_refused_as_the_real_launch_refuses_it(tmp_path):
-    args = ["model=llama3_debug", "cluster.nproc_per_node=4", "parallelism.tp=3", f"hydra.run.dir={tmp_path}"]
-    real, sim = run_launch(args, tmp_path), run_launch([*args, "dry_run=simulate"], tmp_path)
-    assert real.returncode == sim.returncode == 2
-    assert _error_line(sim) == _error_line(real)
+def test_a_config_that_cannot_be_built_is_refused_as_the_real_launch_refuses_it(capsys):
+    args = ["model=llama3_debug", "cluster.nproc_per_node=4", "parallelism.tp=3"]
+    assert _refusal([*args, "dry_run=simulate"], capsys) == _refusal(args, capsys)
 
 
-@pytest.mark.slow  # starts a launch.py process
-def test_what_the_simulator_cannot_represent_is_one_line(tmp_path):
-    proc = run_launch(["model=llama3_debug", "cluster.nproc_per_node=2", "parallelism=fsdp", "compile=model",
-                       "dry_run=simulate", f"hydra.run.dir={tmp_path}"], tmp_path)
-    assert proc.returncode == 2
-    assert _error_line(proc).startswith("error: dry_run=simulate runs eagerly")
+def test_what_the_simulator_cannot_represent_is_one_line(capsys):
+    line = _refusal(["model=llama3_debug", "cluster.nproc_per_node=2", "parallelism=fsdp", "compile=model",
+                     "dry_run=simulate"], capsys)
+    assert line.startswith("error: dry_run=simulate runs eagerly")
 
 
 def test_dry_run_takes_only_its_three_values():
