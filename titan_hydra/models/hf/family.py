@@ -33,7 +33,8 @@ from titan_hydra.errors import ConfigError
 from titan_hydra.models.hf import plans
 from titan_hydra.models.hf.adapter import HFCheckpointAdapter
 from titan_hydra.models.hf.ep import TopKExpertParallel
-from titan_hydra.models.hf.model import HFArgs, base_model, causal_lm, pipeline_ends
+from titan_hydra.models.hf.model import HFArgs, causal_lm
+from titan_hydra.models.hf.stack import block_list, pipeline_ends, stack_ends, stack_owner
 from titan_hydra.models.protocol import ModelFamily, ModelShape, fsdp_units_in_order
 
 # Config keys that say nothing about what the weights compute (checkpoint signature ignores them).
@@ -125,15 +126,14 @@ class HFFamily(ModelFamily):
 
     # --- layout -------------------------------------------------------------------------
     def blocks(self, model: nn.Module) -> nn.ModuleDict:
-        return base_model(model).layers
+        return block_list(model)[1]
 
     def fsdp_units(self, model: nn.Module) -> list[tuple[Any, bool]]:
-        base = base_model(model)
-        emb_name, norm_name = pipeline_ends(model.config)
-        emb, norm, head = getattr(base, emb_name, None), getattr(base, norm_name, None), model.get_output_embeddings()
+        (emb, norm), head = stack_ends(model), model.get_output_embeddings()
         tied = emb is not None and head is not None and head.weight is emb.weight
         ends = [m for m in (norm, head) if isinstance(m, nn.Module) and any(True for _ in m.parameters())]
-        return fsdp_units_in_order(emb, list(base.layers.values()), ends, tied)
+        # what no unit names (GPT-2's position table, OPT's projections) stays with the root
+        return fsdp_units_in_order(emb, list(self.blocks(model).values()), ends, tied)
 
     def expert_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         return routed_experts(model)
@@ -149,11 +149,12 @@ class HFFamily(ModelFamily):
 
     def cut_stage(self, model: nn.Module, layer_ids: range, is_first: bool, is_last: bool) -> nn.Module:
         stage = copy.deepcopy(model)
-        base = base_model(stage)
-        kept = [k for k in base.layers.keys() if int(k) in layer_ids]
-        for k in list(base.layers.keys()):
+        _, base, _ = stack_owner(stage)
+        blocks = self.blocks(stage)
+        kept = [k for k in blocks.keys() if int(k) in layer_ids]
+        for k in list(blocks.keys()):
             if k not in kept:
-                del base.layers[k]
+                del blocks[k]
         cfg = stage.config  # the stage's own copy: its forward iterates the layers it holds
         if getattr(cfg, "layer_types", None):
             cfg.layer_types = [cfg.layer_types[int(k)] for k in kept]
@@ -193,14 +194,12 @@ def _shape(family: HFFamily, key: str) -> ModelShape:
     cfg = args.hf_config
     with torch.device("meta"):
         model = family.build(args)
-    base = base_model(model)
-    emb_name, norm_name = pipeline_ends(cfg)
-    emb = getattr(base, emb_name).weight
+    embedding, norm = stack_ends(model)
+    emb = embedding.weight
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is emb
     total = sum(p.numel() for p in model.parameters())
-    norm = getattr(base, norm_name, None)
-    head_params = (sum(p.numel() for p in norm.parameters()) if isinstance(norm, nn.Module) else 0) + (
+    head_params = (sum(p.numel() for p in norm.parameters()) if norm is not None else 0) + (
         head.weight.numel() if head is not None else 0)
     experts = [m for _, m in routed_experts(model)]
     expert_params = sum(p.numel() for m in experts for p in m.parameters())

@@ -10,9 +10,10 @@ engine can treat it like any other model:
   ``init_weights(buffer_device=None)`` reruns transformers' own initialization (rotary buffers
   included) from the current RNG state. Everything else, state-dict names included, is the
   architecture's: a checkpoint is already the format ``from_pretrained`` loads.
-* ``model.layers`` is a ``LayerDict`` keyed by layer index instead of a ``ModuleList``: FSDP,
-  activation checkpointing and compile replace blocks by key, and a pipeline stage keeps the keys
-  (state-dict names) of its layers while the architecture's own ``for layer in self.layers[:n]``
+* its list of repeated blocks (``model.layers``, ``transformer.h``, ``model.decoder.layers``, ...:
+  ``stack.find_block_list``) is a ``LayerDict`` keyed by layer index instead of a ``ModuleList``:
+  FSDP, activation checkpointing and compile replace blocks by key, and a pipeline stage keeps the
+  keys (state-dict names) of its layers while the architecture's own ``for layer in self.layers[:n]``
   still iterates them in order.
 
 Packed documents (``doc_ids``) become position ids restarting at every document: transformers
@@ -22,6 +23,7 @@ then builds the block-causal mask itself (``masking_utils.find_packed_sequence_i
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +32,8 @@ import torch
 from torch import nn
 
 from titan_hydra.errors import ConfigError
+from titan_hydra.models.hf.fields import build_error, check_fields, message_of
+from titan_hydra.models.hf.stack import NoBlockList, find_block_list, install_layer_dict
 from titan_hydra.quiet import loggers_at_error
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -79,12 +83,17 @@ def hf_config(model_type: str | None, config_dir: str | None, fields: dict[str, 
                 raise ConfigError(f"model.config={config_dir!r} holds no config.json; give a local directory "
                                   "with a transformers config.json (nothing is downloaded)")
             try:
-                cfg = AutoConfig.from_pretrained(path, trust_remote_code=False, local_files_only=True, **fields)
-            except ValueError as e:
+                cfg, unused = AutoConfig.from_pretrained(path, trust_remote_code=False, local_files_only=True,
+                                                         return_unused_kwargs=True, **fields)
+                for key in unused:  # from_pretrained drops what its class does not know: name it instead
+                    cfg.__dict__[key] = unused[key]
+            except Exception as e:  # noqa: BLE001 -- whatever transformers raises: one line
                 if "trust_remote_code" in str(e) or "auto_map" in str(e):
                     raise ConfigError(f"model.config={config_dir!r} needs remote code (auto_map), which model=hf "
                                       "never runs; use an architecture transformers ships") from None
-                raise ConfigError(f"model.config={config_dir!r}: {str(e).splitlines()[0]}") from None
+                if fields:
+                    raise build_error(e, fields, f"the config in {config_dir}") from None
+                raise ConfigError(f"model.config={config_dir!r}: {message_of(e)}") from None
         else:
             from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
@@ -93,9 +102,9 @@ def hf_config(model_type: str | None, config_dir: str | None, fields: dict[str, 
                                   "transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES")
             try:
                 cfg = AutoConfig.for_model(model_type, **fields)
-            except (TypeError, ValueError) as e:
-                raise ConfigError(f"model.fields do not fit model_type={model_type!r}: "
-                                  f"{str(e).splitlines()[0]}") from None
+            except Exception as e:  # noqa: BLE001 -- whatever transformers raises: one line
+                raise build_error(e, fields, model_type) from None
+        check_fields(cfg, fields)
     if getattr(cfg, "auto_map", None):
         raise ConfigError(f"the {cfg.model_type} config names remote code (auto_map), which model=hf never runs; "
                           "use an architecture transformers ships")
@@ -107,39 +116,22 @@ def hf_config(model_type: str | None, config_dir: str | None, fields: dict[str, 
     return cfg
 
 
-class LayerDict(nn.ModuleDict):
-    """The decoder layers keyed by their index: iterates in index order and slices like the
-    ``ModuleList`` it replaces (``self.layers[:n]`` in the architectures' forwards)."""
-
-    def _ordered(self) -> list[str]:
-        return sorted(self.keys(), key=int)
-
-    def __getitem__(self, key):
-        if isinstance(key, slice):
-            return [self._modules[k] for k in self._ordered()[key]]
-        if isinstance(key, int):
-            return self._modules[self._ordered()[key]]
-        return super().__getitem__(key)
-
-    def __iter__(self):
-        return iter([self._modules[k] for k in self._ordered()])
-
-
 class TitanForward:
     """The two methods the engine calls on a model, mixed into the architecture's own class."""
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, S] -> logits [B, S, vocab]; hidden states [B, S, dim] in and/or out on a
-        pipeline stage without the embedding / the head. Position ids are always passed, so a
-        stage computes rotary embeddings for the positions it really holds."""
+        pipeline stage without the embedding / the head. Position ids are passed wherever the
+        architecture takes them, so a stage computes rotary embeddings for the positions it really
+        holds (ALiBi and recurrent architectures take none: their positions are implicit)."""
         b, s = tokens.shape[:2]
-        positions = (positions_in_documents(doc_ids) if doc_ids is not None
-                     else torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s))
-        embedded = getattr(base_model(self), pipeline_ends(self.config)[0], None) is None
-        inputs = {"inputs_embeds": tokens} if embedded else {"input_ids": tokens}
+        inputs = {"inputs_embeds": tokens} if tokens.is_floating_point() else {"input_ids": tokens}
+        if takes_position_ids(type(self)):
+            inputs["position_ids"] = (positions_in_documents(doc_ids) if doc_ids is not None
+                                      else torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s))
         if self.get_output_embeddings() is None:
-            return base_model(self)(**inputs, position_ids=positions, use_cache=False).last_hidden_state
-        return super().forward(**inputs, position_ids=positions, use_cache=False).logits
+            return base_model(self)(**inputs, use_cache=False).last_hidden_state
+        return super().forward(**inputs, use_cache=False).logits
 
     def init_weights(self, buffer_device: Any = None) -> None:
         """transformers' own initialization of every parameter and buffer, drawn afresh."""
@@ -161,14 +153,15 @@ def positions_in_documents(doc_ids: torch.Tensor) -> torch.Tensor:
     return idx - start_idx
 
 
-def pipeline_ends(config: Any) -> tuple[str, str]:
-    """(embedding, final norm): the base model's first and last modules in its pipeline plan."""
-    names = [n for n in (getattr(config, "base_model_pp_plan", None) or {}) if n != "layers"]
-    return (names[0], names[-1]) if names else ("embed_tokens", "norm")
-
-
 def base_model(model: nn.Module) -> nn.Module:
     return getattr(model, model.base_model_prefix)
+
+
+@functools.lru_cache(maxsize=None)
+def takes_position_ids(cls: type) -> bool:
+    """Whether the architecture's causal-LM forward has a ``position_ids`` parameter (packed
+    documents restart their positions through it; transformers masks across them from it)."""
+    return "position_ids" in inspect.signature(super(TitanForward, cls).forward).parameters
 
 
 @functools.lru_cache(maxsize=None)
@@ -187,11 +180,13 @@ def causal_lm(model_type: str | None = None, config: str | None = None, fields: 
     try:
         with loggers_at_error("transformers"):
             model = AutoModelForCausalLM.from_config(cfg)
-    except (KeyError, ValueError, TypeError, AttributeError, AssertionError) as e:
-        raise ConfigError(f"transformers could not build {cfg.model_type} from model.fields: "
-                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    except Exception as e:  # noqa: BLE001 -- whatever transformers (or torch under it) raises: one line
+        raise build_error(e, args.fields, cfg.model_type) from None
     model.__class__ = titan_class(type(model))
-    base = base_model(model)
-    base.layers = LayerDict({str(i): layer for i, layer in enumerate(base.layers)})
+    try:
+        install_layer_dict(model, find_block_list(model))
+    except NoBlockList as e:
+        raise ConfigError(f"model=hf cannot lay out {cfg.model_type}: {e}; the engine wraps, shards and cuts "
+                          "a model block by block") from None
     model.tie_weights()  # from_config leaves a meta build untied; counting and FSDP need one tensor
     return model
