@@ -154,7 +154,7 @@ def test_the_fork_server_imports_what_the_ranks_would():
     from titan_hydra.models.hf import FAMILY
 
     spec, _ = built("llama")
-    assert spec.family.worker_imports == FAMILY.worker_imports == ("transformers.modeling_utils",)
+    assert spec.family.worker_imports == FAMILY.worker_imports == ("titan_hydra.models.hf.preload",)
     for name in FAMILY.worker_imports:
         importlib.import_module(name)
 
@@ -305,12 +305,12 @@ def test_remote_code_and_missing_configs_are_refused(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
 def test_export_is_what_from_pretrained_loads(singles, tmp_path, arch):
     """``convert.py to-hf`` of a trained checkpoint: transformers' ``from_pretrained`` gives the logits
-    of our model with those weights, bit for bit (gemma3: a tied head, written once). ``from-hf`` of
-    that directory: gemma3 comes back tensor for tensor; a Llama is read by the native llama3 port,
-    which computes the same logits."""
+    of our model with those weights, bit for bit (gemma3, gpt2: a tied head, written once under the
+    class's own name for it). ``from-hf`` of that directory: gemma3 and gpt2 come back tensor for
+    tensor; a Llama is read by the native llama3 port, which computes the same logits."""
     import sys
 
     from transformers import AutoModelForCausalLM
@@ -334,7 +334,7 @@ def test_export_is_what_from_pretrained_loads(singles, tmp_path, arch):
         assert torch.equal(ours.eval()(tokens), theirs.eval()(input_ids=tokens).logits)
     convert.from_hf(tmp_path / "hf", tmp_path / "back")
     family2, args2, back = convert.read_model(tmp_path / "back")
-    if arch == "gemma3":  # no native port: back into model=hf, tensor for tensor
+    if arch != "llama":  # no native port: back into model=hf, tensor for tensor
         assert family2.name == "hf" and back.keys() == sd.keys()
         assert all(torch.equal(back[k], sd[k]) for k in sd)
     else:  # a native port reads it first: our own Llama computes the same function
@@ -366,3 +366,31 @@ def test_planner_sizes_a_published_config_like_the_native_flavor():
     assert ours.flops_per_token == native.flops_per_token
     for key in ("mem_params_gib", "mem_grads_gib", "mem_optimizer_gib", "mem_activations_gib", "mem_total_gib"):
         assert getattr(ours, key) == pytest.approx(getattr(native, key), rel=1e-9), key
+
+
+# what torchao, triton's absence and torch's pytree print when transformers imports them unasked
+IMPORT_NOISE = ("Failed to load", "no triton", "register_constant", "_pytree")
+
+
+@pytest.mark.slow
+def test_nothing_third_party_is_printed(tmp_path):
+    """A dry run, a 2-rank run (its fork server preloads transformers) and ``convert.py to-hf`` of an
+    hf model print none of the import-time lines torchao and torch print when transformers imports them."""
+    import subprocess
+    import sys
+
+    from helpers import REPO, run_launch
+
+    run_dir = tmp_path / "run"
+    gpt2 = ["model=hf_gpt2_debug", "training.steps=2", "training.seq_len=64", "training.local_batch_size=2"]
+    dry = run_launch([*gpt2, "dry_run=true"], cwd=tmp_path)
+    run = run_launch([*gpt2, "parallelism=fsdp", "cluster.nproc_per_node=2", "checkpoint=default",
+                      f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert dry.returncode == 0 and run.returncode == 0, (dry.stderr[-2000:], run.stderr[-2000:])
+    convert = subprocess.run([sys.executable, str(REPO / "recipes" / "convert.py"), "to-hf",
+                              str(run_dir / "checkpoint" / "step-2"), str(tmp_path / "hf")],
+                             capture_output=True, text=True, timeout=300)
+    assert convert.returncode == 0, convert.stderr[-2000:]
+    for proc in (dry, run, convert):
+        for noise in IMPORT_NOISE:
+            assert noise not in proc.stdout + proc.stderr, (noise, proc.args)

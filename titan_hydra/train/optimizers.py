@@ -21,7 +21,10 @@ A group without ``_target_`` becomes a param group of the top-level optimizer (i
 the top-level ones); a group with its own ``_target_`` gets its own optimizer instance built
 from the group's keys alone (another class may not take the top-level ones). Every parameter
 belongs to at most one group: a parameter two groups select, or a group that selects nothing,
-is a one-line ``ConfigError`` (a typo in a pattern must not silently train with the defaults).
+is a one-line ``ConfigError`` (a typo in a pattern must not silently train with the defaults),
+unless the group says ``optional: true``: the option files' default groups do (OLMo v1's
+LayerNorms have no weights, so ``no_weight_decay`` finds nothing there, and a default must not
+refuse an architecture); such a group is dropped.
 
 With one optimizer class the result is that optimizer itself. With several, ``OptimizerList``
 runs them as one: its ``param_groups`` are the members' own group dicts (so one LR schedule
@@ -48,7 +51,7 @@ from titan_hydra.errors import ConfigError
 from titan_hydra.models.parametrization import Geometry
 from titan_hydra.train.width_scaling import split_group
 
-SELECTORS = ("name", "match", "ndim")
+SELECTORS = ("name", "match", "ndim", "optional")  # what picks a group's parameters, not a setting
 
 
 @dataclass
@@ -71,7 +74,7 @@ class OptimizerConfig:
     # Adam, SGD, Adagrad on CPU and CUDA), as torchtitan does; torch's own CPU default is a loop
     fused: Optional[bool] = None
     # per-group settings / other optimizers by parameter name and shape (this module's docstring):
-    # [{name, match: [fnmatch FQN patterns], ndim, _target_?, <settings>}]
+    # [{name, match: [fnmatch FQN patterns], ndim, optional (dropped if it selects nothing), _target_?, <settings>}]
     param_groups: List[Any] = field(default_factory=list)
 # wrapper segments that activation checkpointing / torch.compile may add to an FQN
 _WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.")
@@ -168,11 +171,12 @@ def assign_groups(node: Mapping[str, Any], named_params: list[tuple[str, torch.T
             owner[id(p)] = specs[hits[0]]["name"]
         else:
             rest.append((name, p))
-    for spec, params in zip(specs, chosen):
+    kept = [(spec, params) for spec, params in zip(specs, chosen) if params or not spec.get("optional")]
+    for spec, params in kept:
         if not params:
             raise ConfigError(f"optimizer.param_groups {spec['name']!r} selects no parameter (match="
                               f"{spec.get('match') or ['*']}, ndim={spec.get('ndim')}); fix the pattern or drop the group")
-    return rest, list(zip(specs, chosen))
+    return rest, kept
 
 
 def build_optimizer(node: Any, named_params: list[tuple[str, torch.Tensor]],

@@ -50,8 +50,8 @@ class HFFamily(ModelFamily):
     model_cls = staticmethod(causal_lm)  # a builder function: the class is the architecture's
     hf = HFCheckpointAdapter()
     supports_document_mask = True  # position ids restart per document; transformers masks across them
-    # transformers' model base (~1.5 CPU-s to import; the architecture's own module is ~0.05 s more)
-    worker_imports = ("transformers.modeling_utils",)
+    # transformers' model base, imported quietly (~1.5 CPU-s; the architecture's own module is ~0.05 s more)
+    worker_imports = ("titan_hydra.models.hf.preload",)
 
     def make_args(self, fields: Mapping[str, Any]) -> HFArgs:
         args = HFArgs(**dict(fields))

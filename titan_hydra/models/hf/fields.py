@@ -31,9 +31,17 @@ COUNT_NAME = re.compile(r"(size|^num_|^n_|layers|heads|_dim$|experts)(?!.*_id$)"
 FILLER = {"num", "n", "of"}
 
 
-def known_fields(config_cls: type) -> set[str]:
+@functools.lru_cache(maxsize=None)
+def known_fields(config_cls: type) -> frozenset[str]:
+    """What the class declares, maps, and what a default instance holds or the class computes
+    (``_name_or_path``, ``output_attentions``: the base class's own, which a saved config.json carries)."""
     declared = {f.name for f in dataclasses.fields(config_cls)} if dataclasses.is_dataclass(config_cls) else set()
-    return declared | set(getattr(config_cls, "attribute_map", None) or {})
+    try:
+        held = set(vars(config_cls()))
+    except Exception:  # noqa: BLE001 -- a class whose defaults do not validate holds nothing to add
+        held = set()
+    properties = {k for k in dir(config_cls) if isinstance(getattr(config_cls, k, None), property)}
+    return frozenset(declared | held | properties | set(getattr(config_cls, "attribute_map", None) or {}))
 
 
 def check_fields(config: Any, fields: Mapping[str, Any]) -> None:

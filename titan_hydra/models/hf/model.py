@@ -32,11 +32,11 @@ import torch
 from torch import nn
 
 from titan_hydra.errors import ConfigError
+from titan_hydra.models.hf import attention
 from titan_hydra.models.hf.fields import build_error, check_fields, message_of
 from titan_hydra.models.hf.stack import NoBlockList, find_block_list, install_layer_dict
 from titan_hydra.quiet import loggers_at_error
 
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
 @dataclass(frozen=True)
@@ -47,15 +47,15 @@ class HFArgs:
     model_type: str | None = None
     config: str | None = None
     fields: dict[str, Any] = field(default_factory=dict)
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = "auto"  # attention.MODES: auto | sdpa | eager
 
     def __post_init__(self):
         if (self.model_type is None) == (self.config is None):
             raise ValueError("model=hf needs exactly one of model.model_type=<type> (with model.fields) or "
                              "model.config=<local dir with config.json>")
-        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        if self.attn_implementation not in attention.MODES:
             raise ValueError(f"model.attn_implementation={self.attn_implementation!r} is not one of "
-                             f"{', '.join(ATTN_IMPLEMENTATIONS)}")
+                             f"{', '.join(attention.MODES)}")
 
     @functools.cached_property
     def hf_config(self) -> Any:
@@ -73,6 +73,7 @@ class HFArgs:
 def hf_config(model_type: str | None, config_dir: str | None, fields: dict[str, Any], attn: str) -> Any:
     """The architecture's ``PretrainedConfig``, with one-line errors for what cannot be built here."""
     # Lazy: transformers takes ~2 s to import and only an hf run needs it (every schema imports this module).
+    import titan_hydra.models.hf.preload  # noqa: F401 -- transformers without torchao's import lines
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -111,7 +112,7 @@ def hf_config(model_type: str | None, config_dir: str | None, fields: dict[str, 
     if cfg.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ConfigError(f"model_type={cfg.model_type!r} has no causal-LM class in transformers "
                           "(AutoModelForCausalLM); model=hf trains decoder language models")
-    cfg._attn_implementation = attn
+    cfg._attn_implementation = attention.choice(cfg.model_type, attn).implementation
     cfg.use_cache = False
     return cfg
 
@@ -129,6 +130,8 @@ class TitanForward:
         if takes_position_ids(type(self)):
             inputs["position_ids"] = (positions_in_documents(doc_ids) if doc_ids is not None
                                       else torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s))
+        if doc_ids is not None and self.config._attn_implementation == attention.NAME:
+            inputs["titan_doc_ids"] = doc_ids  # through the layers' **kwargs to attention.titan_attention
         if self.get_output_embeddings() is None:
             return base_model(self)(**inputs, use_cache=False).last_hidden_state
         return super().forward(**inputs, use_cache=False).logits
@@ -171,12 +174,13 @@ def titan_class(cls: type) -> type:
 
 
 def causal_lm(model_type: str | None = None, config: str | None = None, fields: dict[str, Any] | None = None,
-              attn_implementation: str = "sdpa") -> nn.Module:
+              attn_implementation: str = "auto") -> nn.Module:
     """The architecture's causal LM on the current default device (meta for the engine)."""
     from transformers import AutoModelForCausalLM  # lazy: see hf_config
 
     args = HFArgs(model_type, config, dict(fields or {}), attn_implementation)
     cfg = args.hf_config
+    chosen = attention.choice(cfg.model_type, args.attn_implementation)  # registers auto's, in this process too
     try:
         with loggers_at_error("transformers"):
             model = AutoModelForCausalLM.from_config(cfg)
@@ -189,4 +193,8 @@ def causal_lm(model_type: str | None = None, config: str | None = None, fields: 
         raise ConfigError(f"model=hf cannot lay out {cfg.model_type}: {e}; the engine wraps, shards and cuts "
                           "a model block by block") from None
     model.tie_weights()  # from_config leaves a meta build untied; counting and FSDP need one tensor
+    if chosen.implementation == attention.NAME:
+        attention.expose_hooks(model)  # the kernel policies fill them, as on the native Attention
+    else:
+        model.fixed_attention = tuple(chosen)  # what the kernel policy reports instead of choosing
     return model
