@@ -346,6 +346,34 @@ def test_export_is_what_from_pretrained_loads(singles, tmp_path, arch):
         assert_fp32_close({"logits": got}, {"logits": ours(tokens).detach()})
 
 
+@pytest.mark.slow
+def test_a_run_starts_from_an_hf_directory_under_any_layout(singles, tmp_path, run_cache, record_property):
+    """``model=hf model.config=<dir> checkpoint.initial_load_path=<dir>`` on a directory ``convert.py to-hf``
+    wrote from a trained run: one process trains exactly as the same weights loaded model-only from the
+    run's DCP checkpoint (same data from the start, a fresh optimizer); fsdp(2) and tp(2), where each rank
+    reads only its own slices of the safetensors file, equal it within the machine's rounding floor."""
+    import sys
+
+    from helpers import REPO
+
+    sys.path.insert(0, str(REPO / "recipes"))
+    try:
+        import convert
+    finally:
+        sys.path.remove(str(REPO / "recipes"))
+    path, _ = singles("llama")
+    step = path / "run" / "checkpoint" / "step-10"
+    convert.to_hf(step, tmp_path / "hf")
+    reference = run_single(tmp_path / "dcp", overrides("llama", f"checkpoint.initial_load_path={step}",
+                                                         "checkpoint.initial_load_model_only=true"))
+    from_hf = ["model=hf", f"model.config={tmp_path / 'hf'}", f"checkpoint.initial_load_path={tmp_path / 'hf'}"]
+    assert run_single(tmp_path / "one", from_hf) == reference
+    bound = machine_bound(run_cache, reference)
+    for layout in ("fsdp", "tp"):
+        losses = run_layout(tmp_path / layout, [*from_hf, f"parallelism={layout}"], nproc=2, dp=2 if layout == "fsdp" else 1)
+        assert_parity(losses, reference, bound, f"llama from HF dir, {layout}", record_property)
+
+
 # Llama 3.1 8B's published config.json (meta-llama/Llama-3.1-8B), as model=hf fields
 LLAMA31_8B = ["model.model_type=llama", "++model.fields={hidden_size: 4096, intermediate_size: 14336, "
               "num_hidden_layers: 32, num_attention_heads: 32, num_key_value_heads: 8, vocab_size: 128256, "

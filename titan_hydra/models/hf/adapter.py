@@ -18,6 +18,10 @@ WRITTEN_BY_TRANSFORMERS = ("model_type", "architectures", "transformers_version"
 
 class HFCheckpointAdapter(HFAdapter):
     model_type = ""  # any: the run's config names it (a native family still reads its own types first)
+    same_layout = True  # transformers' own names and layouts: each rank reads its slices (hf_import.py)
+
+    def source_name(self, name: str, args: HFArgs) -> str:
+        return tied_keys(args).get(name, name)
 
     def reads(self, model_type: str | None) -> bool:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # lazy: ~2 s import
