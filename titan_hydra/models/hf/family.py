@@ -206,7 +206,7 @@ def _shape(family: HFFamily, key: str) -> ModelShape:
     n_experts = next((int(getattr(cfg, k)) for k in EXPERT_COUNT_KEYS if getattr(cfg, k, None)), 0) if experts else 0
     top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0) if experts else 0
     idle = expert_params * (n_experts - top_k) // n_experts if n_experts else 0
-    n_heads = int(cfg.num_attention_heads)
+    n_heads = int(getattr(cfg, "num_attention_heads", None) or 1)  # an attention-free stack (Mamba): one
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads)
     ffn = int(getattr(cfg, "intermediate_size", 0) or 0)
     if experts:

@@ -27,6 +27,9 @@ from titan_hydra.errors import ConfigError
 
 # a field whose name says it is a width or a count (not a token id, a seed, a window that may be off)
 COUNT_NAME = re.compile(r"(size|^num_|^n_|layers|heads|_dim$|experts)(?!.*_id$)")
+# what torch calls a field in its own messages ("Padding_idx must be within num_embeddings": the
+# config's pad_token_id does not fit a small vocab_size)
+ALIASES = {"padding_idx": "pad_token_id", "num_embeddings": "vocab_size"}
 # words a field name carries that a message leaves out ("num_attention_heads" -> "attention heads")
 FILLER = {"num", "n", "of"}
 
@@ -40,7 +43,8 @@ def known_fields(config_cls: type) -> frozenset[str]:
         held = set(vars(config_cls()))
     except Exception:  # noqa: BLE001 -- a class whose defaults do not validate holds nothing to add
         held = set()
-    properties = {k for k in dir(config_cls) if isinstance(getattr(config_cls, k, None), property)}
+    properties = {k for k in dir(config_cls)  # settable ones only (Falcon's head_dim is computed)
+                  if isinstance(getattr(config_cls, k, None), property) and getattr(config_cls, k).fset is not None}
     return frozenset(declared | held | properties | set(getattr(config_cls, "attribute_map", None) or {}))
 
 
@@ -113,6 +117,8 @@ def build_error(error: BaseException, fields: Mapping[str, Any], what: str) -> C
     text = message_of(error)
     named = [k for k in fields if _mentioned(k, text.lower())] or [
         k for k, v in fields.items() if not isinstance(v, bool) and _value_in(v, text)]
-    keys = ", ".join(f"model.fields.{k}={fields[k]!r}" for k in named) if named else "model.fields"
+    named += [k for word, k in ALIASES.items() if word in text.lower() and k not in named]
+    keys = ", ".join(f"model.fields.{k}={fields[k]!r}" if k in fields else f"model.fields.{k} (unset: the "
+                     "architecture's default)" for k in named) if named else "model.fields"
     fix = "change that field" if len(named) == 1 else "change those fields" if named else "change model.fields"
     return ConfigError(f"transformers cannot build {what} from {keys}: {text}; {fix}")
