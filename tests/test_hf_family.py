@@ -422,3 +422,33 @@ def test_nothing_third_party_is_printed(tmp_path):
     for proc in (dry, run, convert):
         for noise in IMPORT_NOISE:
             assert noise not in proc.stdout + proc.stderr, (noise, proc.args)
+
+
+FALCON_H1 = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 256, "head_dim": 16, "mamba_d_ssm": 128, "mamba_n_heads": 4,
+             "mamba_d_head": 32, "mamba_d_state": 8}
+
+
+def test_a_buffer_only_init_computes_is_refused_not_trained_as_garbage():
+    """Falcon-H1 computes its mamba ``mup_vector`` buffer in ``__init__`` and ``initialize_weights`` never sets
+    it again: built on the meta device (every run) it would hold whatever memory ``to_empty`` found, the cause
+    of its NaN first step. The engine's path refuses it in one line; a CPU build keeps __init__'s values and
+    computes transformers' logits."""
+    from transformers import AutoModelForCausalLM
+
+    from titan_hydra.models.hf import FAMILY
+
+    args = FAMILY.make_args({"model_type": "falcon_h1", "fields": FALCON_H1})
+    with torch.device("meta"):
+        model = FAMILY.build(args)
+    model.to_empty(device="cpu")
+    with pytest.raises(ConfigError, match=r"^transformers' falcon_h1 computes buffer model.layers.0.mamba.mup_vector"):
+        model.init_weights()
+    cpu = FAMILY.build(args)
+    torch.manual_seed(0)
+    cpu.init_weights()
+    ref = AutoModelForCausalLM.from_config(args.hf_config)
+    ref.load_state_dict(cpu.state_dict())
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(cpu.eval()(tokens), ref.eval()(input_ids=tokens).logits)

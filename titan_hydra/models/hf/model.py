@@ -143,7 +143,22 @@ class TitanForward:
             for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
                 t.__dict__.pop("_is_hf_initialized", None)
         self.tie_weights()  # before drawing: a tied pair is one tensor, drawn in the order a CPU build draws it
+        with torch.no_grad():  # a buffer initialize_weights leaves alone keeps this NaN: caught below
+            floating = [(n, b, b.clone()) for n, b in self.named_buffers()
+                        if b.is_floating_point() and b.device.type != "meta"]
+            for _, b, _ in floating:
+                b.fill_(float("nan"))
         self.initialize_weights()
+        lost = [n for n, b, _ in floating if bool(b.isnan().all())]
+        if lost and not getattr(self, "built_on_meta", False):  # __init__'s values are real: keep them
+            with torch.no_grad():
+                for n, b, before in floating:
+                    if n in lost:
+                        b.copy_(before)
+        elif lost:  # computed in __init__, which ran on the meta device: its values exist nowhere now
+            raise ConfigError(f"transformers' {self.config.model_type} computes buffer {lost[0]} when it is built and "
+                              "does not set it again in initialize_weights, so a meta-device build (every model=hf "
+                              "run) cannot give it its values; this architecture cannot train under model=hf yet")
 
 
 def positions_in_documents(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -187,6 +202,7 @@ def causal_lm(model_type: str | None = None, config: str | None = None, fields: 
     except Exception as e:  # noqa: BLE001 -- whatever transformers (or torch under it) raises: one line
         raise build_error(e, args.fields, cfg.model_type) from None
     model.__class__ = titan_class(type(model))
+    model.built_on_meta = any(p.is_meta for p in model.parameters())  # init_weights: buffers __init__ computed are lost
     try:
         install_layer_dict(model, find_block_list(model))
     except NoBlockList as e:
