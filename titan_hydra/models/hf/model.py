@@ -145,7 +145,7 @@ class TitanForward:
         self.tie_weights()  # before drawing: a tied pair is one tensor, drawn in the order a CPU build draws it
         with torch.no_grad():  # a buffer initialize_weights leaves alone keeps this NaN: caught below
             floating = [(n, b, b.clone()) for n, b in self.named_buffers()
-                        if b.is_floating_point() and b.device.type != "meta"]
+                        if b.is_floating_point() and b.device.type != "meta" and b.numel()]
             for _, b, _ in floating:
                 b.fill_(float("nan"))
         self.initialize_weights()
