@@ -256,7 +256,7 @@ UNTIED = "model.tie_word_embeddings=false"
 def base_for(overrides: list[str]) -> list[str]:
     """BASE, less its model shape keys for a transformers architecture (``model=hf_*``), whose
     fields are named by transformers and set by the caller (``model.fields.hidden_size=64``)."""
-    if any(o.startswith("model=hf_") for o in overrides):
+    if any(o == "model=hf" or o.startswith("model=hf_") for o in overrides):
         return [b for b in BASE if not b.startswith("model.")]
     return BASE
 

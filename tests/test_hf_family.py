@@ -29,9 +29,15 @@ DENSE = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo
          "cohere2", "starcoder2"]
 MOE = ["mixtral", "qwen3_moe", "olmoe"]
 ALL = DENSE + MOE
+# Blocks elsewhere than model.layers (transformer.h: gpt2, falcon; model.decoder.layers: opt); no TP or PP plan.
+STACKS = ["gpt2", "falcon", "opt"]
 # dim 64, 4 layers, 4 heads / 2 kv heads (flavors that set head_dim keep 32: q is wider than the model)
 SMALL = ["model.fields.hidden_size=64", "model.fields.intermediate_size=128", "model.fields.num_hidden_layers=4",
          "model.fields.num_attention_heads=4", "model.fields.num_key_value_heads=2"]
+# the same sizes in the fields those configs know (falcon's MLP is 4 x hidden; its attention multi-query)
+SMALL_OF = {"gpt2": [*SMALL[:1], "model.fields.n_inner=128", *SMALL[2:4]],
+            "falcon": [*SMALL[:1], *SMALL[2:4]],
+            "opt": [*SMALL[:1], "model.fields.ffn_dim=128", "model.fields.word_embed_proj_dim=64", *SMALL[2:4]]}
 UNTIED = ["+model.fields.tie_word_embeddings=false"]
 PP = ["gemma2", "qwen3_moe"]  # gemma2: alternating sliding/global layers; qwen3_moe: MoE on every stage
 RESUME = ["llama", "gemma3", "mixtral"]
@@ -45,7 +51,7 @@ FASTER = {"granite": ["optimizer.lr=8e-3"], "cohere2": ["optimizer.lr=8e-3"]}
 
 
 def overrides(arch: str, *extra: str) -> list[str]:
-    return [f"model=hf_{arch}_debug", *SMALL, *FASTER.get(arch, []), *extra]
+    return [f"model=hf_{arch}_debug", *SMALL_OF.get(arch, SMALL), *FASTER.get(arch, []), *extra]
 
 
 def built(arch: str, seed: int = 0):
@@ -56,7 +62,7 @@ def built(arch: str, seed: int = 0):
     return spec, model.eval()
 
 
-@pytest.mark.parametrize("arch", ALL)
+@pytest.mark.parametrize("arch", ALL + STACKS)
 def test_logits_are_transformers_own(arch):
     """Same weights, same tokens: our forward and ``AutoModelForCausalLM``'s are one computation."""
     from transformers import AutoModelForCausalLM
@@ -69,7 +75,7 @@ def test_logits_are_transformers_own(arch):
         assert torch.equal(ours(tokens), ref(input_ids=tokens).logits)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "cohere2", "olmoe"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "cohere2", "olmoe", "gpt2"])
 def test_packed_documents_do_not_see_each_other(arch):
     """With doc_ids, the second document's logits are those of running it alone (positions restart);
     without them it attends to the first (a different result: the check can fail)."""
@@ -148,7 +154,7 @@ def test_the_fork_server_imports_what_the_ranks_would():
     from titan_hydra.models.hf import FAMILY
 
     spec, _ = built("llama")
-    assert spec.family.worker_imports == FAMILY.worker_imports == ("transformers.modeling_utils",)
+    assert spec.family.worker_imports == FAMILY.worker_imports == ("titan_hydra.models.hf.preload",)
     for name in FAMILY.worker_imports:
         importlib.import_module(name)
 
@@ -168,7 +174,7 @@ def singles(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ALL)
+@pytest.mark.parametrize("arch", ALL + STACKS)
 def test_trains_and_fsdp_equals_one_process(tmp_path, singles, run_cache, arch, record_property):
     _, single = singles(arch)
     assert single[-1] < single[0] - 0.05, single
@@ -217,12 +223,13 @@ def test_exact_resume(singles, tmp_path, capsys, arch):
 
 
 @pytest.mark.slow
-def test_compile_and_selective_ac_equal_eager(singles, tmp_path, run_cache, record_property):
-    """Per-layer compile of transformers' own layers + selective-op AC: the eager losses, within the
-    machine's rounding floor (Inductor fuses and reorders sums)."""
-    _, single = singles("qwen3")
-    losses = run_single(tmp_path, overrides("qwen3", *CHECKPOINTS, "compile=model", "activation_checkpoint=selective_op"))
-    assert_parity(losses, single, machine_bound(run_cache, single), "qwen3 compile+sac", record_property)
+@pytest.mark.parametrize("arch,ac", [("qwen3", "selective_op"), ("gpt2", "full")])
+def test_compile_and_ac_equal_eager(singles, tmp_path, run_cache, arch, ac, record_property):
+    """Per-layer compile of transformers' own layers + AC (gpt2: its blocks at transformer.h): the eager
+    losses, within the machine's rounding floor (Inductor fuses and reorders sums)."""
+    _, single = singles(arch)
+    losses = run_single(tmp_path, overrides(arch, *CHECKPOINTS, "compile=model", f"activation_checkpoint={ac}"))
+    assert_parity(losses, single, machine_bound(run_cache, single), f"{arch} compile+{ac} ac", record_property)
 
 
 @pytest.mark.slow
@@ -244,12 +251,22 @@ def test_float8_follows_fp32(singles, tmp_path, record_property):
     ("granite", ["parallelism=pp", "cluster.nproc_per_node=2"], "parallelism.pp=2: the granite forward scales"),
     ("gemma3", ["parallelism=pp", "cluster.nproc_per_node=2"], "tie_word_embeddings=true cannot run under pipeline"),
     ("llama", ["parallelism=cp", "cluster.nproc_per_node=2"], "parallelism.cp=2 is not wired for model=hf"),
+    ("gpt2", ["parallelism=tp", "cluster.nproc_per_node=2"], "parallelism.tp=2: transformers' gpt2 config has no base_model_tp_plan"),
+    ("opt", ["parallelism=pp", "cluster.nproc_per_node=2"], "parallelism.pp=2: transformers' opt config has no base_model_pp_plan"),
     ("llama", ["parallelism=ep", "cluster.nproc_per_node=2"], "parallelism.ep=2: transformers' llama model has no experts"),
     ("mixtral", ["parallelism=ep", "cluster.nproc_per_node=2", "model.fields.num_local_experts=5"],
      "parallelism.ep=2 must divide the mixtral config's 5 experts"),
     ("llama", ["training.seq_len=4096"], "training.seq_len=4096 exceeds the llama config's max_position_embeddings=2048"),
     ("llama", ["model.model_type=no_such_arch"], "model.model_type='no_such_arch' is not a transformers architecture"),
-    ("llama", ["+model.fields.hidden_act=no_such_act"], "transformers could not build llama from model.fields: KeyError"),
+    ("llama", ["+model.fields.hidden_act=no_such_act"],
+     "transformers cannot build llama from model.fields.hidden_act='no_such_act': 'no_such_act'; change that field"),
+    ("llama", ["model.fields.num_attention_heads=5"], "transformers cannot build llama from model.fields.hidden_size=64, "
+     "model.fields.num_attention_heads=5: The hidden size (64) is not a multiple of the number of attention heads (5)"),
+    ("llama", ["model.fields.hidden_size=-4"], "model.fields.hidden_size=-4 must be > 0"),
+    ("llama", ["model.fields.num_hiden_layers=2"], "model.fields.num_hiden_layers: transformers' LlamaConfig (llama) has "
+     "no field 'num_hiden_layers'; did you mean model.fields.num_hidden_layers?"),
+    ("gpt2", ["model.fields.intermediate_size=64"], "model.fields.intermediate_size: transformers' GPT2Config (gpt2) has "
+     "no field 'intermediate_size'"),
 ])
 def test_refusals_are_one_line(arch, extra, message):
     from titan_hydra.validate import validate
@@ -259,6 +276,20 @@ def test_refusals_are_one_line(arch, extra, message):
         validate(cfg)
     assert str(e.value).startswith(message), str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_fields_is_an_open_node():
+    """``model.fields={...}`` and ``model.fields.<key>=`` need no ``+``: the node's keys are transformers'
+    (GPT-2's canonical names reach its own: hidden_size -> n_embd); every other model key is still checked."""
+    from hydra.errors import ConfigCompositionException
+
+    spec = spec_of(compose_cfg(["model=hf", "model.model_type=gpt2", "model.fields={hidden_size: 32, "
+                                "num_hidden_layers: 2, num_attention_heads: 2, vocab_size: 512}", "model.fields.n_inner=48"]))
+    cfg = spec.model_args.hf_config
+    assert (cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.n_inner, cfg.vocab_size) == (32, 2, 2, 48, 512)
+    assert spec.shape.n_layers == 2 and spec.shape.dim == 32
+    with pytest.raises(ConfigCompositionException):
+        compose_cfg(["model=hf_llama_debug", "model.fieldz=3"])
 
 
 def test_remote_code_and_missing_configs_are_refused(tmp_path):
@@ -274,12 +305,12 @@ def test_remote_code_and_missing_configs_are_refused(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
 def test_export_is_what_from_pretrained_loads(singles, tmp_path, arch):
     """``convert.py to-hf`` of a trained checkpoint: transformers' ``from_pretrained`` gives the logits
-    of our model with those weights, bit for bit (gemma3: a tied head, written once). ``from-hf`` of
-    that directory: gemma3 comes back tensor for tensor; a Llama is read by the native llama3 port,
-    which computes the same logits."""
+    of our model with those weights, bit for bit (gemma3, gpt2: a tied head, written once under the
+    class's own name for it). ``from-hf`` of that directory: gemma3 and gpt2 come back tensor for
+    tensor; a Llama is read by the native llama3 port, which computes the same logits."""
     from transformers import AutoModelForCausalLM
 
     from titan_hydra.checkpoint import convert
@@ -296,7 +327,7 @@ def test_export_is_what_from_pretrained_loads(singles, tmp_path, arch):
         assert torch.equal(ours.eval()(tokens), theirs.eval()(input_ids=tokens).logits)
     convert.from_hf(tmp_path / "hf", tmp_path / "back")
     family2, args2, back = convert.read_model(tmp_path / "back")
-    if arch == "gemma3":  # no native port: back into model=hf, tensor for tensor
+    if arch != "llama":  # no native port: back into model=hf, tensor for tensor
         assert family2.name == "hf" and back.keys() == sd.keys()
         assert all(torch.equal(back[k], sd[k]) for k in sd)
     else:  # a native port reads it first: our own Llama computes the same function
@@ -306,6 +337,34 @@ def test_export_is_what_from_pretrained_loads(singles, tmp_path, arch):
             got = native.eval()(tokens)
         assert family2.name == "llama3"
         assert_fp32_close({"logits": got}, {"logits": ours(tokens).detach()})
+
+
+@pytest.mark.slow
+def test_a_run_starts_from_an_hf_directory_under_any_layout(singles, tmp_path, run_cache, record_property):
+    """``model=hf model.config=<dir> checkpoint.initial_load_path=<dir>`` on a directory ``convert.py to-hf``
+    wrote from a trained run: one process trains exactly as the same weights loaded model-only from the
+    run's DCP checkpoint (same data from the start, a fresh optimizer); fsdp(2) and tp(2), where each rank
+    reads only its own slices of the safetensors file, equal it within the machine's rounding floor."""
+    import sys
+
+    from helpers import REPO
+
+    sys.path.insert(0, str(REPO / "recipes"))
+    try:
+        import convert
+    finally:
+        sys.path.remove(str(REPO / "recipes"))
+    path, _ = singles("llama")
+    step = path / "run" / "checkpoint" / "step-10"
+    convert.to_hf(step, tmp_path / "hf")
+    reference = run_single(tmp_path / "dcp", overrides("llama", f"checkpoint.initial_load_path={step}",
+                                                         "checkpoint.initial_load_model_only=true"))
+    from_hf = ["model=hf", f"model.config={tmp_path / 'hf'}", f"checkpoint.initial_load_path={tmp_path / 'hf'}"]
+    assert run_single(tmp_path / "one", from_hf) == reference
+    bound = machine_bound(run_cache, reference)
+    for layout in ("fsdp", "tp"):
+        losses = run_layout(tmp_path / layout, [*from_hf, f"parallelism={layout}"], nproc=2, dp=2 if layout == "fsdp" else 1)
+        assert_parity(losses, reference, bound, f"llama from HF dir, {layout}", record_property)
 
 
 # Llama 3.1 8B's published config.json (meta-llama/Llama-3.1-8B), as model=hf fields
@@ -328,3 +387,61 @@ def test_planner_sizes_a_published_config_like_the_native_flavor():
     assert ours.flops_per_token == native.flops_per_token
     for key in ("mem_params_gib", "mem_grads_gib", "mem_optimizer_gib", "mem_activations_gib", "mem_total_gib"):
         assert getattr(ours, key) == pytest.approx(getattr(native, key), rel=1e-9), key
+
+
+# what torchao, triton's absence and torch's pytree print when transformers imports them unasked
+IMPORT_NOISE = ("Failed to load", "no triton", "register_constant", "_pytree")
+
+
+@pytest.mark.slow
+def test_nothing_third_party_is_printed(tmp_path):
+    """A dry run, a 2-rank run (its fork server preloads transformers) and ``convert.py to-hf`` of an
+    hf model print none of the import-time lines torchao and torch print when transformers imports them."""
+    import subprocess
+    import sys
+
+    from helpers import REPO, run_launch
+
+    run_dir = tmp_path / "run"
+    gpt2 = ["model=hf_gpt2_debug", "training.steps=2", "training.seq_len=64", "training.local_batch_size=2"]
+    dry = run_launch([*gpt2, "dry_run=true"], cwd=tmp_path)
+    run = run_launch([*gpt2, "parallelism=fsdp", "cluster.nproc_per_node=2", "checkpoint=default",
+                      f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert dry.returncode == 0 and run.returncode == 0, (dry.stderr[-2000:], run.stderr[-2000:])
+    convert = subprocess.run([sys.executable, str(REPO / "recipes" / "convert.py"), "to-hf",
+                              str(run_dir / "checkpoint" / "step-2"), str(tmp_path / "hf")],
+                             capture_output=True, text=True, timeout=300)
+    assert convert.returncode == 0, convert.stderr[-2000:]
+    for proc in (dry, run, convert):
+        for noise in IMPORT_NOISE:
+            assert noise not in proc.stdout + proc.stderr, (noise, proc.args)
+
+
+FALCON_H1 = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 256, "head_dim": 16, "mamba_d_ssm": 128, "mamba_n_heads": 4,
+             "mamba_d_head": 32, "mamba_d_state": 8}
+
+
+def test_a_buffer_only_init_computes_is_refused_not_trained_as_garbage():
+    """Falcon-H1 computes its mamba ``mup_vector`` buffer in ``__init__`` and ``initialize_weights`` never sets
+    it again: built on the meta device (every run) it would hold whatever memory ``to_empty`` found, the cause
+    of its NaN first step. The engine's path refuses it in one line; a CPU build keeps __init__'s values and
+    computes transformers' logits."""
+    from transformers import AutoModelForCausalLM
+
+    from titan_hydra.models.hf import FAMILY
+
+    args = FAMILY.make_args({"model_type": "falcon_h1", "fields": FALCON_H1})
+    with torch.device("meta"):
+        model = FAMILY.build(args)
+    model.to_empty(device="cpu")
+    with pytest.raises(ConfigError, match=r"^transformers' falcon_h1 computes buffer model.layers.0.mamba.mup_vector"):
+        model.init_weights()
+    cpu = FAMILY.build(args)
+    torch.manual_seed(0)
+    cpu.init_weights()
+    ref = AutoModelForCausalLM.from_config(args.hf_config)
+    ref.load_state_dict(cpu.state_dict())
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(cpu.eval()(tokens), ref.eval()(input_ids=tokens).logits)

@@ -99,6 +99,23 @@ def test_bad_group_specs_are_one_line_errors(groups, message):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("option", ["adamw", "muon"])
+def test_a_default_group_that_selects_nothing_is_dropped(option):
+    """OLMo v1's LayerNorms have no weights: the default ``no_weight_decay`` group (``optional: true``)
+    finds no 1-D parameter and is dropped, every parameter is still stepped; a group the user writes
+    without ``optional`` that selects nothing is still refused."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([torch.nn.Linear(8, 8, bias=False)] * 1)})
+    cfg = compose_cfg([f"optimizer={option}"])
+    opt = build_optimizer(cfg.optimizer, list(model.named_parameters()))
+    names = [g.get("group_name") for g in opt.param_groups]
+    assert "no_weight_decay" not in names
+    assert sum(len(g["params"]) for g in opt.param_groups) == 1
+    cfg = compose_cfg(["optimizer.param_groups=[{name: decay_free, ndim: 1, weight_decay: 0.0}]"])
+    with pytest.raises(ConfigError, match="param_groups 'decay_free' selects no parameter"):
+        build_optimizer(cfg.optimizer, list(model.named_parameters()))
+
+
 # ----------------------------------------------------------------------------- layouts
 # fp32 Newton-Schulz: the layouts feed it gradients equal to fp32 rounding, so updates agree to it too
 MUON = ["optimizer=muon", "optimizer.lr=8e-4", "optimizer.param_groups.0.ns_dtype=float32", "optimizer.param_groups.0.lr=2e-3",

@@ -46,7 +46,8 @@ ARGUMENTS_ONLY = {"recipes/benchmark.py", "recipes/bench_health.py", "recipes/be
                   "recipes/average_checkpoints.py"}
 # Benchmark lines that run as printed plus these arguments: the whole path (every implementation
 # timed, the table, the JSON) on one short shape, not ~20 CPU-s of timing the docs' three lengths.
-SHORTER = {"recipes/bench_gdn.py": ["--seqs", "256", "--reps", "1"]}
+SHORTER = {"recipes/bench_gdn.py": ["--seqs", "256", "--reps", "1"],
+           "recipes/hf_sweep.py": ["gpt2", "--steps", "2"]}  # one architecture of the 58, two steps
 # Third-party noise that must not reach stdout either.
 NOISE = re.compile(r"Warning:|warnings\.warn|it/s\]|^fatal: |\[Task: |^\s*\d+%\|", re.M)
 

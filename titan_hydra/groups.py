@@ -26,6 +26,7 @@ from titan_hydra.checkpoint.manager import ASYNC_MODES, EXPORT_DTYPES, Checkpoin
 from titan_hydra.config import ClusterConfig, choice, register_resolvers, root_schema, schema_from
 from titan_hydra.config.eval import EvalSettings
 from titan_hydra.config.optimizer import OptimizerConfig
+from titan_hydra.config.derive import with_open_maps
 from titan_hydra.data import dataset as token_data
 from titan_hydra.data import image_caption
 from titan_hydra.data.mixture import MixtureDataset
@@ -164,7 +165,7 @@ def register_configs() -> None:
     # Stored outside the groups (``schema_<name>``), so that ``--help`` lists only real options.
     cs.store(name="schema_titan", node=TitanConfig)
     for name, schema in SCHEMAS.items():
-        cs.store(name=f"schema_{name}", node=schema)
+        cs.store(name=f"schema_{name}", node=with_open_maps(schema))
 
 
 register_configs()

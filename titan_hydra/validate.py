@@ -23,6 +23,7 @@ from titan_hydra.data.settings import DataSettings
 from titan_hydra.data.tokenizer import Tokenizer
 from titan_hydra.errors import ConfigError, DataError, check_writable_dir  # check_writable_dir: also imported from here
 from titan_hydra.layout import check_layout
+from titan_hydra.planner.fit import check_memory_fits
 from titan_hydra.runtime.device import check_backend, check_device, check_start_method
 from titan_hydra.schedules import CooldownSchedule, check_branch_point
 from titan_hydra.spec import RunSpec, check_positive, spec_of
@@ -43,6 +44,7 @@ def check_spec(spec: RunSpec, environment: bool = True) -> RunSpec:
     here = environment and not spec.dry_run  # a dry run sizes a GPU cluster from any machine
     if here:
         _validate_environment(spec)
+        check_memory_fits(spec)  # before anything is built: a model this machine cannot hold is one line
     if spec.token_data:  # (image data checks itself on build)
         _validate_data(spec.data, spec.shape.vocab_size)
     if spec.eval.enabled:

@@ -25,7 +25,7 @@ import types
 import typing
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
 
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 NO_DEFAULT = inspect.Parameter.empty
 
@@ -142,3 +142,24 @@ def _field(default: Any) -> Any:
 def _copy_of(value: Any) -> Callable[[], Any]:
     kind = dict if isinstance(value, Mapping) else list
     return lambda: kind(value)
+
+
+def with_open_maps(schema: type) -> Any:
+    """``schema`` as the node Hydra stores, each free-form map in it (a ``Dict[str, Any]`` setting:
+    transformers' config fields, named data sources, base shapes) open: its keys are the user's, so
+    ``model.fields.rope_theta=1e4`` and ``model.fields={hidden_size: 64}`` add keys without Hydra's ``+``
+    while every other key stays checked. (Struct mode is a flag OmegaConf keeps per node; the schema's
+    dataclass cannot carry it, its node can.)"""
+    node = OmegaConf.structured(schema)
+
+    def open_maps(n: DictConfig) -> None:
+        for key in n.keys():
+            child = n._get_node(key)
+            if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+                if child._metadata.object_type is dict and child._metadata.element_type is Any:
+                    OmegaConf.set_struct(child, False)
+                else:
+                    open_maps(child)
+
+    open_maps(node)
+    return node

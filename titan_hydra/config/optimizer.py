@@ -16,7 +16,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from titan_hydra.errors import ConfigError
 
-SELECTORS = ("name", "match", "ndim")
+SELECTORS = ("name", "match", "ndim", "optional")  # what picks a group's parameters, not a setting
 
 
 @dataclass
@@ -39,7 +39,7 @@ class OptimizerConfig:
     # Adam, SGD, Adagrad on CPU and CUDA), as torchtitan does; torch's own CPU default is a loop
     fused: Optional[bool] = None
     # per-group settings / other optimizers by parameter name and shape (train/optimizers.py):
-    # [{name, match: [fnmatch FQN patterns], ndim, _target_?, <settings>}]
+    # [{name, match: [fnmatch FQN patterns], ndim, optional (dropped if it selects nothing), _target_?, <settings>}]
     param_groups: List[Any] = field(default_factory=list)
 
 
@@ -71,6 +71,7 @@ class ParamGroupSettings:
     ndim: Optional[tuple[int, ...]] = None
     target: Optional[str] = None
     settings: Mapping[str, Any] = field(default_factory=dict)
+    optional: bool = False  # dropped, not refused, when it selects no parameter (the option files' defaults)
 
     @classmethod
     def of(cls, node: Mapping[str, Any], index: int) -> ParamGroupSettings:
@@ -81,7 +82,7 @@ class ParamGroupSettings:
         return cls(name=str(node["name"]), match=tuple([patterns] if isinstance(patterns, str) else patterns),
                    ndim=None if ndim is None else tuple(int(n) for n in (ndim if isinstance(ndim, (list, tuple)) else [ndim])),
                    target=None if node.get("_target_") is None else str(node["_target_"]),
-                   settings=optimizer_kwargs(node))
+                   settings=optimizer_kwargs(node), optional=bool(node.get("optional", False)))
 
 
 @dataclass(frozen=True)

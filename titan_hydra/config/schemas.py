@@ -61,6 +61,9 @@ class ClusterConfig:
     # 1 - 0.766 (t6_fsdp1_cp8), rounded up to the percent. recipes/estimate_published.py prints it
     # and tests/test_estimator_published.py recomputes it from the rows. 0 = trust the estimate.
     memory_headroom: float = 0.24
+    # Refuse a run whose planned peak cannot fit this machine (its RAM on CPU, the device on GPU), before
+    # anything is built (planner/fit.py); false lets an expert go on anyway.
+    memory_check: bool = True
     # SLURM (used by slurm clusters through hydra/launcher=titan_slurm; see launch/slurm.py)
     launcher: Launcher = Launcher["local"]
     tasks_per_node: Optional[int] = None  # SLURM tasks (= ranks) per node; slurm clusters tie nproc_per_node to it

@@ -21,6 +21,10 @@
 * ``small_head``: require the kernel; a configuration it cannot serve is refused with one line
   before the model is built any further.
 
+A model whose attention calls are out of the policy's reach (a transformers architecture that calls
+SDPA or its eager attention itself, ``models/hf/attention.py``) carries ``fixed_attention``: (what
+runs, why), which the policy reports instead of choosing.
+
 Why a policy and not a model option: which kernel is fastest depends on the device and the head
 width, not on the architecture, so the model only exposes a hook (``Attention.causal_kernel``)
 and this module fills it from outside, as ``precision.py`` does for the attention dtype. Calls
@@ -203,6 +207,12 @@ def apply_attention_kernel(model: torch.nn.Module, choice: str, device: torch.de
 
     ``seq_len`` and ``dtype`` are what attention will see (the dtype SDPA would run in); ``auto``
     times the candidate kernels at that shape (``probe`` replaces the timing in tests)."""
+    fixed = getattr(model, "fixed_attention", None)  # a model whose attention no policy reaches says what runs
+    if fixed is not None:
+        if choice in (KERNEL_NAME, SCORES):
+            raise ConfigError(f"training.attention_kernel={choice} cannot be used: {fixed[1]}; "
+                              "use training.attention_kernel=auto or sdpa")
+        return KernelChoice(*fixed)
     if choice == "sdpa":
         return KernelChoice("sdpa", "set explicitly")
     modules = _attention_modules(model)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from titan_hydra.errors import CheckpointError
@@ -54,6 +55,24 @@ def load_hf_checkpoint(path: str | Path, family: ModelFamily | None = None
             hf.update(load_file(str(f)))
         args = family.hf.args_for_weights(args, hf.keys())
         return family, args, family.hf.from_hf_state(hf, args)
+    except (HFConversionError, KeyError, ValueError, OSError) as e:
+        raise CheckpointError(f"HF checkpoint {path}: {e}") from None
+
+
+def hf_index(path: str | Path, family: ModelFamily) -> tuple[Any, dict[str, Path]]:
+    """(our args, {tensor name: the safetensors file holding it}) from an HF directory, no tensor read."""
+    path = Path(path)
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+        model_type = architecture_of(cfg)
+        if family.hf is None or not family.hf.reads(model_type):
+            raise HFConversionError(f"config.json model_type={model_type!r} is not what model family {family.name!r} reads")
+        index: dict[str, Path] = {}
+        for f in sorted(path.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as handle:
+                index.update({name: f for name in handle.keys()})
+        args = family.hf.args_for_weights(family.hf.args_from_hf_config(cfg), index.keys())
+        return args, index
     except (HFConversionError, KeyError, ValueError, OSError) as e:
         raise CheckpointError(f"HF checkpoint {path}: {e}") from None
 

@@ -126,6 +126,13 @@ class HFAdapter:
 
     model_type: str = ""  # config.json model_type (diffusers: _class_name) this adapter reads and writes
     weights_file: str = "model.safetensors"  # the file name its library's from_pretrained looks for
+    # Our state dict IS the checkpoint's, name for name and layout for layout (``source_name`` aside):
+    # the HF import then reads each rank's own slices of the files, never a whole tensor it does not hold.
+    same_layout: bool = False
+
+    def source_name(self, name: str, args: Any) -> str:
+        """The file's tensor that holds our ``name`` (a tied head: the embedding); ``same_layout`` only."""
+        return name
 
     def reads(self, model_type: str | None) -> bool:
         """Whether this adapter reads checkpoints whose config.json names ``model_type``."""

@@ -22,7 +22,10 @@ group's schema ``OptimizerConfig``): the spec carries them. A group without ``_t
 becomes a param group of the top-level optimizer (its keys override the top-level ones); a
 group with its own ``_target_`` gets its own optimizer instance built from the group's keys alone (another class may not take the top-level ones). Every parameter
 belongs to at most one group: a parameter two groups select, or a group that selects nothing,
-is a one-line ``ConfigError`` (a typo in a pattern must not silently train with the defaults).
+is a one-line ``ConfigError`` (a typo in a pattern must not silently train with the defaults),
+unless the group says ``optional: true``: the option files' default groups do (OLMo v1's
+LayerNorms have no weights, so ``no_weight_decay`` finds nothing there, and a default must not
+refuse an architecture); such a group is dropped.
 
 With one optimizer class the result is that optimizer itself. With several, ``OptimizerList``
 runs them as one: its ``param_groups`` are the members' own group dicts (so one LR schedule
@@ -115,11 +118,12 @@ def assign_groups(groups: tuple[ParamGroupSettings, ...], named_params: list[tup
             chosen[hits[0]].append((name, p))
         else:
             rest.append((name, p))
-    for group, params in zip(groups, chosen):
+    kept = [(group, params) for group, params in zip(groups, chosen) if params or not group.optional]
+    for group, params in kept:
         if not params:
             raise ConfigError(f"optimizer.param_groups {group.name!r} selects no parameter (match="
                               f"{list(group.match)}, ndim={_ndim_text(group.ndim)}); fix the pattern or drop the group")
-    return rest, list(zip(groups, chosen))
+    return rest, kept
 
 
 def _ndim_text(ndim: tuple[int, ...] | None) -> Any:

@@ -33,7 +33,8 @@ from titan_hydra.models.common import counting
 from titan_hydra.models.hf import plans
 from titan_hydra.models.hf.adapter import HFCheckpointAdapter
 from titan_hydra.models.hf.ep import TopKExpertParallel
-from titan_hydra.models.hf.model import HFArgs, base_model, causal_lm, pipeline_ends
+from titan_hydra.models.hf.model import HFArgs, causal_lm
+from titan_hydra.models.hf.stack import block_list, pipeline_ends, stack_ends, stack_owner
 from titan_hydra.models.protocol import ModelFamily, ModelShape, fsdp_units_in_order
 
 # Config keys that say nothing about what the weights compute (checkpoint signature ignores them).
@@ -49,8 +50,8 @@ class HFFamily(ModelFamily):
     model_cls = staticmethod(causal_lm)  # a builder function: the class is the architecture's
     hf = HFCheckpointAdapter()
     supports_document_mask = True  # position ids restart per document; transformers masks across them
-    # transformers' model base (~1.5 CPU-s to import; the architecture's own module is ~0.05 s more)
-    worker_imports = ("transformers.modeling_utils",)
+    # transformers' model base, imported quietly (~1.5 CPU-s; the architecture's own module is ~0.05 s more)
+    worker_imports = ("titan_hydra.models.hf.preload",)
 
     def make_args(self, fields: Mapping[str, Any]) -> HFArgs:
         args = HFArgs(**dict(fields))
@@ -123,15 +124,14 @@ class HFFamily(ModelFamily):
 
     # --- layout -------------------------------------------------------------------------
     def blocks(self, model: nn.Module) -> nn.ModuleDict:
-        return base_model(model).layers
+        return block_list(model)[1]
 
     def fsdp_units(self, model: nn.Module) -> list[tuple[Any, bool]]:
-        base = base_model(model)
-        emb_name, norm_name = pipeline_ends(model.config)
-        emb, norm, head = getattr(base, emb_name, None), getattr(base, norm_name, None), model.get_output_embeddings()
+        (emb, norm), head = stack_ends(model), model.get_output_embeddings()
         tied = emb is not None and head is not None and head.weight is emb.weight
         ends = [m for m in (norm, head) if isinstance(m, nn.Module) and any(True for _ in m.parameters())]
-        return fsdp_units_in_order(emb, list(base.layers.values()), ends, tied)
+        # what no unit names (GPT-2's position table, OPT's projections) stays with the root
+        return fsdp_units_in_order(emb, list(self.blocks(model).values()), ends, tied)
 
     def expert_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         return routed_experts(model)
@@ -147,11 +147,12 @@ class HFFamily(ModelFamily):
 
     def cut_stage(self, model: nn.Module, layer_ids: range, is_first: bool, is_last: bool) -> nn.Module:
         stage = copy.deepcopy(model)
-        base = base_model(stage)
-        kept = [k for k in base.layers.keys() if int(k) in layer_ids]
-        for k in list(base.layers.keys()):
+        _, base, _ = stack_owner(stage)
+        blocks = self.blocks(stage)
+        kept = [k for k in blocks.keys() if int(k) in layer_ids]
+        for k in list(blocks.keys()):
             if k not in kept:
-                del base.layers[k]
+                del blocks[k]
         cfg = stage.config  # the stage's own copy: its forward iterates the layers it holds
         if getattr(cfg, "layer_types", None):
             cfg.layer_types = [cfg.layer_types[int(k)] for k in kept]
@@ -184,12 +185,10 @@ def _topk_experts(family: HFFamily, key: str) -> bool:
 def _shape(family: HFFamily, key: str) -> ModelShape:
     args, model = counting.meta_build(family, key)
     cfg = args.hf_config
-    base = base_model(model)
-    emb_name, norm_name = pipeline_ends(cfg)
-    emb = getattr(base, emb_name).weight
+    embedding, norm = stack_ends(model)
+    emb = embedding.weight
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is emb
-    norm = getattr(base, norm_name, None)
     head_tensors = [*(norm.parameters() if isinstance(norm, nn.Module) else ()),
                     *([head.weight] if head is not None else ())]
     experts = [m for _, m in routed_experts(model)]
@@ -197,7 +196,7 @@ def _shape(family: HFFamily, key: str) -> ModelShape:
     counts = counting.parameter_counts(model, emb, head_tensors, experts, n_experts,
                                        int(getattr(cfg, "num_experts_per_tok", 0) or 0))
     top_k = counts["top_k"]
-    n_heads = int(cfg.num_attention_heads)
+    n_heads = int(getattr(cfg, "num_attention_heads", None) or 1)  # an attention-free stack (Mamba): one
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads)
     ffn = int(getattr(cfg, "intermediate_size", 0) or 0)
     if experts:

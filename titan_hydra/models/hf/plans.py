@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from titan_hydra.models.hf.model import base_model, pipeline_ends
+from titan_hydra.models.hf.stack import end_names, is_norm, stack_owner
 
 # transformers' style name -> (kind, torch arguments); built lazily (DTensor imports take a second)
 KNOWN_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
@@ -46,18 +46,15 @@ def _exists(base: nn.Module, fqn: str) -> bool:
     return True
 
 
-def _is_norm(module: nn.Module) -> bool:
-    name = type(module).__name__
-    return "Norm" in name or isinstance(module, (nn.LayerNorm, nn.RMSNorm))
-
-
-def expand(plan: dict[str, str], layer_keys: list[str]) -> dict[str, str]:
-    """``layers.*.x`` -> ``layers.<k>.x`` for the layers this model (or stage) holds."""
+def expand(plan: dict[str, str], layer_keys: list[str], attr: str = "layers") -> dict[str, str]:
+    """``layers.*.x`` -> ``layers.<k>.x`` for the layers this model (or stage) holds (``attr``: the
+    block list's name on its owner)."""
     out: dict[str, str] = {}
+    star = f"{attr}.*."
     for pattern, style in plan.items():
-        if pattern.startswith("layers.*."):
+        if pattern.startswith(star):
             for k in layer_keys:
-                out[f"layers.{k}.{pattern[len('layers.*.'):]}"] = style
+                out[f"{attr}.{k}.{pattern[len(star):]}"] = style
         else:
             out[pattern] = style
     return out
@@ -72,9 +69,8 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> d
     from titan_hydra.models.common.tp_styles import HeadShardedNorm, ReplicateParallel  # lazy: see above
 
     seq = Shard(1) if sequence_parallel else Replicate()
-    base = base_model(model)
-    prefix = model.base_model_prefix + "."
-    layer_keys = list(base.layers.keys())
+    prefix, base, attr = stack_owner(model)  # the plan's names are relative to the stack's owner
+    layer_keys = list(getattr(base, attr).keys())
 
     def style(name: str):
         return {
@@ -89,50 +85,50 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> d
     def norm_style():
         return SequenceParallel() if sequence_parallel else ReplicateParallel()
 
-    own = {k: v for k, v in expand(tp_plan_of(model.config), layer_keys).items() if _exists(base, k)}
+    own = {k: v for k, v in expand(tp_plan_of(model.config), layer_keys, attr).items() if _exists(base, k)}
     # A sub-layer whose plan names a style torch has no counterpart for here (transformers' packed MoE
     # styles) runs whole on every TP rank: plain parameters, the gathered sequence in (identical on
     # every rank, so are its gradients), the sequence shard out.
     whole = {".".join(k.split(".")[:3]) for k, v in own.items() if v not in KNOWN_STYLES}
     own = {k: v for k, v in own.items() if ".".join(k.split(".")[:3]) not in whole}
     plan: dict = {prefix + k: style(v) for k, v in own.items()}
-    emb_name, norm_name = pipeline_ends(model.config)
-    if getattr(base, emb_name, None) is not None:
+    emb_name, norm_name = end_names(model)
+    if emb_name is not None:
         # Under sequence parallel the residual stream stays a DTensor of the whole sequence's shape, so
         # the masks transformers builds from it (eager and sliding-window layers) have its length.
         plan[prefix + emb_name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq,
                                                   use_local_output=not sequence_parallel)
-    if isinstance(getattr(base, norm_name, None), nn.Module) and _is_norm(getattr(base, norm_name)):
+    if norm_name is not None:
         plan[prefix + norm_name] = norm_style()
     if model.get_output_embeddings() is not None:
         plan["lm_head"] = ColwiseParallel(input_layouts=seq,
                                           output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                           use_local_output=not loss_parallel)
     for key in layer_keys:
-        plan.update(_layer_plan(base, prefix, key, own, whole, sequence_parallel, norm_style))
+        plan.update(_layer_plan(base, prefix, attr, key, own, whole, sequence_parallel, norm_style))
     return plan
 
 
-def _layer_plan(base: nn.Module, prefix: str, key: str, own: dict[str, str], whole: set[str],
+def _layer_plan(base: nn.Module, prefix: str, attr: str, key: str, own: dict[str, str], whole: set[str],
                 sequence_parallel: bool, norm_style) -> dict:
     """What the config's plan leaves to transformers' hooks inside layer ``key``: the gathers into each
     planned (or whole-running) sub-layer, replicated DTensors for its other weights, the norms."""
     from titan_hydra.models.common.tp_styles import GatherSequence, ReplicateParallel  # lazy: see tp_plan
 
     plan: dict = {}
-    lp = f"{prefix}layers.{key}."
-    for child_name, child in base.layers[key].named_children():
-        planned = [n for n in own if n.startswith(f"layers.{key}.{child_name}.")]
-        if f"layers.{key}.{child_name}" in whole:
+    lp = f"{prefix}{attr}.{key}."
+    for child_name, child in getattr(base, attr)[key].named_children():
+        planned = [n for n in own if n.startswith(f"{attr}.{key}.{child_name}.")]
+        if f"{attr}.{key}.{child_name}" in whole:
             if sequence_parallel:
                 plan[lp + child_name] = GatherSequence(scatter_output=True)
         elif planned:
             if sequence_parallel:
                 plan[lp + child_name] = GatherSequence()
             for sub_name, sub in child.named_modules():
-                fqn = f"layers.{key}.{child_name}.{sub_name}"
+                fqn = f"{attr}.{key}.{child_name}.{sub_name}"
                 if sub_name and fqn not in own and any(True for _ in sub.parameters(recurse=False)):
                     plan[prefix + fqn] = ReplicateParallel()  # e.g. a norm over the gathered q
         elif any(True for _ in child.parameters()):
-            plan[lp + child_name] = norm_style() if _is_norm(child) else ReplicateParallel()
+            plan[lp + child_name] = norm_style() if is_norm(child) else ReplicateParallel()
     return plan
