@@ -19,14 +19,11 @@ import tempfile
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from titan_hydra.errors import UserError  # noqa: E402
-from titan_hydra.groups import compose_config  # noqa: E402
-from titan_hydra.models.hf.fields import known_fields  # noqa: E402
-from titan_hydra.quiet import loggers_at_error  # noqa: E402
-from titan_hydra.spec import spec_of  # noqa: E402
+from titan_hydra.errors import UserError
+from titan_hydra.groups import compose_config
+from titan_hydra.models.hf.fields import known_fields
+from titan_hydra.quiet import loggers_at_error
+from titan_hydra.spec import spec_of
 
 ARCHITECTURES = [
     # dense, model.layers
