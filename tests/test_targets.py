@@ -38,8 +38,9 @@ def test_a_wrong_kind_is_one_line_from_launch_before_anything_is_built(capsys, t
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err == ("error: lr_scheduler._target_=os.getcwd is not what the lr_scheduler group builds: it expects a "
-                   "titan_hydra.schedules.WarmupDecay or torch.optim.lr_scheduler.LRScheduler (that class, a subclass, or a "
-                   "function annotated to return one); it is a function without a return annotation")
+                   "titan_hydra.schedules.WarmupDecay or titan_hydra.schedules.CooldownSchedule or "
+                   "torch.optim.lr_scheduler.LRScheduler (that class, a subclass, or a function annotated to return one); "
+                   "it is a function without a return annotation")
 
 
 DEFAULT_TARGETS = {path: str(node._target_) for path, node in targets_of(compose_cfg([]))}

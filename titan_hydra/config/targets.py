@@ -29,7 +29,9 @@ from titan_hydra.errors import ConfigError, first_line
 KINDS: dict[str, tuple[str, ...]] = {
     "model": ("torch.nn.Module",),
     "optimizer": ("torch.optim.Optimizer",),
-    "lr_scheduler": ("torch.optim.lr_scheduler.LRScheduler",),
+    # the group's own settings classes, also for a saved run config read back without its schema
+    "lr_scheduler": ("titan_hydra.schedules.WarmupDecay", "titan_hydra.schedules.CooldownSchedule",
+                     "torch.optim.lr_scheduler.LRScheduler"),
 }
 # group -> methods that make a class acceptable whatever it derives from (MetricLogger calls only these)
 DUCK: dict[str, tuple[str, ...]] = {"logger": ("log",)}
@@ -103,7 +105,7 @@ def check_target(path: str, node: DictConfig) -> None:
     if not expected:
         raise ConfigError(f"{path}._target_={target}: the {group} group's default builder {default} "
                           "does not say what it builds (no return annotation), so no other target can be checked")
-    wants = " or ".join(_name(k) for k in expected) + (f" (or any class with {', '.join(duck)}())" if duck else "")
+    wants = " or ".join(dict.fromkeys(_name(k) for k in expected)) + (f" (or any class with {', '.join(duck)}())" if duck else "")
     what = (f"it builds a {_name(kind)}" if kind is not None else
             "it is a function without a return annotation" if callable(obj) else "it is not callable")
     raise ConfigError(f"{path}._target_={target} is not what the {group} group builds: it expects a {wants} "
