@@ -40,6 +40,8 @@ DUCK: dict[str, tuple[str, ...]] = {"logger": ("log",)}
 def targets_of(cfg: DictConfig, prefix: str = "") -> Iterator[tuple[str, DictConfig]]:
     """(path, node) of every node of ``cfg`` with a ``_target_`` ("lr_scheduler", "logger.wandb")."""
     for key in cfg.keys():
+        if not prefix and key == "hydra":  # Hydra's own node (its launcher, sweeper): Hydra checks it
+            continue
         if key == "_target_":
             yield prefix, cfg
             continue
