@@ -6,6 +6,7 @@ composed config; the end-to-end cases go through launch.py.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -246,3 +247,35 @@ def test_launch_dry_run_prints_the_choice(tmp_path):
     assert "64 / dp_replicate=1 dp_shard=8 tp=8 pp=1 cp=1" in proc.stdout
     assert f"memory per rank: peak         {p.mem_total_gib:.3f} GiB (fits)" in proc.stdout
     assert f"80 GiB / {ClusterConfig.memory_headroom:.0%} kept free -> {p.usable_memory_gib:.1f} GiB usable" in proc.stdout
+
+
+def _candidate(overrides, **degrees):
+    spec = spec_of(compose_cfg(overrides))
+    found = [c for c in auto.candidates(spec) if all(getattr(c, k) == v for k, v in degrees.items())]
+    assert len(found) == 1, found
+    return spec, found[0]
+
+
+def test_a_pipeline_deeper_than_the_local_batch_gets_one_sample_per_microbatch():
+    """1F1B needs a microbatch per stage: pp=16 with the default local batch of 8 was refused;
+    auto raises the local batch to 16 (16 microbatches of one sample) and the launch rules accept it."""
+    ov = ["model=llama3_405b", *H100, "cluster.nnodes=64"]
+    spec, c = _candidate(ov, dp_replicate=1, tp=8, pp=16)
+    assert spec.batch.local == 8 and spec.dims.pp_schedule == "1F1B"
+    assert (c.local_batch, c.pp_microbatches, c.invalid) == (16, 16, "")
+    on = auto.candidate_spec(spec, c)
+    assert (on.batch.local, on.batch.grad_accum, on.batch.global_) == (16, 1, 16 * on.dims.dp_degree)
+    assert auto.layout_problem(on) == ""
+    # the user's own microbatch count is kept, and refused as before
+    _, mine = _candidate([*ov, "parallelism.pp_microbatches=8"], dp_replicate=1, tp=8, pp=16)
+    assert mine.local_batch == 0 and "pp_microbatches=8" in mine.invalid
+
+
+def test_a_fixed_global_batch_stays_fixed_when_auto_feeds_the_pipeline():
+    """With training.global_batch_size set, the larger local batch comes out of gradient accumulation."""
+    ov = ["model=llama3_405b", *H100, "cluster.nnodes=64", "training.global_batch_size=4096"]  # 8 x 512 ranks
+    spec, c = _candidate(ov, dp_replicate=1, tp=8, pp=16)  # dp 4
+    at_eight = auto.candidate_spec(spec, dataclasses.replace(c, local_batch=0, pp_microbatches=8))
+    on = auto.candidate_spec(spec, c)
+    assert (at_eight.batch.local, at_eight.batch.grad_accum, at_eight.batch.global_) == (8, 128, 4096)
+    assert (c.local_batch, on.batch.local, on.batch.grad_accum, on.batch.global_) == (16, 16, 64, 4096)

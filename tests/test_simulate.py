@@ -8,6 +8,7 @@ tracker; the shards must be the same bytes exactly and the activations within 10
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -224,3 +225,30 @@ def test_transformers_architecture_from_its_config_at_64_ranks(tmp_path):
                            "parallelism.dp_replicate=2"])
     assert (spec.dims.dp_replicate, spec.dims.dp_shard, spec.dims.tp) == (2, 8, 4)
     check_against_closed_form(spec, sim)
+
+
+@pytest.mark.slow  # spawns the simulated ranks' processes
+def test_auto_verify_takes_the_fastest_candidate_whose_simulated_peak_fits(capsys):
+    """A device just too small for the planner's first pick, as simulated, and large enough for its
+    second: parallelism.auto_verify=simulate takes the second and writes it into the config."""
+    from titan_hydra.launch.resolve import resolved_spec
+    from titan_hydra.launch.verify_layout import worth_simulating
+    from titan_hydra.planner.auto import candidate_spec, candidates
+    from titan_hydra.simulate.report import GIB
+    from titan_hydra.spec import spec_of
+
+    base = ["model=llama3_debug", "cluster=slurm_h100", "cluster.nnodes=1", "parallelism=auto"]
+    spec = spec_of(compose_cfg(base))
+    first, second = worth_simulating(spec, candidates(spec))[:2]
+    peak = simulate(candidate_spec(spec, first)).tightest.peak_bytes / GIB
+    usable = 0.97 * peak  # the first pick misses by 3%
+    cfg = compose_cfg([*base, f"cluster.gpu_mem_gib={usable / (1 - spec.cluster.memory_headroom)}",
+                       "parallelism.auto_verify=simulate"])
+    chosen = resolved_spec(cfg)
+    assert (chosen.dims.dp_shard, chosen.dims.tp) == (second.dp_shard, second.tp)
+    assert cfg.parallelism.name == "auto:" + second.describe(",")
+    out = capsys.readouterr().out
+    assert f"{first.describe()} simulated peak {peak:.3g} GiB/rank (planned {first.mem_gib:.3g}): does not fit" in out
+    fits = re.search(rf"{second.describe()} simulated peak ([0-9.e+-]+) GiB/rank \(planned [0-9.e+-]+\): fits", out)
+    assert fits and float(fits.group(1)) <= usable, out
+    assert f"parallelism=auto took {second.describe()}" in out

@@ -1,7 +1,9 @@
 """The run's spec, built once per process, with what the composed config leaves open resolved:
 ``parallelism=auto``.
 
-The planner picks the layout from the run's spec (``planner/auto.py``); the spec continues on the
+The planner picks the layout from the run's spec (``planner/auto.py``; with
+``parallelism.auto_verify=simulate`` the simulator checks its best candidates first,
+``launch/verify_layout.py``); the spec continues on the
 chosen dims (its logged config records them), and the degrees are also written into the config
 with the name ``auto:<degrees>``: the config a SLURM submission hands its tasks then names a
 concrete layout, and a second call (a task re-entering ``launch``) resolves nothing.
@@ -13,7 +15,8 @@ import dataclasses
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from titan_hydra.planner.auto import Candidate, candidate_spec, choose_layout
+from titan_hydra.launch.verify_layout import verified_layout
+from titan_hydra.planner.auto import Candidate, candidate_spec, candidates, choose_layout, show_candidates
 from titan_hydra.spec import RunSpec, spec_of
 
 
@@ -23,11 +26,18 @@ def resolved_spec(cfg: DictConfig) -> RunSpec:
     spec = spec_of(cfg)
     if OmegaConf.select(cfg, "parallelism.name") != "auto":
         return spec
-    chosen = choose_layout(spec)
+    cands = candidates(spec)
+    if spec.dims.auto_verify == "simulate":  # the simulator judges the fit, not the closed form
+        show_candidates(spec, cands)
+        chosen = verified_layout(spec, cands)
+    else:
+        chosen = choose_layout(spec, cands)
     set_degrees(cfg, chosen)
     on_layout = candidate_spec(spec, chosen)
-    parallelism = {**on_layout.resolved["parallelism"], **layout_settings(chosen)}
-    return dataclasses.replace(on_layout, resolved={**on_layout.resolved, "parallelism": parallelism})
+    resolved = dict(on_layout.resolved)
+    resolved["parallelism"] = {**resolved["parallelism"], **layout_settings(chosen)}
+    resolved["training"] = {**resolved["training"], **batch_settings(chosen)}
+    return dataclasses.replace(on_layout, resolved=resolved)
 
 
 def layout_settings(c: Candidate) -> dict:
@@ -35,7 +45,14 @@ def layout_settings(c: Candidate) -> dict:
     return {**c.degrees(), "pp_microbatches": c.pp_microbatches, "name": "auto:" + c.describe(",")}
 
 
+def batch_settings(c: Candidate) -> dict:
+    """The ``training`` keys a chosen layout sets: the local batch auto raised to feed a pipeline."""
+    return {"local_batch_size": c.local_batch} if c.local_batch else {}
+
+
 def set_degrees(cfg: DictConfig, c: Candidate) -> None:
     with open_dict(cfg):
         for k, v in layout_settings(c).items():
             cfg.parallelism[k] = v
+        for k, v in batch_settings(c).items():
+            cfg.training[k] = v

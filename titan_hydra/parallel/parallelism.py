@@ -31,6 +31,7 @@ PP_SCHEDULES = (
     "DualPipeV",
 )
 RESHARD_POLICIES = ("default", "always", "never")
+AUTO_VERIFY = ("none", "simulate")
 CP_ROTATE_METHODS = ("allgather", "alltoall")
 
 
@@ -71,6 +72,10 @@ class ParallelDims:
     # ``data_degree`` batch slices per step. 1 without fault tolerance.
     replica_groups: int = 1
     replica_group: int = 0
+    # parallelism=auto only: "simulate" checks the planner's best candidates by simulating them
+    # (dry_run=simulate's simulator), the fastest first, at most auto_verify_max of them
+    auto_verify: str = "none"  # one of AUTO_VERIFY
+    auto_verify_max: int = 3
 
     def __post_init__(self) -> None:
         for key in ("dp_replicate", "tp", "pp", "cp"):
@@ -100,6 +105,10 @@ class ParallelDims:
             )
         if self.pp_schedule not in PP_SCHEDULES:
             raise ConfigError(f"parallelism.pp_schedule={self.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
+        if self.auto_verify not in AUTO_VERIFY:
+            raise ConfigError(f"parallelism.auto_verify={self.auto_verify!r} is not one of {', '.join(AUTO_VERIFY)}")
+        if self.auto_verify_max < 1:
+            raise ConfigError(f"parallelism.auto_verify_max={self.auto_verify_max} must be >= 1")
         if self.cp_rotate_method not in CP_ROTATE_METHODS:
             raise ConfigError(
                 f"parallelism.cp_rotate_method={self.cp_rotate_method!r} is not one of {', '.join(CP_ROTATE_METHODS)}"

@@ -61,6 +61,7 @@ class Candidate:
     cp: int
     pp_microbatches: int | None
     ep: int = 1  # expert parallel (MoE models): borrowed from dp_shard x cp
+    local_batch: int = 0  # samples per rank per step when auto raised it to feed the pipeline (0: the run's)
     mem_gib: float = 0.0
     fits: bool = True
     tokens_per_s: float = 0.0
@@ -76,6 +77,10 @@ class Candidate:
 
     def describe(self, sep: str = " ") -> str:
         return sep.join(f"{k}={v}" for k, v in self.degrees().items() if k == "dp_shard" or v > 1)
+
+    def batch_note(self) -> str:
+        """What auto changed of the batch to feed the pipeline ("" when nothing)."""
+        return f"local batch {self.local_batch} in {self.pp_microbatches} microbatches" if self.local_batch else ""
 
 
 def divisors(n: int) -> list[int]:
@@ -134,7 +139,35 @@ def expert_degrees(n_experts: int, shard_ranks: int, tp: int) -> list[int]:
 def candidate_spec(spec: RunSpec, c: Candidate) -> RunSpec:
     """The run on the candidate's layout; ConfigError when its degrees or batch plan do not hold."""
     dims = dataclasses.replace(spec.dims, **c.degrees(), pp_microbatches=c.pp_microbatches)
+    if c.local_batch:
+        spec = dataclasses.replace(spec, training=dataclasses.replace(spec.training, local_batch_size=c.local_batch))
     return spec.with_dims(dims)
+
+
+def fed_pipeline(base: RunSpec, c: Candidate) -> Candidate:
+    """A pipeline candidate whose schedule needs more microbatches than the local batch has samples
+    (1F1B: one per stage) gets a larger local batch, in microbatches of one sample, when the user
+    left ``parallelism.pp_microbatches`` to auto: the smallest multiple of the run's local batch
+    that the launch rules accept. A fixed ``training.global_batch_size`` stays fixed (gradient
+    accumulation shrinks by the same factor; a multiple it cannot absorb is not taken); with
+    ``global_batch_size=-1`` the global batch is local x data parallel, as on every layout. The
+    planner sizes the larger batch like any other, so memory still decides."""
+    if c.pp == 1 or base.dims.pp_microbatches or not layout_problem_of(base, c):
+        return c
+    local = base.batch.local
+    for k in range(2, max(2, math.ceil(2 * c.pp / local)) + 1):  # V schedules hold 2 stages per rank
+        fed = dataclasses.replace(c, local_batch=k * local, pp_microbatches=k * local)
+        if not layout_problem_of(base, fed):
+            return fed
+    return c
+
+
+def layout_problem_of(base: RunSpec, c: Candidate) -> str:
+    """Why the launch would refuse candidate ``c`` of run ``base`` ("" = it would not)."""
+    try:
+        return layout_problem(candidate_spec(base, c))
+    except UserError as e:
+        return str(e).splitlines()[0]
 
 
 def layout_problem(spec: RunSpec) -> str:
@@ -204,7 +237,26 @@ def evaluate(base: RunSpec, c: Candidate) -> Candidate:
 
 def candidates(spec: RunSpec) -> list[Candidate]:
     """Every candidate layout of the run, evaluated."""
-    return [evaluate(spec, c) for c in enumerate_candidates(spec)]
+    return [evaluate(spec, fed_pipeline(spec, c)) for c in enumerate_candidates(spec)]
+
+
+def preference(c: Candidate) -> tuple:
+    """Among near-tied candidates: fewer model-parallel dims, smaller model-parallel groups, fewer
+    replicas, shallower pipeline, then the faster estimate."""
+    return c.model_parallel_dims, c.tp * c.pp * c.cp, c.dp_replicate, c.pp, -c.tokens_per_s
+
+
+def ranked(cands: list[Candidate]) -> list[Candidate]:
+    """Valid candidates, best first: by estimated tokens/s, candidates within ``TIE_TOLERANCE`` of
+    each other ordered by ``preference`` (``choose`` takes the first that fits)."""
+    rest = sorted((c for c in cands if not c.invalid), key=lambda c: -c.tokens_per_s)
+    out = []
+    while rest:
+        near = [c for c in rest if c.tokens_per_s >= (1 - TIE_TOLERANCE) * rest[0].tokens_per_s]
+        best = min(near, key=preference)
+        out.append(best)
+        rest.remove(best)
+    return out
 
 
 def choose(cands: list[Candidate]) -> Candidate | None:
@@ -214,7 +266,7 @@ def choose(cands: list[Candidate]) -> Candidate | None:
         return None
     best = max(c.tokens_per_s for c in ok)
     near = [c for c in ok if c.tokens_per_s >= (1 - TIE_TOLERANCE) * best]
-    return min(near, key=lambda c: (c.model_parallel_dims, c.tp * c.pp * c.cp, c.dp_replicate, c.pp, -c.tokens_per_s))
+    return min(near, key=preference)
 
 
 def table(cands: list[Candidate], device_gib: float | None) -> str:
@@ -222,7 +274,7 @@ def table(cands: list[Candidate], device_gib: float | None) -> str:
     rows = [f"{'layout':<40} {'mem/rank GiB':>12} {'fits ' + cap:>14} {'est. tokens/s':>14}"]
     for c in cands:
         status = ("yes" if c.fits else "no") if not c.invalid else "invalid"
-        note = f"  ({c.invalid[:70]})" if c.invalid else ""
+        note = f"  ({c.invalid[:70]})" if c.invalid else (f"  ({c.batch_note()})" if c.local_batch else "")
         rows.append(f"{c.describe():<40} {c.mem_gib:>12.3g} {status:>14} {c.tokens_per_s:>14.4g}{note}")
     return "\n".join(rows)
 
@@ -248,21 +300,26 @@ def is_launcher_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def choose_layout(spec: RunSpec) -> Candidate:
+def choose_layout(spec: RunSpec, cands: list[Candidate] | None = None) -> Candidate:
     """``parallelism=auto``'s layout for the run ``spec`` describes (its dims' degrees are
     replaced); the launching rank prints the candidates and why; ConfigError when none fits."""
-    cands = candidates(spec)
-    usable = usable_memory_of(spec.cluster)
+    cands = candidates(spec) if cands is None else cands
     chosen = choose(cands)
     if chosen is None:
         raise ConfigError(no_fit_message(spec, cands))
     if is_launcher_rank():
-        print(f"parallelism=auto candidates ({len(cands)}):\n{table(cands, usable)}", flush=True)
-        if usable is not None:
-            print(f"parallelism=auto memory: {budget(spec)}", flush=True)
+        show_candidates(spec, cands)
         peak = peak_tflops_of(spec.cluster) is not None
         print(f"parallelism=auto chose {chosen.describe()}: {reason(chosen, cands, peak)}", flush=True)
     return chosen
+
+
+def show_candidates(spec: RunSpec, cands: list[Candidate]) -> None:
+    """The candidates' table and the memory budget they were judged by."""
+    usable = usable_memory_of(spec.cluster)
+    print(f"parallelism=auto candidates ({len(cands)}):\n{table(cands, usable)}", flush=True)
+    if usable is not None:
+        print(f"parallelism=auto memory: {budget(spec)}", flush=True)
 
 
 def budget(spec: RunSpec) -> str:
