@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from titan_hydra.errors import ConfigError
 from titan_hydra.models.protocol import DrawsSamples
@@ -46,7 +47,8 @@ class PeriodicEval:
                  sample_guidance: float = 3.0,  # guidance scale (classifier-free, or flux_dev's embedded one)
                  sample_seed: int = 0,  # the pictures' noise: the same at every step, so rows compare
                  fidelity_every: int = 0,  # steps between fidelity scores (and at the end); 0 = none
-                 fidelity_prompts: int = 64):  # held-out captions scored, one picture each
+                 fidelity_prompts: int = 64,  # held-out captions scored, one picture each
+                 sharded: bool = False):  # harness requests scored across the dp ranks by the training model
         if freq < 0:
             raise ConfigError(f"eval.freq={freq} must be >= 0 (0 = no evaluation during training)")
         if sample_every < 0:
@@ -63,6 +65,7 @@ class PeriodicEval:
         self.sample_every, self.sample_prompts = int(sample_every), [str(p) for p in sample_prompts]
         self.sample_steps, self.sample_guidance, self.sample_seed = int(sample_steps), float(sample_guidance), int(sample_seed)
         self.fidelity_every, self.fidelity_prompts = int(fidelity_every), int(fidelity_prompts)
+        self.sharded = bool(sharded)
 
     @property
     def enabled(self) -> bool:
@@ -97,6 +100,12 @@ class PeriodicEval:
         from titan_hydra.evaluation import check_tasks  # lm-eval: the optional eval extra, loaded only when asked for
         check_tasks(self.tasks)
 
+    def check_layout(self, dims) -> None:
+        """``sharded`` scores through the training model's own forward: not a pipeline's stages (one line)."""
+        if self.sharded and self.freq > 0 and dims.pp > 1:
+            raise ConfigError(f"eval.sharded=true scores through the model's forward, which a pipeline (parallelism.pp="
+                              f"{dims.pp}) splits into stages; set eval.sharded=false (one full copy on rank 0)")
+
     def check_data(self, dataset) -> None:
         """Fidelity needs held-out captions and a reader of pictures from the data (one line if not)."""
         if self.fidelity_every > 0:
@@ -117,10 +126,16 @@ class PeriodicEval:
     def due(self, step: int, last: bool) -> bool:
         return self._harness_due(step, last) or self._samples_due(step, last) or self._fidelity_due(step, last)
 
-    def run(self, parts: list[torch.nn.Module], family, args, dataset, step: int, last: bool
+    def run(self, parts: list[torch.nn.Module], family, args, dataset, step: int, last: bool, dims=None
             ) -> tuple[dict[str, float], dict[str, tuple[np.ndarray, list[str]]]]:
         """(the harness's scores, the same dict on every rank; {key: (uint8 pictures [N, H, W, 3],
-        their prompts)} on rank 0, {} elsewhere) of the current weights."""
+        their prompts)} on rank 0, {} elsewhere) of the current weights. ``sharded``: the harness
+        runs on every rank over the training model (``dims``: its data-parallel place), no copy."""
+        sharded = {}
+        if self.sharded and self._harness_due(step, last):
+            sharded = self._evaluate_sharded(parts, args, dataset.tokenizer, dims)
+            if not (self._fidelity_due(step, last) or self._samples_due(step, last)):
+                return sharded, {}
         state = gather_full_state(parts)  # collective inside each rank's sharding groups
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         rank = dist.get_rank() if distributed else 0
@@ -133,7 +148,8 @@ class PeriodicEval:
         pictures: dict[str, tuple[np.ndarray, list[str]]] = {}
         if rank == 0:
             model = self._full_copy(state, family, args)
-            if self._harness_due(step, last):
+            scores[0] = dict(sharded)
+            if self._harness_due(step, last) and not self.sharded:
                 scores[0] = self._evaluate(model, args, dataset.tokenizer)
             if self._fidelity_due(step, last):
                 scores[0].update(self.fidelity(model, family, dataset))
@@ -170,10 +186,31 @@ class PeriodicEval:
         return model.float().eval()
 
     def _evaluate(self, model: torch.nn.Module, args, tokenizer) -> dict[str, float]:
-        from titan_hydra.evaluation import TitanLM, run_harness  # lm-eval (optional extra): see check
+        from titan_hydra.evaluation import TitanLM  # lm-eval (optional extra): see check
 
-        window = min(self.max_seq_len or args.max_seq_len, args.max_seq_len)
+        return self._harness(TitanLM(model, tokenizer, self._window(args), self.batch_size))
+
+    def _evaluate_sharded(self, parts: list[torch.nn.Module], args, tokenizer, dims) -> dict[str, float]:
+        from titan_hydra.evaluation import ShardedLM  # lm-eval (optional extra): see check
+
+        model = parts[0]
+        device = next(model.parameters()).device
+
+        @torch.no_grad()
+        def forward(ids: torch.Tensor) -> torch.Tensor:
+            logits = model(ids.to(device))
+            return logits.full_tensor() if isinstance(logits, DTensor) else logits  # tp: vocab-sharded logits
+
+        dp_rank, dp_degree = (dims.dp_rank(), dims.dp_degree) if dims is not None else (0, 1)
+        return self._harness(ShardedLM(forward, tokenizer, self._window(args), self.batch_size, dp_rank, dp_degree))
+
+    def _window(self, args) -> int:
+        return min(self.max_seq_len or args.max_seq_len, args.max_seq_len)
+
+    def _harness(self, lm) -> dict[str, float]:
+        from titan_hydra.evaluation import run_harness  # lm-eval (optional extra): see check
+
         with torch.autocast("cpu", enabled=False):
-            results = run_harness(TitanLM(model, tokenizer, window, self.batch_size), self.tasks, self.limit)
+            results = run_harness(lm, self.tasks, self.limit)
         return {f"eval/{task}/{metric}": float(value) for task, metrics in results.items()
                 for metric, value in metrics.items() if metric != "sample_len"}
