@@ -23,6 +23,7 @@ import pytest
 from helpers import REPO, TINY, compose_cfg, read_metrics, run_launch
 from titan_hydra.errors import ConfigError
 from titan_hydra.metrics.goodput import LEDGER, read_records, tally_of
+from titan_hydra.metrics import goodput_ledger
 from titan_hydra.metrics.goodput_ledger import GoodputLedger
 from titan_hydra.train.health.fault_injection import FaultInjection
 
@@ -96,6 +97,27 @@ def test_corrupt_ledger_restarts_with_a_marker_and_the_run_goes_on(tmp_path, cap
     bad = subprocess.run([sys.executable, str(REPO / "recipes" / "goodput.py"), str(tmp_path)],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "without a step number" in bad.stderr
+
+
+def test_a_worker_restarted_by_torch_elastic_counts_from_the_dead_attempts_last_record(tmp_path, monkeypatch):
+    """A hang: the attempt stops writing at its last step and dies when the watchdog fires; the agent
+    restarts the worker at once. That wait and the restart are the run's lost time (a rerun by hand
+    counts from its own process start only)."""
+    path = tmp_path / LEDGER
+    last = time.time() - 30.0
+    path.write_text(json.dumps(_start(last - 10.0, 0, warmup=5.0)) + "\n"
+                    + json.dumps({**_step(1, productive=5.0), "t": last}) + "\n")
+    monkeypatch.setattr(goodput_ledger, "process_start_time", lambda: time.time() - 1.0)  # a fresh worker
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    ledger = GoodputLedger(tmp_path, rank=0)
+    ledger.begin(resumed_step=0)
+    lost = read_records(path)[0][-1]["s"]["lost"]
+    assert 30.0 <= lost < 60.0 and ledger.tally.restarts == 1
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    path.write_text(path.read_text().rsplit("\n", 2)[0] + "\n")  # the same ledger, rerun by hand
+    by_hand = GoodputLedger(tmp_path, rank=0)
+    by_hand.begin(resumed_step=0)
+    assert read_records(path)[0][-1]["s"]["lost"] < 30.0
 
 
 def test_kill_at_step_zero_is_refused():

@@ -124,6 +124,7 @@ class Tally:
     attempts: list[dict[str, Any]] = field(default_factory=list)  # t, resumed_step, after_failure
     ended: bool = True  # the last attempt wrote its end record (a new one is not a restart)
     _fresh: bool = False  # a later attempt has not kept a step yet
+    last_t: float = 0.0  # the Unix time of the last step or end record (0: none)
     # kept step records that a later restart or rollback may still move: [step, {cat: s}, timeline row]
     _alive: list[list[Any]] = field(default_factory=list)
     timeline: list[dict[str, Any]] = field(default_factory=list)  # t, attempt, s (final categories)
@@ -150,6 +151,7 @@ class Tally:
         seconds = {c: float(v) for c, v in record.get("s", {}).items()}
         for c, v in seconds.items():
             self.totals[c] += v
+        self.last_t = float(record["t"]) if kind != "start" else self.last_t
         row = None
         if self.keep_timeline:
             row = {"t": float(record["t"]), "attempt": len(self.attempts) - 1, "s": dict(seconds)}

@@ -45,6 +45,12 @@ def _record_exit() -> None:
         _closed.clear()
 
 
+def relaunched() -> bool:
+    """Whether torch elastic restarted this worker after a failure of the same run (its agent sets
+    the count); a rerun by hand or a SLURM requeue (queue time is not the run's) is not."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
 class GoodputLedger:
     """One attempt's share of the run's ledger. ``own_s``: the time spent in the ledger itself."""
 
@@ -78,6 +84,10 @@ class GoodputLedger:
             self.tally = tally_of(records)
         now = time.time()
         startup = "warmup" if self.tally.ended else "lost"  # after a death the start-up is the restart's cost
+        if startup == "lost" and relaunched() and 0 < self.tally.last_t < self.started:
+            # torch elastic restarted this worker at once: the dead attempt's last seconds (a hang until
+            # the watchdog fired, the agent's restart) belong to this run too
+            self.started = self.tally.last_t
         self._write({"kind": "start", "t": self.started, "resumed_step": int(resumed_step), "pid": os.getpid(),
                      "host": socket.gethostname(), "s": {startup: now - self.started}})
         self.mark = time.perf_counter()
