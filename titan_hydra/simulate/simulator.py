@@ -10,6 +10,7 @@ figure with the closed-form plan (``report.py``).
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import resource
 import time
@@ -35,9 +36,20 @@ def representative_ranks(dims) -> list[int]:
     return [p * per_stage for p in range(dims.pp)]
 
 
+def rank_processes() -> multiprocessing.context.BaseContext:
+    """Where simulated ranks run: fresh processes forked from a server that imported this module
+    once (torch, the models, the parallel code): a rank starts in milliseconds instead of the
+    seconds a spawned interpreter spends importing, and inherits no state of this process (the
+    server runs no tensor op, so DTensor's caches start empty in every rank)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context
+
+
 def rank_in_world(spec: RunSpec, rank: int, steps: int, stage_input=None) -> RankResult:
     """One simulated rank in a process of its own (run by a fresh worker: DTensor's caches compare
     meshes of different worlds as equal, so one process cannot host two worlds one after the other)."""
+    gc.enable()  # a fork server started by a launch pauses collection (launch/gc_paused.py); storages must be freed
     with fake_world(spec.world_size, rank):
         return simulate_rank(spec, rank, int(steps), torch.device(spec.cluster.device), stage_input)
 
@@ -59,15 +71,15 @@ def simulate(spec: RunSpec) -> Simulation:
     """Simulate ``training.simulate_steps`` steps of every distinct rank of ``spec``."""
     check_simulable(spec)
     started, cpu0 = time.perf_counter(), time.process_time()
-    # (each rank runs in a spawned worker: one process cannot host two fake worlds in turn)
+    # (each rank runs in a fresh process: one process cannot host two fake worlds in turn)
     steps = int(spec.training.simulate_steps)
     first, *others = representative_ranks(spec.dims)
-    spawn = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=spawn, max_tasks_per_child=1) as pool:
+    fresh = rank_processes()
+    with ProcessPoolExecutor(1, mp_context=fresh, max_tasks_per_child=1) as pool:
         head = pool.submit(rank_in_world, spec, first, steps).result()
     results = [head]
     if others:  # the first stage's output shape is what the later stages receive
-        with ProcessPoolExecutor(min(PARALLEL_RANKS, len(others)), mp_context=spawn, max_tasks_per_child=1) as pool:
+        with ProcessPoolExecutor(min(PARALLEL_RANKS, len(others)), mp_context=fresh, max_tasks_per_child=1) as pool:
             results += list(pool.map(rank_in_world, *zip(*[(spec, r, steps, head.stage_output) for r in others])))
     usable = usable_memory_of(spec.cluster)
     wall = time.perf_counter() - started
