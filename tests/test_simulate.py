@@ -211,6 +211,23 @@ def test_hybrid_linear_attention_at_64_ranks():
     assert sim.ranks[0].activations_bytes > 0 and sim.fits
 
 
+@pytest.mark.slow  # spawns the simulated ranks' processes
+def test_flux_image_batches_at_64_ranks():
+    """flux_dev's widths (1 double + 2 single blocks) on 512-pixel pictures with 256 caption tokens,
+    HSDP (2 replicas x fsdp 8) x tp 4: the family's own batch shapes (ShapesBatches) stepped."""
+    spec, sim = simulated(["model=flux_dev", "model.n_double_blocks=1", "model.n_single_blocks=2", "data=flux_shapes",
+                           "data.examples.guidance=3.5", "data.image_size=512", "data.examples.max_text_len=256",
+                           *H100, "parallelism=fsdp_tp", "parallelism.tp=4", "parallelism.tp_sequence_parallel=false",
+                           "parallelism.dp_replicate=2", "training.local_batch_size=2"])
+    assert (spec.dims.dp_replicate, spec.dims.dp_shard, spec.dims.tp) == (2, 8, 4)
+    check_against_closed_form(spec, sim)
+    r = sim.ranks[0]
+    # a block's activations scale with the 1024 image + 256 text tokens of each picture
+    assert r.activations_bytes > 2 * 1280 * 3072 * 2
+    ops = {(c.mesh_dim, c.op) for c in r.collectives}
+    assert {("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"), ("dp_replicate", "all_reduce")} <= ops, ops
+
+
 LLAMA31_8B = {  # Llama 3.1 8B's published config.json, cut to 2 of its 32 layers
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
     "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,

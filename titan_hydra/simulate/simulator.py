@@ -19,6 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 from titan_hydra.errors import ConfigError
+from titan_hydra.models.protocol import ShapesBatches
 from titan_hydra.planner.devices import usable_memory_of
 from titan_hydra.planner.plan import layout_label, plan
 from titan_hydra.simulate.fake_world import fake_world
@@ -63,8 +64,9 @@ def check_simulable(spec: RunSpec) -> None:
                           "simulate with compile=none (compile changes activation memory, not the layout)")
     if spec.fault_tolerant:
         raise ConfigError("dry_run=simulate simulates one replica group: set fault_tolerance=none to simulate it")
-    if not spec.token_data:
-        raise ConfigError(f"dry_run=simulate makes token batches; {spec.flavor} reads other data: not simulated yet")
+    if not spec.token_data and not isinstance(spec.family, ShapesBatches):
+        raise ConfigError(f"dry_run=simulate makes token batches, and model family {spec.family.name!r} names no "
+                          "other batch shapes (ShapesBatches in titan_hydra/models/protocol.py): not simulated")
 
 
 def simulate(spec: RunSpec) -> Simulation:
