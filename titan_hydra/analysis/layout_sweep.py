@@ -15,7 +15,7 @@ import csv
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from titan_hydra.analysis.runs import read_yaml
 from titan_hydra.analysis.sweep import job_overrides, jobs
@@ -121,6 +121,7 @@ def fits_cell(r: LayoutRow) -> str:
 
 
 def write_layout_tables(rows: list[LayoutRow], sweep_dir: Path) -> None:
+    """report.csv (every figure, bytes exact) and report.md."""
     dims = mesh_dims(rows)
     with open(sweep_dir / "report.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS + [f"collective_bytes/{d}" for d in dims]
@@ -130,31 +131,46 @@ def write_layout_tables(rows: list[LayoutRow], sweep_dir: Path) -> None:
             writer.writerow({**{k: getattr(r, k) for k in COLUMNS},
                              **{f"collective_bytes/{d}": r.collective_bytes.get(d) for d in dims},
                              "collective_bytes/total": sum(r.collective_bytes.values()) if r.simulated else None})
+    (sweep_dir / "report.md").write_text("\n".join(markdown(rows, sweep_dir)) + "\n")
+
+
+def markdown(rows: list[LayoutRow], sweep_dir: Path) -> list[str]:
+    """report.md: a row per layout; without a simulation (dry_run=true) the plan's columns only."""
     ok = [r for r in rows if r.status == "ok"]
+    simulated = any(r.simulated for r in ok)
+    dims = mesh_dims(rows)
     nominal = " (a CPU cluster: at the planner's nominal 1 TFLOP/s peak, for ranking only)" if any(
         r.nominal_peak for r in ok) else ""
+    columns: list[tuple[str, str, Callable[[LayoutRow], str]]] = [
+        ("job", "---:", lambda r: str(r.job)),
+        ("varies", "---", lambda r: f"`{r.label}`"),
+        ("layout", "---", lambda r: r.layout),
+        ("status", "---", lambda r: r.status if not r.error else f"{r.status}: {r.error}".replace("|", "/")),
+    ]
+    if simulated:
+        columns.append(("peak (rank)", "---:", lambda r: f"{size(r.peak_bytes)} ({r.tightest_rank})" if r.simulated else ""))
+    columns += [("planner peak", "---:", lambda r: size(r.plan_peak_bytes)),
+                ("fits (usable GiB)", "---", fits_cell)]
+    if simulated:
+        columns += [(d, "---:", lambda r, d=d: size(r.collective_bytes.get(d))) for d in dims]
+        columns.append(("collectives", "---:", lambda r: size(sum(r.collective_bytes.values())) if r.simulated else ""))
+    columns.append(("est. tokens/s", "---:", lambda r: "" if r.est_tokens_per_s is None else f"{r.est_tokens_per_s:,.0f}"))
+    what = ("Peak: the tightest simulated rank's (its rank in brackets), beside the closed-form plan's. Fits: that "
+            "peak within the usable GiB per device (device memory less cluster.memory_headroom). "
+            f"{', '.join(dims) or 'Mesh dims'}, collectives: bytes per step over each mesh dim and in all, of the "
+            "simulated rank that moves the most. " if simulated else
+            "Planner peak: the closed-form plan's per rank. Fits: within the usable GiB per device (device memory "
+            "less cluster.memory_headroom). ")
     lines = [
         f"# Sweep report: {sweep_dir}",
         "",
-        f"{len(rows)} layouts: {len(ok)} {'simulated' if any(r.simulated for r in ok) else 'planned'}, "
-        f"{sum(bool(r.fits) for r in ok)} of them fit, {sum(r.status == 'refused' for r in rows)} refused, "
-        f"{sum(r.status == 'failed' for r in rows)} failed.",
+        f"{len(rows)} layouts: {len(ok)} {'simulated' if simulated else 'planned'}, {sum(bool(r.fits) for r in ok)} "
+        f"of them fit, {sum(r.status == 'refused' for r in rows)} refused, {sum(r.status == 'failed' for r in rows)} failed.",
         "",
-        "Peak: the tightest simulated rank's (rank in brackets), beside the closed-form plan's. Fits: that "
-        "peak (the plan's without a simulation) within the usable GiB per device (device memory less "
-        "cluster.memory_headroom). Collectives: bytes per step over each mesh dim, of the simulated rank "
-        "that moves the most. Est. tokens/s: the planner's ranking estimate (planner/auto.py: compute at "
-        f"40% MFU, the pipeline bubble, exposed TP/CP collectives){nominal}.",
+        what + "Est. tokens/s: the planner's ranking estimate (planner/auto.py: compute at 40% MFU, the pipeline "
+        f"bubble, exposed TP/CP collectives){nominal}.",
         "",
-        "| job | varies | layout | status | peak / rank | planner peak | fits (usable GiB) | "
-        + "".join(f"{d} | " for d in dims) + "collectives total | est. tokens/s |",
-        "|---:|---|---|---|---:|---:|---|" + "---:|" * (len(dims) + 2),
+        "| " + " | ".join(c[0] for c in columns) + " |",
+        "|" + "|".join(c[1] for c in columns) + "|",
     ]
-    for r in rows:
-        status = r.status if not r.error else f"{r.status}: {r.error}".replace("|", "/")
-        peak = f"{size(r.peak_bytes)} ({r.tightest_rank})" if r.simulated else ""
-        tps = "" if r.est_tokens_per_s is None else f"{r.est_tokens_per_s:,.0f}"
-        lines.append(f"| {r.job} | `{r.label}` | {r.layout} | {status} | {peak} | {size(r.plan_peak_bytes)} | "
-                     f"{fits_cell(r)} | " + "".join(f"{size(r.collective_bytes.get(d))} | " for d in dims)
-                     + f"{size(sum(r.collective_bytes.values())) if r.simulated else ''} | {tps} |")
-    (sweep_dir / "report.md").write_text("\n".join(lines) + "\n")
+    return lines + ["| " + " | ".join(c[2](r) for c in columns) + " |" for r in rows]
