@@ -94,7 +94,9 @@ def run_here(config: DictConfig) -> None:
 class DryRunSweepReport(Callback):
     """Hydra callback: a sweep of dry runs ends with its report in the sweep dir (report.md /
     report.csv, one row per layout; analysis/layout_sweep.py), printed. Training sweeps are left
-    to ``recipes/sweep_report.py``, run when the user wants it."""
+    to ``recipes/sweep_report.py``, run when the user wants it. A job that crashed (a bug, not a
+    refusal) makes Hydra end the sweep with its exception before this runs; the recipe then
+    writes the same report, the crash a failed row with its status.json error."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
