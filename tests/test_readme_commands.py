@@ -109,9 +109,9 @@ def plan_line(cmd: DocCommand) -> list[str]:
         if config_only:
             plans.append(str(compose_cfg(point)))
             continue
-        # a dry_run=simulate line is planned like the others (validation + plan); simulations of
-        # real-size layouts run in tests/test_simulate.py, sized to stay fast
-        point = [o for o in point if o != "dry_run=simulate"]
+        # a dry_run=simulate line (or auto's simulated check) is planned like the others (validation
+        # + plan); simulations of real-size layouts run in tests/test_simulate.py, sized to stay fast
+        point = [o for o in point if o not in ("dry_run=simulate", "parallelism.auto_verify=simulate")]
         if not any(o.startswith("dry_run=") for o in point):
             point = [*point, "dry_run=true"]
         out, err = io.StringIO(), io.StringIO()
