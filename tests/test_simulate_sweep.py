@@ -21,7 +21,7 @@ from titan_hydra.validate import check_spec
 GIB = 1024**3
 # 2 CPU ranks: fsdp over both (one simulated rank), 2 pipeline stages (two), 3 stages (refused)
 SIM = ["dry_run=simulate", "model=llama3_debug", "cluster.nproc_per_node=2", "parallelism=3d", "parallelism.tp=1",
-       "parallelism.pp_schedule=1F1B", "training.attention_kernel=sdpa"]
+       "parallelism.pp_schedule=1F1B"]  # the attention kernel left to auto: each simulated rank picks its own
 # the 405B grid on 64 H100 nodes, planned only (a SLURM cluster: the sweep runs here)
 PLAN = ["dry_run=true", "model=llama3_405b", "cluster=slurm_h100", "cluster.nnodes=64", "parallelism=3d",
         "parallelism.tp=8"]
