@@ -30,12 +30,37 @@ def pytest_addoption(parser):
                           "workers take modules in; modules not run keep their entry)")
 
 
+def apply_tiers(config, items) -> None:
+    """The tiers (docs/testing.md#tiers): ``@pytest.mark.gate("id", ...)`` on a parametrized test
+    keeps the named parametrizations in CI's gate (``-m "not extended"``) and marks the others
+    ``extended``. A named id that no longer exists fails the collection (a renamed parameter must
+    not drop a test from the gate unseen)."""
+    seen: dict[object, set[str]] = defaultdict(set)
+    for item in items:
+        if item.get_closest_marker("gate") is not None and hasattr(item, "callspec"):
+            seen[item.function].add(item.callspec.id)
+    explicit = any("[" in arg for arg in config.args)  # node ids name single parametrizations
+    for item in items:
+        gate = item.get_closest_marker("gate")
+        if gate is None or not hasattr(item, "callspec"):
+            continue
+        stale = set(gate.args) - seen[item.function]
+        if stale and not explicit:
+            raise pytest.UsageError(f"{item.path.name}::{item.originalname}: gate ids {sorted(stale)} are not among "
+                                    f"its parametrizations {sorted(seen[item.function])}; update @pytest.mark.gate")
+        if item.callspec.id not in gate.args:
+            item.add_marker(pytest.mark.extended)
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects: it reads the tier marks set here
 def pytest_collection_modifyitems(config, items):
-    """SLURM unit first (it mostly waits), then the longest modules (a long one last is a tail).
+    """The tiers' marks (apply_tiers); then the SLURM unit first (it mostly waits), then the
+    longest modules (a long one last is a tail).
 
     A module not in the file yet counts as a median one. The sort is stable: tests of a module
     keep their order.
     """
+    apply_tiers(config, items)
     seconds = json.loads(MODULE_DURATIONS.read_text()) if MODULE_DURATIONS.exists() else {}
     usual = median(seconds.values()) if seconds else 0.0
     items.sort(key=lambda item: (item.path.name not in SLURM_MODULES,

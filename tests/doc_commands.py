@@ -14,6 +14,8 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
@@ -173,3 +175,13 @@ def unique(commands: list[DocCommand]) -> list[DocCommand]:
         seen = first.get(key)
         first[key] = cmd if seen is None else DocCommand(f"{seen.where}, {cmd.where}", seen.line)
     return list(first.values())
+
+
+def tiered(commands: list[DocCommand], ident) -> list:
+    """The lines as pytest parameters: README's and conf/'s stay in CI's gate, docs/'s are
+    ``extended`` (docs/testing.md#tiers: the gate is kept under CI's time budget; the docs' lines
+    run in the full suite)."""
+    def gate(c: DocCommand) -> bool:
+        return any(w.strip().startswith(("README.md", "conf/")) for w in c.where.split(","))
+
+    return [pytest.param(c, id=ident(c), marks=() if gate(c) else pytest.mark.extended) for c in commands]

@@ -26,6 +26,7 @@ def options(group: str) -> list[str]:
 @pytest.mark.parametrize(
     "group,option", [(g, o) for g in GROUPS for o in options(g)], ids=lambda x: str(x)
 )
+@pytest.mark.extended
 def test_every_option_composes(group, option):
     cfg = compose_cfg([f"{group}={option}"] + (["data.path=x.jsonl"] if option in ("json", "parquet", "text") else []))
     if group != "experiment":

@@ -104,6 +104,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.gate("debug bf16", "debug fp32 ac=full", "debug bf16 ac=selective_op every_second_mm", "qwen3 debug fp32 head_dim 32", "qwen3_moe debug bf16 ac=selective_op", "deepseek_v3 debug bf16")
 def test_estimate_within_15_percent_of_measured_peak(name):
     torch.set_num_threads(1)
     cfg = compose_cfg(CASES[name])
@@ -145,6 +146,7 @@ FLUX_CASES = {"fp32": ["training.mixed_precision=fp32"], "bf16": ["training.mixe
 
 
 @pytest.mark.parametrize("name", list(FLUX_CASES))
+@pytest.mark.gate("fp32")
 def test_flux_estimate_within_20_percent_of_measured_peak(name):
     torch.set_num_threads(1)
     cfg = compose_cfg(FLUX + FLUX_CASES[name])
@@ -230,6 +232,7 @@ LAYOUT_CASES = {
 
 @pytest.mark.parametrize("name", list(LAYOUT_CASES))
 @pytest.mark.slow
+@pytest.mark.gate("debug tp2", "debug pp2 8 microbatches")
 def test_estimate_within_15_percent_per_rank_under_layouts(tmp_path, name):
     import json
 

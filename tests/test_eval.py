@@ -139,6 +139,7 @@ EVAL = ["eval=builtin_ppl", "eval.freq=5", "eval.limit=3", "eval.batch_size=16"]
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_eval_during_training_is_the_same_under_fsdp_and_pp(tmp_path, run_cache, record_property):
     """Every layout gathers its shards into one model on rank 0; the harness's score at step 10
     equals the single-process run's (weights equal within fp32 parity), which scores every 5 steps.

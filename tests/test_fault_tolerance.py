@@ -107,6 +107,7 @@ def test_two_replica_groups_match_ddp(tmp_path, ddp_dir, run_cache):
 # other parameters and meets the same stage of the other group, 9.5e-7); docs/reference.md.
 @pytest.mark.parametrize("layout", ["fsdp"])
 @pytest.mark.slow
+@pytest.mark.extended
 def test_groups_with_a_layout_inside_match_ddp(tmp_path, ddp_dir, run_cache, layout):
     """2 groups x <layout>(2): each group splits its model over its own 2 ranks, and each rank
     averages its own gradient shards with the same rank of the other group (a pp stage with the
@@ -128,6 +129,7 @@ RAMP = ["training.steps=8", "checkpoint.interval=8", "training.global_batch_size
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_groups_follow_a_batch_ramp_like_ddp(tmp_path, run_cache):
     """Under a batch schedule each group draws the step's micro-batches like every other layout: 2 groups x 1
     rank through a ramp 8 -> 16 give DDP(2)'s losses on the same ramp (batch_size logged alike)."""
@@ -234,6 +236,7 @@ def test_diloco_with_one_inner_step_and_outer_lr_1_is_data_parallel(tmp_path, dd
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_semi_synchronous_groups_meet_every_sync_every_steps(tmp_path):
     """LocalSGD every 4 steps (DiLoCo's meetings are the same hooks: its parity test above checks
     its bytes and meetings too)."""
@@ -254,6 +257,7 @@ def test_semi_synchronous_groups_meet_every_sync_every_steps(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_group_started_on_its_own_joins_late_and_heals(tmp_path):
     """Two launches of one group each (as on two machines or two SLURM jobs) and a Lighthouse the
     user runs: group 1 starts after group 0 has stepped alone, receives its live state, and both

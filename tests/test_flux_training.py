@@ -161,6 +161,7 @@ def test_fsdp_matches_one_process(single, bounds, fsdp_run):
 
 @pytest.mark.parametrize("layout,nproc", [("ddp", 2), ("hsdp", 4)])
 @pytest.mark.slow
+@pytest.mark.gate("hsdp-4")
 def test_data_parallel_matches_one_process(tmp_path, single, bounds, layout, nproc):
     """ddp, and hsdp 2 x 2 (reduce-scatter within a replica, all-reduce across)."""
     assert_matches(launch_layout(tmp_path, layout, nproc)[1], single, layout, bounds)
@@ -191,6 +192,7 @@ def test_compile_per_block_matches_eager(tmp_path):
     assert_matches(compiled, eager, "compiled", bounds_of(tmp_path / "accumulated", eager, small))
 
 
+@pytest.mark.extended
 def test_float8_emulated_tracks_fp32(tmp_path, single, float8_conversions):
     """Every linear of the debug model (all widths are multiples of 16) trains in float8
     (tensor-wise scales, emulated on CPU): the losses follow fp32's closely but not exactly
@@ -327,6 +329,7 @@ def test_what_it_cannot_run_is_refused_in_one_line(overrides, match):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_generate_image_writes_a_grid_from_the_newest_checkpoint(tmp_path):
     from PIL import Image
 

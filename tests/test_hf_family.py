@@ -175,6 +175,7 @@ def singles(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ALL + STACKS)
+@pytest.mark.gate("qwen3", "gpt2", "opt", "qwen3_moe")
 def test_trains_and_fsdp_equals_one_process(tmp_path, singles, run_cache, arch, record_property):
     _, single = singles(arch)
     assert single[-1] < single[0] - 0.05, single
@@ -185,6 +186,7 @@ def test_trains_and_fsdp_equals_one_process(tmp_path, singles, run_cache, arch, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ALL)  # MoE: attention sharded, the MoE block whole on each rank
+@pytest.mark.gate("qwen3", "qwen3_moe")
 def test_tp_equals_one_process(tmp_path, singles, run_cache, arch, record_property):
     layout_equals_one_process(tmp_path, singles, run_cache, arch, "tp", 2, 1, record_property)
 
@@ -199,6 +201,7 @@ def test_pp_equals_one_process(tmp_path, singles, run_cache, arch, record_proper
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,layout,nproc", EP)
+@pytest.mark.gate("qwen3_moe-ep-2")
 def test_ep_equals_one_process(tmp_path, singles, run_cache, arch, layout, nproc, record_property):
     """ep 2: each rank of a pair holds 4 of the 8 experts and the (token, k) rows travel to them;
     fsdp_ep on 4 ranks also FSDP-shards each half of the experts over the 2 ranks holding it."""
@@ -224,6 +227,7 @@ def test_exact_resume(singles, tmp_path, capsys, arch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,ac", [("qwen3", "selective_op"), ("gpt2", "full")])
+@pytest.mark.gate("gpt2-full")
 def test_compile_and_ac_equal_eager(singles, tmp_path, run_cache, arch, ac, record_property):
     """Per-layer compile of transformers' own layers + AC (gpt2: its blocks at transformer.h): the eager
     losses, within the machine's rounding floor (Inductor fuses and reorders sums)."""
@@ -396,6 +400,7 @@ IMPORT_NOISE = ("Failed to load", "no triton", "register_constant", "_pytree")
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_nothing_third_party_is_printed(tmp_path):
     """A dry run, a 2-rank run (its fork server preloads transformers) and ``convert.py to-hf`` of an
     hf model print none of the import-time lines torchao and torch print when transformers imports them."""

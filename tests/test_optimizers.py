@@ -138,6 +138,7 @@ def single(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
 @pytest.mark.slow
+@pytest.mark.gate("tp")
 def test_muon_layout_loss_parity(tmp_path, single, layout, record_property):
     """Muon orthogonalizes whole matrices although FSDP / TP hold shards: losses equal one process."""
     _, reference, bound = single

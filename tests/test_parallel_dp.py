@@ -66,6 +66,7 @@ FP32_LAYOUTS = [
 @pytest.mark.parametrize("family, name, overrides, nproc, dp", FP32_LAYOUTS,
                          ids=[f"{f}-{n}" for f, n, *_ in FP32_LAYOUTS])
 @pytest.mark.slow
+@pytest.mark.gate("llama3-hsdp_2x2", "llama3-fsdp_2_accum_2")
 def test_fp32_loss_parity(tmp_path, run_cache, record_property, family, name, overrides, nproc, dp):
     losses = run_layout(tmp_path, overrides, nproc=nproc, dp=dp, family=family)
     assert_parity(losses, reference_losses(run_cache, family=family), atol=parity_bound(run_cache, family=family),

@@ -105,6 +105,7 @@ def test_coordinate_check(optimizer):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.gate("adamw")
 def test_coordinate_check_to_1024(optimizer):
     check_coordinates([64, 128, 256, 512, 1024], optimizer)
 

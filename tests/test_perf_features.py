@@ -214,6 +214,7 @@ def test_float8_refused_on_old_gpu(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_selective_ac_saves_inside_compiled_moe_pieces():
     """A block holding experts is compiled in pieces (compile.py), so its selective checkpoint
     moves into the pieces (ac.push_checkpoint_down): with the all_mm policy the backward then runs
@@ -251,6 +252,7 @@ def test_selective_ac_saves_inside_compiled_moe_pieces():
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.slow
+@pytest.mark.gate("qwen3")
 def test_regional_compile_with_ac_and_compiled_loss_matches_eager(run_cache, record_property, kind):
     cfg = OmegaConf.create({"mode": "model_loss", "backend": "inductor"})
     x = batch(2, 32)

@@ -29,7 +29,7 @@ from hydra import compose, initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from doc_commands import ROOT, DocCommand, all_commands, unique
+from doc_commands import ROOT, DocCommand, all_commands, tiered, unique
 from helpers import compose_cfg, run_launch
 from titan_hydra.groups import CONF_DIR
 from titan_hydra.launch.entry import launch
@@ -145,7 +145,7 @@ def test_the_docs_show_the_commands_this_suite_runs():
         assert any(c.line.startswith(prefix) for c in LAUNCH_LINES), f"{prefix}: no such line any more"
 
 
-@pytest.mark.parametrize("cmd", [c for c in LAUNCH_LINES if not _subprocess_only(c)], ids=lambda c: c.where.split(",")[0])
+@pytest.mark.parametrize("cmd", tiered([c for c in LAUNCH_LINES if not _subprocess_only(c)], lambda c: c.where.split(",")[0]))
 def test_launch_line_plans(cmd, workdir, monkeypatch):
     monkeypatch.chdir(workdir)
     cmd = cmd.concrete({"tokenizer": str(workdir / "tokenizer")})
@@ -183,6 +183,7 @@ def test_flux_dev_line_runs_as_printed(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_flux_dev_needs_both_settings_named_at_once(tmp_path):
     """model=flux_dev alone lacks image data and its guidance scale: one line names both, with a
     command that works, so a user meets them at once rather than one per attempt."""
@@ -211,7 +212,7 @@ def test_cfg_job_and_a_multirun_line_run_as_printed(workdir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cmd", [c for c in LAUNCH_LINES if _subprocess_only(c)], ids=lambda c: c.where.split(",")[0])
+@pytest.mark.parametrize("cmd", tiered([c for c in LAUNCH_LINES if _subprocess_only(c)], lambda c: c.where.split(",")[0]))
 def test_subprocess_only_line_plans(cmd):
     """As the docs print it, run by a shell from the repository root (its ``$PWD`` and
     ``PYTHONPATH``), in planning mode."""

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from doc_commands import PLACEHOLDERS, ROOT, DocCommand, all_commands, unique
+from doc_commands import PLACEHOLDERS, ROOT, DocCommand, all_commands, tiered, unique
 from helpers import TINY, run_launch
 from titan_hydra.data.tokenizer import BUILTIN_PATH
 
@@ -137,7 +137,7 @@ def test_the_docs_show_the_recipe_lines_this_module_runs():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cmd", RUN, ids=lambda c: c.where.split(",")[0] + ":" + c.program.split("/")[-1])
+@pytest.mark.parametrize("cmd", tiered(RUN, lambda c: c.where.split(",")[0] + ":" + c.program.split("/")[-1]))
 def test_recipe_line_runs_and_prints_only_its_own_lines(cmd, user):
     work, paths = user
     proc = subprocess.run(_filled(cmd, paths), cwd=work, env=_env(), capture_output=True, text=True, timeout=600)
@@ -150,8 +150,8 @@ def test_recipe_line_runs_and_prints_only_its_own_lines(cmd, user):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cmd", [c for c in RECIPE_LINES if c.program in ARGUMENTS_ONLY],
-                         ids=lambda c: c.where.split(",")[0] + ":" + " ".join(c.args))
+@pytest.mark.parametrize("cmd", tiered([c for c in RECIPE_LINES if c.program in ARGUMENTS_ONLY],
+                                       lambda c: c.where.split(",")[0] + ":" + " ".join(c.args)))
 def test_recipe_line_arguments_parse(cmd, tmp_path):
     argv = _filled(cmd, {})
     proc = subprocess.run([*argv, "--help"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)

@@ -142,6 +142,7 @@ LAYOUTS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.gate("fsdp_ramp")
 def test_scheduled_layout_equals_one_process(layout, run_cache, tmp_path, record_property):
     """The same global batches of the same shapes step by step, so the same losses within the
     machine's measured rounding floor (helpers.machine_bound), and the same logged plan."""

@@ -88,6 +88,7 @@ def test_simulate_sweep_reports_each_layout(tmp_path):
 
 
 @pytest.mark.slow  # a launch.py multirun process
+@pytest.mark.extended
 def test_plan_sweep_on_a_slurm_cluster_runs_here(tmp_path):
     """dry_run=true over a SLURM cluster: nothing is submitted (this machine has no SLURM to
     answer), each layout is planned here; the layout whose micro-batches do not divide the batch

@@ -182,6 +182,7 @@ def test_torchft_groups_are_the_jobs_of_a_sweep(slurm, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_corpus_preparation_spreads_over_the_tasks_of_one_job(slurm, tmp_path):
     """recipes/prepare_data.py cluster=slurm_local: 2 tasks split 4 input files and the corpus is
     byte-identical to one made on this machine (shard names carry the file's index)."""

@@ -129,6 +129,7 @@ def test_bad_sweep_point_is_refused_before_anything_runs(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_failed_jobs_are_one_line_each(tmp_path):
     """Jobs that fail at run time (their data is bad in a way only reading it shows) are one line
     each, with their own error and log; no submitit traceback; status.json and the report say why."""

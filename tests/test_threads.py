@@ -110,6 +110,7 @@ def test_local_launcher_divides_the_cores(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_torchrun_divides_the_cores(tmp_path):
     """LOCAL_WORLD_SIZE divides the cores even when OMP_NUM_THREADS asks for more (torchrun sets
     OMP_NUM_THREADS=1 only where it is unset)."""
@@ -122,6 +123,7 @@ def test_torchrun_divides_the_cores(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_torchft_groups_divide_the_cores(tmp_path):
     """The finding: each of 2 replica groups ran with every core's threads (4 threads on 2 cores)."""
     run_dir = tmp_path / "run"
@@ -132,6 +134,7 @@ def test_torchft_groups_divide_the_cores(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_submitit_local_jobs_divide_the_cores(tmp_path):
     """The jobs of a local sweep run at once: 2 jobs of one process each share the cores."""
     sweep = tmp_path / "sweep"

@@ -38,6 +38,7 @@ LEARNING = [
 
 
 @pytest.mark.parametrize("model, init_near_uniform, min_drop", LEARNING)
+@pytest.mark.gate("llama3")
 def test_thirty_steps_lower_the_loss(tmp_path, model, init_near_uniform, min_drop):
     # The debug shapes (dim 256) with 2 of their 6 layers,
     # shorter sequences to stay fast.
