@@ -84,6 +84,9 @@ class Plan:
     # a batch / seq-len schedule's stages: every figure above is its largest step's (the most
     # micro-batches, the longest windows; activations are one micro-batch's, whatever the count)
     schedule: str = ""
+    # the peak before the CUDA caching allocator's reserve (what the tensors hold: the figure a
+    # simulation's counted bytes compare with); equal to mem_total_gib off CUDA
+    mem_allocated_gib: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -177,6 +180,7 @@ def plan(spec: RunSpec, runtime: Runtime = TITAN_HYDRA) -> Plan:
         flops_per_unit=fpt if per_unit else per_sample, units_per_step=tokens if per_unit else global_bs,
         tokens_per_sample=seq,
         schedule=spec.batch.schedule.describe() if spec.batch.schedule is not None else "",
+        mem_allocated_gib=mem.allocated / GIB,
     )
 
 
@@ -195,6 +199,7 @@ class RankMemory:
     activations: float
     transient: float
     peak: float
+    allocated: float  # the peak before the CUDA allocator's reserve (= peak off CUDA)
 
 
 def rank_memory(spec: RunSpec, runtime: Runtime, seq: int) -> RankMemory:
@@ -220,10 +225,11 @@ def rank_memory(spec: RunSpec, runtime: Runtime, seq: int) -> RankMemory:
         act, transient = dyn - unsharded, unsharded
         compiled = spec.compiler.enabled
         reserve = ALLOCATOR_RESERVE_COMPILED if compiled else ALLOCATOR_RESERVE_EAGER
+        allocated = mem_params + mem_optim + max(dyn, optimizer_step, end_of_backward)
         peak = mem_params + mem_optim + reserve * max(dyn, optimizer_step, end_of_backward)
     else:
-        peak = mem_params + mem_optim + max(act + transient, optimizer_step, end_of_backward)
-    return RankMemory(mem_params, mem_grads, mem_optim, act, transient, peak)
+        peak = allocated = mem_params + mem_optim + max(act + transient, optimizer_step, end_of_backward)
+    return RankMemory(mem_params, mem_grads, mem_optim, act, transient, peak, allocated)
 
 
 def in_flight_tokens(local_batch_size: int, seq: int, dims) -> float:
