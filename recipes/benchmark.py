@@ -80,7 +80,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--variant", default=None,
                    help="moe_memory, simulate_grid suites: only the variants (grid points) whose name contains this")
     p.add_argument("--simulated", default=None,
-                   help="simulate_grid suite: a previous run's JSON; its simulated figures are reused, the planner rerun")
+                   help="simulate_grid suite: a previous run's JSON; its simulated figures are reused, the planner "
+                        "rerun (points it lacks are simulated)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5, help="steps excluded from the medians")
     add_threads(p)

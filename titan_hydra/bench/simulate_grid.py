@@ -13,7 +13,8 @@ two tools define the last two differently: see ``CATEGORY_NOTE``).
 Points run one after another, each simulated rank a spawned process (``simulate``), the ranks
 of a pipeline one at a time: the CPU seconds per point are those of all its processes, their
 imports included. ``--simulated FILE`` reuses a previous run's simulated figures and recomputes
-only the planner's (seconds): how a change of the closed form is measured against the same grid.
+only the planner's (seconds; points the file lacks are simulated): how a change of the closed form
+is measured against the same grid.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ GRID = [
     _p("llama3_8b hsdp", "llama3", "hsdp 2 x 32", "none", 8, "model=llama3_8b", "model.n_layers=2", "parallelism=hsdp"),
     _p("llama3_8b tp", "llama3", "tp 8", "none", 1, "model=llama3_8b", "model.n_layers=2", "parallelism=tp",
        "parallelism.tp=8"),
-    _p("llama3_8b ddp", "llama3", "ddp 8", SEL, 1, "model=llama3_8b", "model.n_layers=2", "parallelism=ddp"),
+    _p("llama3_8b ddp", "llama3", "ddp 8", SEL, 1, "model=llama3_8b", "model.n_layers=2", "parallelism=ddp",
+       "parallelism.dp_replicate=8"),
     _p("llama3_70b fsdp_tp", "llama3", "fsdp 8 x tp 8", "none", 8, "model=llama3_70b", "model.n_layers=2",
        "parallelism=fsdp_tp", "parallelism.tp=8"),
     _p("llama3_70b fsdp_tp sel", "llama3", "fsdp 8 x tp 8", SEL, 8, "model=llama3_70b", "model.n_layers=2",
@@ -134,14 +136,14 @@ GRID = [
        "parallelism=fsdp_ep", "parallelism.ep=8"),
     _p("gpt_oss_120b fsdp_ep sel", "gpt_oss", "fsdp 64 (ep 8)", SEL, 8, "model=gpt_oss_120b", "model.n_layers=2",
        "parallelism=fsdp_ep", "parallelism.ep=8"),
-    _p("gpt_oss_120b fsdp_tp full", "gpt_oss", "fsdp 8 x tp 8", "full", 8, "model=gpt_oss_120b", "model.n_layers=2",
-       "parallelism=fsdp_tp", "parallelism.tp=8"),
+    _p("gpt_oss_120b fsdp_ep full", "gpt_oss", "fsdp 128 (ep 16)", "full", 16, "model=gpt_oss_120b",
+       "model.n_layers=2", "parallelism=fsdp_ep", "parallelism.ep=16"),
     _p("gpt_oss_120b ep pp", "gpt_oss", "fsdp 64 (ep 8) x pp 2", "none", 16, "model=gpt_oss_120b",
        "model.n_layers=4", "parallelism=fsdp_ep", "parallelism.ep=8", *_pp(2)),
     # hybrids: Gated DeltaNet 3:1
     _p("qwen3_5_9b fsdp", "qwen3_5", "fsdp 8", "none", 1, "model=qwen3_5_9b", "model.n_layers=4", "parallelism=fsdp"),
-    _p("qwen3_5_9b fsdp_tp sel", "qwen3_5", "fsdp 8 x tp 8", SEL, 8, "model=qwen3_5_9b", "model.n_layers=4",
-       "parallelism=fsdp_tp", "parallelism.tp=8"),
+    _p("qwen3_5_9b fsdp_tp sel", "qwen3_5", "fsdp 16 x tp 4", SEL, 8, "model=qwen3_5_9b", "model.n_layers=4",
+       "parallelism=fsdp_tp", "parallelism.tp=4"),
     _p("qwen3_5_9b 3d full", "qwen3_5", "fsdp 8 x tp 4 x pp 2", "full", 8, "model=qwen3_5_9b", "model.n_layers=8",
        "parallelism=3d", "parallelism.tp=4", *_pp(2)),
     _p("qwen3_5_35b_a3b fsdp_ep sel", "qwen3_5", "fsdp 64 (ep 8)", SEL, 8, "model=qwen3_5_35b_a3b",
@@ -157,8 +159,8 @@ GRID = [
        "parallelism=fsdp_ep", "parallelism.ep=16"),
     _p("llama4_maverick fsdp_ep full", "llama4", "fsdp 128 (ep 8)", "full", 16, "model=llama4_maverick",
        "model.n_layers=2", "parallelism=fsdp_ep", "parallelism.ep=8"),
-    _p("llama4_scout fsdp_tp", "llama4", "fsdp 8 x tp 8", "none", 8, "model=llama4_scout", "model.n_layers=2",
-       "parallelism=fsdp_tp", "parallelism.tp=8"),
+    _p("llama4_scout ep pp", "llama4", "fsdp 64 (ep 8) x pp 2", "none", 16, "model=llama4_scout", "model.n_layers=4",
+       "parallelism=fsdp_ep", "parallelism.ep=8", *_pp(2)),
 ]
 
 
@@ -242,7 +244,8 @@ def format_rows(rows: list[dict], title: str) -> list[str]:
 
 def simulate_grid_suite(args, tmp: Path) -> tuple[list[str], dict]:
     """Every grid point (or those whose name contains ``--variant``) simulated and planned; with
-    ``--simulated FILE`` the simulated figures are that file's and only the planner runs."""
+    ``--simulated FILE`` the simulated figures of the points that file has are reused (only the
+    planner runs for them) and the others (new, or failed there) are simulated."""
     reuse = {}
     if args.simulated:
         reuse = {r["name"]: r for r in json.loads(Path(args.simulated).read_text())["rows"] if "simulated" in r}
@@ -251,11 +254,10 @@ def simulate_grid_suite(args, tmp: Path) -> tuple[list[str], dict]:
     rows: list[dict] = []
     result = {}
     for point in points:
-        if args.simulated and point.name not in reuse:
-            continue
-        row = row_of(point, reuse[point.name]["simulated"] if args.simulated else None)
-        if args.simulated:
-            row.update({k: reuse[point.name][k] for k in ("wall_s", "cpu_s") if k in reuse[point.name]})
+        old = reuse.get(point.name)
+        row = row_of(point, old["simulated"] if old else None)
+        if old:
+            row.update({k: old[k] for k in ("wall_s", "cpu_s") if k in old})
         rows.append(row)
         print(format_rows([row], "")[-1], flush=True)
         result = {"suite": "simulate_grid", "cpu": f"{cpu_model()} ({cpu_isa()})", "cores": os.cpu_count(),
