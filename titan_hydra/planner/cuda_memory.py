@@ -133,8 +133,8 @@ def cuda_dynamic_peak(spec: RunSpec, runtime: Runtime, pp_rank: int | None = Non
     worst rank (or on pipeline rank ``pp_rank``), on CUDA with bf16 FSDP params.
 
     Without PP: the saved activations of every block, plus the larger of the loss backward's
-    peak and one block's recompute with its unsharded gradients (bf16, + fp32 reduce-scatter input);
-    FSDP keeps the root (embedding, output) and the last block unsharded through it.
+    peak (with the root groups unsharded) and one block's recompute with its unsharded gradients
+    (bf16, + fp32 reduce-scatter input), its weights and the next block's unsharded beside the root.
     With PP (FSDP does not reshard after forward and does not reduce-scatter until the last
     microbatch, as torchtitan and titan_hydra do): the whole stage's parameters stay unsharded, and
     after a stage's first backward its gradients accumulate unsharded in fp32 (FSDP2's
@@ -161,9 +161,16 @@ def unpipelined_peak(args: ModelShape, dims, terms: StepTerms, tokens: float) ->
     """``cuda_dynamic_peak`` without PP, for this rank's ``tokens`` per step."""
     saved = args.n_layers * saved_block_bytes_cuda(args, terms.ac_mode, tokens, terms.tp, terms.sac_policy)
     saved += args.mtp_layers * saved_block_bytes_cuda(args, "none", tokens, terms.tp, terms.sac_policy)
-    dyn = saved + max(loss_peak_bytes(args, tokens, dims), recompute_with_grads(args, terms, tokens))
-    unsharded = terms.root_weights + 2 * terms.block_weights  # root + the last block (kept) + the one in use
-    return dyn + unsharded, unsharded
+    # Two candidate moments. The loss backward: every block resharded after its forward, the root
+    # groups (embedding, head) unsharded. A block's backward: its recompute and unsharded grads,
+    # its weights and the next block's (prefetched) unsharded beside the root. The simulator showed
+    # the first holding no block weights (llama4_maverick, fsdp x ep: only the two root-sized bf16
+    # tensors at the loss backward's peak), which one sum of both overcounted.
+    at_loss = loss_peak_bytes(args, tokens, dims) + terms.root_weights
+    blocks = 2 * terms.block_weights
+    at_block = recompute_with_grads(args, terms, tokens) + terms.root_weights + blocks
+    unsharded = terms.root_weights + (blocks if at_block > at_loss else 0.0)
+    return saved + max(at_loss, at_block), unsharded
 
 
 @dataclass(frozen=True)

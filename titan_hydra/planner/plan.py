@@ -31,7 +31,7 @@ from titan_hydra.planner.cuda_memory import (
 )
 from titan_hydra.planner.devices import device_memory_of, peak_tflops_of, usable_memory_of
 from titan_hydra.planner.runtime import TITAN_HYDRA, Runtime
-from titan_hydra.planner.shape import largest_block_params, stage_params
+from titan_hydra.planner.shape import expert_shard_padding, largest_block_params, stage_params
 from titan_hydra.spec import RunSpec
 
 GIB = 1024**3
@@ -207,7 +207,7 @@ def rank_memory(spec: RunSpec, runtime: Runtime, seq: int) -> RankMemory:
     dims, args, mp = spec.dims, spec.shape, spec.mixed_precision
     ac = spec.activation_checkpoint
     fsdp_shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
-    params_local = stage_params(args, dims.pp) / dims.tp / fsdp_shard
+    params_local = stage_params(args, dims.pp) / dims.tp / fsdp_shard + expert_shard_padding(args, dims)
     mem_params = params_local * 4  # fp32 master weights
     mem_grads = params_local * 4
     mem_optim = params_local * 8  # AdamW exp_avg + exp_avg_sq
@@ -270,7 +270,21 @@ def fsdp_unsharded_bytes(args: ModelShape, dims, kind: str, mem_grads: float) ->
     # Last groups of backward: (almost) every sharded gradient already exists while a group
     # is still unsharded: its params, its unsharded grads and reduce-scatter's fp32 copy-in.
     # This is the peak when parameters outweigh activations (the ~100M model at 128 tokens).
-    return transient, mem_grads + max(head, block) * (2 * pbytes + 4)
+    end_of_backward = mem_grads + max(head, block) * (2 * pbytes + 4)
+    if dims.tp > 1:
+        end_of_backward = max(end_of_backward, tp_embedding_backward_bytes(args, dims, pbytes, block, mem_grads))
+    return transient, end_of_backward
+
+
+def tp_embedding_backward_bytes(args: ModelShape, dims, pbytes: int, block: float, mem_grads: float) -> float:
+    """The embedding's backward under TP, the last of the step: DTensor's strategy for
+    ``embedding_dense_backward`` with a row-wise (vocabulary-sharded) table makes a Partial
+    gradient of the WHOLE table on every rank before it is reduce-scattered, while the sharded
+    gradients exist, the root group (embedding, head) is unsharded and the last block's fp32
+    reduce-scatter input is still in flight. Simulated on llama3_70b at fsdp 8 x tp 8: these
+    terms sum to the measured end-of-backward peak (3.07 GiB above parameters and AdamW state)."""
+    root = (args.embedding_params + args.head_params) / dims.tp
+    return mem_grads + args.embedding_params * pbytes + root * pbytes + block * 4
 
 
 def optimizer_step_bytes(spec: RunSpec, params_local: float, mem_grads: float, fsdp_shard: int) -> float:
