@@ -74,13 +74,21 @@ def loss_peak_bytes(args: ModelShape, tokens: float, dims) -> float:
     return (1 + args.mtp_layers) * tokens * (loss_bytes_per_token(args, dims) + 2 * args.dim)
 
 
-def saved_block_bytes_cuda(args: ModelShape, mode: str, tokens: float, tp: int, policy: str) -> float:
-    """What one block keeps for backward on CUDA for ``tokens`` (bf16 activations, FSDP bf16 params)."""
+def saved_block_bytes_cuda(args: ModelShape, mode: str, tokens: float, tp: int, policy: str,
+                           sequence_parallel: bool = False) -> float:
+    """What one block keeps for backward on CUDA for ``tokens`` (bf16 activations, FSDP bf16 params).
+
+    Without AC under sequence parallel, the two norm outputs the block all-gathers (attention's
+    and the FFN's input, 2d bytes each) are saved whole, for the full sequence, by the matmuls
+    that read them: the measured coefficients split every term by tp, so the rest of each
+    gathered copy is added (+57% per block on llama3_70b at tp 8, which is what the simulator
+    measured beyond this estimate on fsdp x tp; selective_op recomputes the gathers)."""
     if mode == "full":
         return tokens * 2 * args.dim / tp  # the block input (sequence-sharded under SP)
     if mode == "selective_op":
         return tokens * sac_saved_bytes_per_token(args, policy, tp)
-    return block_activation_bytes(args, "bf16_params", "none", tokens, tp)
+    gathered = tokens * 2 * 2 * args.dim * (1 - 1 / tp) if sequence_parallel and tp > 1 else 0.0
+    return block_activation_bytes(args, "bf16_params", "none", tokens, tp) + gathered
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,7 @@ class StepTerms:
     """The byte terms of one step that the schedule does not change (per rank, CUDA, bf16 FSDP)."""
 
     tp: int
+    sequence_parallel: bool  # TP's sequence parallel: blocks all-gather their norm outputs
     ac_mode: str  # as modeled on CUDA (selective_layer counted as none: the upper bound)
     sac_policy: str
     compiled: bool
@@ -120,7 +129,7 @@ def step_terms(spec: RunSpec) -> StepTerms:
     ac = spec.activation_checkpoint
     mode = ac.mode
     return StepTerms(
-        tp=tp, ac_mode="none" if mode == "selective_layer" else mode,
+        tp=tp, sequence_parallel=bool(dims.tp_sequence_parallel), ac_mode="none" if mode == "selective_layer" else mode,
         sac_policy=ac.policy, compiled=spec.compiler.enabled,
         fsdp=bool(dims.fsdp_enabled), weight_bytes=w_bytes, block_weights=block_w, root_weights=root_w,
         block_grads=blk / tp * (2 + 4), layer_params=avg_blk,
@@ -159,8 +168,9 @@ def recompute_with_grads(args: ModelShape, terms: StepTerms, tokens: float) -> f
 
 def unpipelined_peak(args: ModelShape, dims, terms: StepTerms, tokens: float) -> tuple[float, float]:
     """``cuda_dynamic_peak`` without PP, for this rank's ``tokens`` per step."""
-    saved = args.n_layers * saved_block_bytes_cuda(args, terms.ac_mode, tokens, terms.tp, terms.sac_policy)
-    saved += args.mtp_layers * saved_block_bytes_cuda(args, "none", tokens, terms.tp, terms.sac_policy)
+    sp = terms.sequence_parallel
+    saved = args.n_layers * saved_block_bytes_cuda(args, terms.ac_mode, tokens, terms.tp, terms.sac_policy, sp)
+    saved += args.mtp_layers * saved_block_bytes_cuda(args, "none", tokens, terms.tp, terms.sac_policy, sp)
     # Two candidate moments. The loss backward: every block resharded after its forward, the root
     # groups (embedding, head) unsharded. A block's backward: its recompute and unsharded grads,
     # its weights and the next block's (prefetched) unsharded beside the root. The simulator showed
@@ -195,7 +205,8 @@ def microbatch_bytes(args: ModelShape, dims, terms: StepTerms, tokens: float) ->
     mb_tokens = tokens / n_mb
     tp = terms.tp
     return MicrobatchBytes(
-        n_mb=n_mb, per_block=saved_block_bytes_cuda(args, terms.ac_mode, mb_tokens, tp, terms.sac_policy),
+        n_mb=n_mb, per_block=saved_block_bytes_cuda(args, terms.ac_mode, mb_tokens, tp, terms.sac_policy,
+                                                     terms.sequence_parallel),
         io=mb_tokens * 2 * args.dim / (tp if dims.tp_sequence_parallel else 1),
         logits=mb_tokens * 2 * args.vocab_size / (tp if dims.loss_parallel_enabled else 1),
         backward_extra=recompute_with_grads(args, terms, mb_tokens),
