@@ -224,7 +224,7 @@ def pipelined_peak(args: ModelShape, dims, terms: StepTerms, runtime: Runtime, t
     for rank in range(dims.pp) if pp_rank is None else [pp_rank]:
         stages = [rank + k * dims.pp for k in range(n_local)]
         unsharded = stage_unsharded_bytes(args, terms, sizes, stages)
-        peak = schedule_peak(dims, runtime, rank, stages, sizes, mb, terms)
+        peak = schedule_peak(dims, runtime, rank, stages, sizes, mb, terms, args)
         if peak + unsharded > sum(worst):
             worst = (peak, unsharded)
     return worst[0] + worst[1], worst[1]
@@ -241,8 +241,23 @@ def stage_unsharded_bytes(args: ModelShape, terms: StepTerms, sizes: list[int], 
     return unsharded
 
 
+def accumulated_grad_bytes(args: ModelShape, terms: StepTerms, sizes: list[int], stage: int) -> float:
+    """fp32 gradients a stage accumulates unsharded between microbatches (FSDP reduce-scatters
+    after the last one only): its blocks' (split by tp), the output head's on the last stage, and
+    on the first the embedding's at the whole vocabulary: under TP the row-wise embedding's
+    backward makes a Partial gradient of the full table (DTensor's strategy for
+    ``embedding_dense_backward``), which FSDP accumulates as it is until its reduce-scatter
+    (simulated: 3.9 GiB on llama3_70b's first stage, fsdp x tp 8 x pp 4)."""
+    grads = sizes[stage] * terms.layer_params / terms.tp * 4
+    if stage == 0:
+        grads += args.embedding_params * 4
+    if stage == len(sizes) - 1:
+        grads += args.head_params / terms.tp * 4
+    return grads
+
+
 def schedule_peak(dims, runtime: Runtime, rank: int, stages: list[int], sizes: list[int],
-                  mb: MicrobatchBytes, terms: StepTerms) -> float:
+                  mb: MicrobatchBytes, terms: StepTerms, args: ModelShape) -> float:
     """The most a rank holds at any backward of its schedule: in-flight microbatches'
     activations and stage outputs, the p2p buffers, gradients accumulated so far, and the
     backward's own transient. A received input is also the first block's saved input (counted
@@ -262,10 +277,12 @@ def schedule_peak(dims, runtime: Runtime, rank: int, stages: list[int], sizes: l
         if runtime.pp_keeps_outputs and last in stages:  # outputs kept past their backward
             held += done[stages.index(last)] * mb.logits
         grads_done = [d > 0 and mb.n_mb > 1 for d in done]
-        acc = sum(sizes[s] * terms.layer_params / terms.tp * 4 for g, s in zip(grads_done, stages) if g)
+        acc = sum(accumulated_grad_bytes(args, terms, sizes, s) for g, s in zip(grads_done, stages) if g)
         extra = mb.backward_extra
         if stages[k] == last:
             extra = max(extra, mb.loss_peak)
+        if stages[k] == 0:  # the embedding's gradient as its backward makes it (bf16, the whole table)
+            extra = max(extra, args.embedding_params * 2)
         peak = max(peak, held + acc + extra)
         live[k] -= 1
         done[k] += 1
