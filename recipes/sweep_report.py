@@ -12,7 +12,10 @@ scores its pictures (``eval=fidelity``) adds each ``val/fidelity/<what>`` (fract
 captions drawn right) as columns and as ``fidelity_curves.png``. A sweep of cooldown branches
 (``experiment=anneal_branches``: ``lr_scheduler=cooldown`` jobs started from a stable run's
 checkpoints) adds ``anneal_branches.png``: validation loss against tokens, the stable run's curve
-with each branch leaving it. The reading and writing is titan_hydra/analysis/sweep_report.py.
+with each branch leaving it. A sweep of dry runs (``-m dry_run=simulate`` or ``dry_run=true``) gets
+one row per layout instead: peak memory per rank beside the planner's, fits, collective bytes per
+mesh dim, estimated tokens/s, or the launch's refusal (titan_hydra/analysis/layout_sweep.py; such
+a sweep writes it when it ends). The reading and writing is titan_hydra/analysis/sweep_report.py.
 """
 
 from __future__ import annotations

@@ -7,8 +7,10 @@ so that test modules, and the processes they spawn, can import it by name.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import math
+import multiprocessing
 import os
 import re
 import socket
@@ -135,6 +137,7 @@ def _gloo_rank(rank: int, fn: Callable[..., None], nprocs: int, port: int, args:
     import torch
     import torch.distributed as dist
 
+    gc.enable()  # the fork server paused collection while it imported (titan_hydra/launch/gc_paused.py)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # nprocs ranks on 2 shared cores
     dist.init_process_group("gloo", rank=rank, world_size=nprocs)
@@ -162,7 +165,12 @@ def spawn_gloo(fn: Callable[..., None], nprocs: int, *args: Any) -> None:
     results go back through files or an ``mp.Manager`` dict)."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_gloo_rank, args=(fn, nprocs, free_port(), args), nprocs=nprocs)
+    # Forked from a server that imported torch and the package once (the one launch_here's runs
+    # use, when it is already up): a rank starts in milliseconds, not the seconds of a spawned
+    # interpreter's imports, and inherits nothing of this test process.
+    multiprocessing.set_forkserver_preload(["titan_hydra.launch.gc_paused", "helpers", "torch._dynamo",
+                                            "titan_hydra.train.pretrain"])
+    mp.start_processes(_gloo_rank, args=(fn, nprocs, free_port(), args), nprocs=nprocs, start_method="forkserver")
 
 
 # ----------------------------------------------------------------------------- metrics.jsonl

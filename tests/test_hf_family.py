@@ -251,6 +251,8 @@ def test_float8_follows_fp32(singles, tmp_path, record_property):
     ("granite", ["parallelism=pp", "cluster.nproc_per_node=2"], "parallelism.pp=2: the granite forward scales"),
     ("gemma3", ["parallelism=pp", "cluster.nproc_per_node=2"], "tie_word_embeddings=true cannot run under pipeline"),
     ("llama", ["parallelism=cp", "cluster.nproc_per_node=2"], "parallelism.cp=2 is not wired for model=hf"),
+    ("llama", ["parallelism=3d", "parallelism.tp=2", "parallelism.pp=2", "parallelism.pp_schedule=1F1B",
+               "cluster.nproc_per_node=4"], "parallelism.pp=2 with parallelism.tp=2 does not run for model=hf"),
     ("gpt2", ["parallelism=tp", "cluster.nproc_per_node=2"], "parallelism.tp=2: transformers' gpt2 config has no base_model_tp_plan"),
     ("opt", ["parallelism=pp", "cluster.nproc_per_node=2"], "parallelism.pp=2: transformers' opt config has no base_model_pp_plan"),
     ("llama", ["parallelism=ep", "cluster.nproc_per_node=2"], "parallelism.ep=2: transformers' llama model has no experts"),

@@ -152,12 +152,16 @@ def test_dense_decoder_3d_at_64_ranks():
 
 @pytest.mark.slow  # spawns the simulated ranks' processes
 def test_moe_expert_parallel_at_64_ranks():
-    """qwen3_30b_a3b's widths (128 experts), fsdp 64 with ep 8 (experts: efsdp 8 x ep 8): the experts'
-    shards, the all-to-all per MoE layer (balanced routing)."""
-    spec, sim = simulated(["model=qwen3_30b_a3b", "model.n_layers=2", *H100, "parallelism=fsdp_ep", "parallelism.ep=8"])
+    """qwen3_30b_a3b's widths (128 experts), pp 2 x fsdp 32 with ep 8 (experts: efsdp 4 x ep 8 per
+    stage), 1F1B: every stage's experts' shards, the all-to-all per MoE layer (balanced routing)."""
+    spec, sim = simulated(["model=qwen3_30b_a3b", "model.n_layers=2", *H100, "parallelism=fsdp_ep", "parallelism.ep=8",
+                           "parallelism.pp=2", "parallelism.pp_schedule=1F1B"])
+    assert (spec.dims.pp, spec.dims.dp_shard, spec.dims.ep) == (2, 32, 8)
+    assert [r.stages for r in sim.ranks] == [[0], [1]]
     check_against_closed_form(spec, sim)
-    a2a = [c for c in sim.ranks[0].collectives if c.op == "all_to_all"]
-    assert a2a and a2a[0].mesh_dim == "ep"
+    for r in sim.ranks:
+        a2a = [c for c in r.collectives if c.op == "all_to_all"]
+        assert a2a and {c.mesh_dim for c in a2a} == {"ep"}, r.collectives
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -199,10 +203,29 @@ def test_dry_run_takes_only_its_three_values():
 @pytest.mark.slow  # spawns the simulated ranks' processes
 def test_hybrid_linear_attention_at_64_ranks():
     """qwen3_5_9b's widths, one period of its layer pattern (3 Gated DeltaNet + 1 full attention),
-    fsdp 16 x tp 4 (the family's TP plan covers both kinds of layer)."""
-    spec, sim = simulated(["model=qwen3_5_9b", "model.n_layers=4", *H100, "parallelism=fsdp_tp", "parallelism.tp=4"])
+    HSDP (2 replicas x fsdp 8) x tp 4 (the family's TP plan covers both kinds of layer)."""
+    spec, sim = simulated(["model=qwen3_5_9b", "model.n_layers=4", *H100, "parallelism=fsdp_tp", "parallelism.tp=4",
+                           "parallelism.dp_replicate=2"])
+    assert (spec.dims.dp_replicate, spec.dims.dp_shard, spec.dims.tp) == (2, 8, 4)
     check_against_closed_form(spec, sim)
     assert sim.ranks[0].activations_bytes > 0 and sim.fits
+
+
+@pytest.mark.slow  # spawns the simulated ranks' processes
+def test_flux_image_batches_at_64_ranks():
+    """flux_dev's widths (1 double + 2 single blocks) on 512-pixel pictures with 256 caption tokens,
+    HSDP (2 replicas x fsdp 8) x tp 4: the family's own batch shapes (ShapesBatches) stepped."""
+    spec, sim = simulated(["model=flux_dev", "model.n_double_blocks=1", "model.n_single_blocks=2", "data=flux_shapes",
+                           "data.examples.guidance=3.5", "data.image_size=512", "data.examples.max_text_len=256",
+                           *H100, "parallelism=fsdp_tp", "parallelism.tp=4", "parallelism.tp_sequence_parallel=false",
+                           "parallelism.dp_replicate=2", "training.local_batch_size=2"])
+    assert (spec.dims.dp_replicate, spec.dims.dp_shard, spec.dims.tp) == (2, 8, 4)
+    check_against_closed_form(spec, sim)
+    r = sim.ranks[0]
+    # a block's activations scale with the 1024 image + 256 text tokens of each picture
+    assert r.activations_bytes > 2 * 1280 * 3072 * 2
+    ops = {(c.mesh_dim, c.op) for c in r.collectives}
+    assert {("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"), ("dp_replicate", "all_reduce")} <= ops, ops
 
 
 LLAMA31_8B = {  # Llama 3.1 8B's published config.json, cut to 2 of its 32 layers

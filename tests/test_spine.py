@@ -27,7 +27,7 @@ PACKAGE = REPO / "titan_hydra"
 CONFIG_READERS = {
     "config", "groups.py", "launch/entry.py", "launch/resolve.py", "launch/sweep.py",
     "launch/sweep_check.py", "launch/slurm.py", "launch/slurm_check.py", "launch/submitit_jobs.py",
-    "launch/prepare_jobs.py",
+    "launch/prepare_jobs.py", "launch/dry_run.py",
 }
 # In spec.py only spec_of and the helpers it reads the config through.
 SPEC_OF = {"spec_of", "training_of", "cluster_of", "check_model_node", "dims_of", "flavor_of"}

@@ -203,3 +203,68 @@ def run_harness(lm: LM, tasks: list[str], limit: int | None = None, manager=None
             datasets_logging.enable_progress_bar()
     return {task: {k.split(",")[0]: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "alias"}
             for task, metrics in results["results"].items()}
+
+
+# ------------------------------------------------------------------------------ sharded scoring
+
+
+class ShardedLM(TitanLM):
+    """The harness's requests scored across the data-parallel ranks by the training model itself:
+    every rank runs the same harness over the same requests, scores its slice of them (request i
+    goes to data-parallel rank i % dp) through ``forward`` (the layout's own, FSDP / TP sharded:
+    no full copy anywhere), then the slices are all-gathered, so every rank's harness aggregates
+    the full list and reports the same numbers as the one-copy path, in about 1/dp of its time.
+    Each rank runs as many batches as the rank with the most requests (padded with a one-token
+    request): a sharded forward is a collective. ``forward(ids) -> logits`` (full, on every rank)."""
+
+    def __init__(self, forward, tokenizer, max_seq_len: int, batch_size: int, dp_rank: int, dp_degree: int):
+        super().__init__(_Forward(forward), tokenizer, max_seq_len, batch_size)
+        self.dp_rank, self.dp_degree = int(dp_rank), int(dp_degree)
+
+    def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        import torch.distributed as dist
+
+        per_rank = -(-len(pairs) // self.dp_degree)
+        batches = -(-per_rank // self.batch_size)
+        mine = pairs[self.dp_rank::self.dp_degree]
+        pad = ([self.tok.bos_id], [self.tok.bos_id])
+        scored = super()._score(mine + [pad] * (batches * self.batch_size - len(mine)))[:len(mine)]
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return scored
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (self.dp_rank, scored))  # tp / pp peers of a dp rank send the same slice
+        slices = dict(every)
+        out: list[tuple[float, bool]] = [None] * len(pairs)  # type: ignore[list-item]
+        for r, part in slices.items():
+            out[r::self.dp_degree] = part
+        return out
+
+    def loglikelihood_rolling(self, requests) -> list[float]:
+        """Every request's windows scored in one sharded pass (a pass per request would make every
+        rank wait for every document), then summed per request."""
+        windows, owner = [], []
+        for i, req in enumerate(requests):
+            (text,) = req.args
+            for w in get_rolling_token_windows(self.tok.encode(text), prefix_token=self.tok.bos_id,
+                                               max_seq_len=self.max_seq_len, context_len=1):
+                windows.append(make_disjoint_window(w))
+                owner.append(i)
+        totals = [0.0] * len(requests)
+        for i, (lp, _) in zip(owner, self._score(windows)):
+            totals[i] += lp
+        return totals
+
+    def generate_until(self, requests) -> list[str]:
+        raise ConfigError("eval.sharded=true scores log-likelihoods only (builtin_ppl, jsonl_mc, multiple-choice "
+                          "tasks); a generation task needs eval.sharded=false")
+
+
+class _Forward(torch.nn.Module):
+    """``forward`` as the module TitanLM calls (``eval()`` is a no-op: the training model keeps its mode)."""
+
+    def __init__(self, forward):
+        super().__init__()
+        self._forward = forward
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._forward(ids)

@@ -9,6 +9,7 @@ scaling_law, mixture_law, flux_fidelity, bench_anneal, ...) only parse flags and
   runs.py            one run dir: metrics rows, its config, tokens per step from the logged batch
   sweep.py           a multirun dir as job rows (status, losses, rates), labelled by what varies
   sweep_report.py    a sweep's report.md / report.csv and figures
+  layout_sweep.py    a sweep of dry runs: a row per layout (memory, fit, collectives, tokens/s)
   anneal.py          cooldown branches off a stable run: validation loss against tokens
   compare.py         where two runs part: the first differing step per metric
   scaling_law.py     L(N, D) = E + A/N^alpha + B/D^beta fits with bootstrap intervals (numbers only)

@@ -46,9 +46,13 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def job_overrides(run_dir: Path, manifest_overrides: list[str] | None) -> str:
+    """The job's overrides as Hydra saved them, else as the launcher's manifest lists them."""
+    return " ".join(read_yaml(run_dir / ".hydra" / "overrides.yaml") or manifest_overrides or [])
+
+
 def job_row(num: int, run_dir: Path, manifest_overrides: list[str] | None) -> JobRow:
-    overrides = read_yaml(run_dir / ".hydra" / "overrides.yaml") or manifest_overrides or []
-    row = JobRow(job=num, overrides=" ".join(overrides))
+    row = JobRow(job=num, overrides=job_overrides(run_dir, manifest_overrides))
     if not run_dir.exists():
         row.error = "never started (no run dir)"
         return row
@@ -92,13 +96,19 @@ def job_status(run_dir: Path, steps_done: int) -> tuple[str, str]:
     return "failed", f"stopped at step {steps_done}" + (f" of {wanted}" if wanted else "")
 
 
-def collect(sweep_dir: Path) -> list[JobRow]:
+def jobs(sweep_dir: Path) -> list[tuple[int, Path, list[str] | None]]:
+    """(number, run dir, the manifest's overrides or None) of every job: its numbered dir or its
+    line in ``jobs.json``, so a job that never started is listed too."""
     manifest: dict[int, list[str]] = {}
     if (sweep_dir / "jobs.json").exists():
         for job in json.loads((sweep_dir / "jobs.json").read_text()):
             manifest[int(job["num"])] = job["overrides"]
     nums = set(manifest) | {int(p.name) for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()}
-    return [job_row(n, sweep_dir / str(n), manifest.get(n)) for n in sorted(nums)]
+    return [(n, sweep_dir / str(n), manifest.get(n)) for n in sorted(nums)]
+
+
+def collect(sweep_dir: Path) -> list[JobRow]:
+    return [job_row(*job) for job in jobs(sweep_dir)]
 
 
 def parsed_overrides(row: JobRow) -> dict[str, str]:

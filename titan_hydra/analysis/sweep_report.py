@@ -1,5 +1,7 @@
 """A sweep's report, written into its multirun dir: ``report.md`` / ``report.csv`` (one row per job:
-overrides, final loss, validation loss, tok/s, MFU, peak memory, status) and the figures.
+overrides, final loss, validation loss, tok/s, MFU, peak memory, status) and the figures; for a
+sweep of dry runs, one row per layout (memory per rank, fits, collectives, estimated tokens/s) and
+no figures (``layout_sweep.py``).
 
 ``loss_curves.png`` and ``throughput.png`` always; a sweep over a data mixture's weights adds each
 source's validation loss (``val/<name>/loss``) as columns and ``source_val_curves.png``; a sweep
@@ -18,6 +20,7 @@ from typing import Any
 
 from titan_hydra.analysis import figures
 from titan_hydra.analysis.anneal import plot_anneal
+from titan_hydra.analysis.layout_sweep import LayoutRow, collect_layouts, is_dry_run_sweep, write_layout_tables
 from titan_hydra.analysis.sweep import (COLUMNS, FIDELITY, LR, JobRow, collect, fidelity_names, label_rows,
                                         last_fidelity, last_source_val, lr_curves, source_names)
 from titan_hydra.errors import UserError
@@ -151,10 +154,17 @@ def curve_panels(curves: list[dict[str, list[tuple[int, float]]]], rows: list[Jo
     figures.save(fig, path)
 
 
-def report(sweep_dir: Path) -> list[JobRow]:
-    """Read the sweep in ``sweep_dir`` and write its report there; its rows."""
+def report(sweep_dir: Path) -> list[JobRow] | list[LayoutRow]:
+    """Read the sweep in ``sweep_dir`` and write its report there; its rows. A sweep of dry runs
+    (``dry_run=true`` / ``simulate``: layouts, not trainings) gets a row per layout instead
+    (``layout_sweep.py``): its memory per rank, fit, collectives and estimated tokens/s."""
     if not sweep_dir.is_dir():
         raise UserError(f"{sweep_dir} is not a directory")
+    if is_dry_run_sweep(sweep_dir):
+        layouts = collect_layouts(sweep_dir)
+        label_rows(layouts)
+        write_layout_tables(layouts, sweep_dir)
+        return layouts
     rows = collect(sweep_dir)
     if not rows:
         raise UserError(f"no jobs found in {sweep_dir}")

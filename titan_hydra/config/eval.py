@@ -32,6 +32,7 @@ class EvalSettings:
     sample_seed: int = 0  # the pictures' noise: the same at every step, so rows compare
     fidelity_every: int = 0  # steps between fidelity scores (and at the end); 0 = none
     fidelity_prompts: int = 64  # held-out captions scored, one picture each
+    sharded: bool = False  # harness requests scored across the dp ranks by the training model (no full copy)
 
     def __post_init__(self) -> None:
         if self.freq < 0:
@@ -51,6 +52,7 @@ class EvalSettings:
                     "fidelity_prompts"):
             typed[key] = int(getattr(self, key))
         typed["sample_guidance"] = float(self.sample_guidance)
+        typed["sharded"] = bool(self.sharded)
         for key, value in typed.items():
             object.__setattr__(self, key, value)
 
@@ -78,6 +80,12 @@ class EvalSettings:
         if self.freq > 0 and family.objective.unit != "token":
             raise ConfigError(f"eval.freq={self.freq}: the lm-eval harness scores language models, not model family "
                               f"{family.name!r}; set eval.freq=0")
+
+    def check_layout(self, dims: Any) -> None:
+        """``sharded`` scores through the training model's own forward: not a pipeline's stages (one line)."""
+        if self.sharded and self.freq > 0 and dims.pp > 1:
+            raise ConfigError(f"eval.sharded=true scores through the model's forward, which a pipeline (parallelism.pp="
+                              f"{dims.pp}) splits into stages; set eval.sharded=false (one full copy on rank 0)")
 
     def check_data(self, dataset: Any) -> None:
         """Fidelity needs held-out captions and a reader of pictures from the data (one line if not)."""

@@ -157,11 +157,13 @@ def measured_kernel_times(shape: Shape, names: tuple[str, ...] = ("sdpa", KERNEL
 
 
 def faster_kernel(shape: Shape, names: tuple[str, ...], probe: Probe | None = None) -> KernelChoice:
-    """The fastest of ``names`` here; rank 0 decides for every rank."""
+    """The fastest of ``names`` here; rank 0 decides for every rank. Under torch's fake backend
+    (``dry_run=simulate``) a broadcast moves nothing, so the simulated rank decides for itself."""
     choice = [None]
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    shared = dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
+    if not shared or dist.get_rank() == 0:
         choice[0] = _decide(shape, names, probe or measured_kernel_times)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if shared:
         dist.broadcast_object_list(choice, src=0)
     return choice[0]
 

@@ -3,7 +3,8 @@
 ``launch(cfg)`` resolves what the config leaves open (a sweep job's W&B identity,
 ``parallelism=auto``: the only changes made to the config, all before validation), builds the
 run's ``RunSpec`` once and validates it (one-line ``error:`` and exit 2 on bad input), prints
-the plan for ``dry_run`` (or simulates the run for ``dry_run=simulate``: titan_hydra/simulate),
+the plan for ``dry_run`` (or simulates the run for ``dry_run=simulate``: titan_hydra/simulate;
+both leave their figures in the run dir, and a sweep of them is tabulated: launch/dry_run.py),
 and otherwise hands the spec to the pretraining recipe: in this process when it is the only
 rank or when an outer launcher (torchrun, SLURM) already made this process a rank, or in
 workers that the local launcher spawns through torch elastic.
@@ -18,6 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from titan_hydra.errors import UserError
+from titan_hydra.launch.dry_run import dry_run, record_refusal, refusal_is_a_result
 from titan_hydra.launch.ft_local import run_groups
 from titan_hydra.launch.local import run_local
 from titan_hydra.launch.run_lock import RunDirLock, owns_run
@@ -25,9 +27,7 @@ from titan_hydra.launch.slurm import export_dist_env, in_slurm_step, in_submitit
 from titan_hydra.launch.submitit_jobs import JobFailed
 from titan_hydra.launch.sweep import apply_sweep_identity
 from titan_hydra.launch.resolve import resolved_spec
-from titan_hydra.planner.plan import plan
 from titan_hydra.runtime.fault_tolerance import GROUP_ENV
-from titan_hydra.simulate.simulator import simulate
 from titan_hydra.train.pretrain import run
 from titan_hydra.validate import check_spec
 
@@ -37,11 +37,23 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-def run_dir_of(cfg: DictConfig) -> str:
+def hydra_output_dir() -> str | None:
     try:
         return HydraConfig.get().runtime.output_dir
     except ValueError:  # not under Hydra (tests calling launch directly)
-        return os.getcwd()
+        return None
+
+
+def run_dir_of(cfg: DictConfig) -> str:
+    return hydra_output_dir() or os.getcwd()
+
+
+def refuse(cfg: DictConfig, run_dir: str | None, message: str) -> None:
+    """``error: ...`` and exit 2; a layout of a sweep of dry runs instead records its refusal as
+    its result and returns, so the sweep goes on (titan_hydra/launch/dry_run.py)."""
+    if not refusal_is_a_result(cfg):
+        fail(message)
+    record_refusal(run_dir or run_dir_of(cfg), message)
 
 
 def launch(cfg: DictConfig, run_dir: str | None = None) -> float | None:
@@ -55,16 +67,13 @@ def launch(cfg: DictConfig, run_dir: str | None = None) -> float | None:
         # a SLURM submit host leaves the device checks to the compute nodes
         spec = check_spec(spec, environment=not submit_to_slurm)
     except UserError as e:
-        fail(str(e))
-    if spec.simulate:  # dry_run=simulate: build and step the run on fake tensors, report beside the plan
+        return refuse(cfg, run_dir, str(e))
+    if spec.dry_run:  # the plan, or (simulate) the run built and stepped on fake tensors beside it
+        # (files where a run dir is known: Hydra's, the caller's; a simulation outside Hydra: here)
         try:
-            simulation = simulate(spec)
+            dry_run(spec, run_dir or hydra_output_dir() or (os.getcwd() if spec.simulate else None))
         except UserError as e:
-            fail(str(e))
-        print(simulation.format(), f"\nwrote {simulation.write(run_dir or run_dir_of(cfg))}", flush=True)
-        return None
-    if spec.dry_run:
-        print(plan(spec).format(), flush=True)
+            return refuse(cfg, run_dir, str(e))
         return None
     run_dir = run_dir or run_dir_of(cfg)
     inside_rank = "LOCAL_RANK" in os.environ or spec.world_size == 1

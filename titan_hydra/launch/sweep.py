@@ -42,15 +42,21 @@ def job_name(override_dirname: str, job_num: Any) -> str:
     return override_dirname or f"job{job_num}"
 
 
+def in_multirun() -> bool:
+    """This process runs a job of a Hydra multirun (``-m``)."""
+    from hydra.types import RunMode
+
+    hc = _hydra_config()
+    return hc is not None and hc.mode == RunMode.MULTIRUN
+
+
 def apply_sweep_identity(cfg: DictConfig) -> None:
     """A multirun job's identity (no-op otherwise): its sweep's W&B group, ``run_name`` from its
     overrides and the ``sweep`` tag, where the user set none. The W&B backend's name and tags
     then follow from ``run_name`` and ``tags`` the way every run's do (``logger_backends``)."""
-    from hydra.types import RunMode
-
-    hc = _hydra_config()
-    if hc is None or hc.mode != RunMode.MULTIRUN:
+    if not in_multirun():
         return
+    hc = _hydra_config()
     with open_dict(cfg):
         wandb = cfg.logger.wandb
         if wandb is not None and not wandb.group:

@@ -19,6 +19,10 @@ The callback also hands Hydra's stock submitit launchers (``hydra/launcher=submi
 failed job as one line instead of submitit's ``UncompletedJobError`` traceback
 (``submitit_jobs.py``). It rewrites only ``hydra.launcher._target_``; every other launcher
 setting stays the user's.
+
+A sweep of dry runs (``dry_run=true`` / ``simulate``) compares layouts, some of which the launch
+refuses: its points are only composed here, each job records its own refusal as its row of the
+sweep's report, and on a SLURM cluster it runs on this machine (``launch/dry_run.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
 
 from titan_hydra.errors import UserError
+from titan_hydra.launch.dry_run import is_dry_run, run_here
 from titan_hydra.launch.slurm_check import check_slurm
 from titan_hydra.launch.resolve import resolved_spec
 from titan_hydra.validate import check_spec
@@ -73,8 +78,10 @@ def composition_problem(error: Exception) -> str:
     return first
 
 
-def point_problem(config_loader: Any, config: DictConfig, overrides: Sequence[str]) -> str | None:
-    """Compose one sweep point as its job will, validate it; the problem in one line, or None."""
+def point_problem(config_loader: Any, config: DictConfig, overrides: Sequence[str],
+                  validate: bool = True) -> str | None:
+    """Compose one sweep point as its job will, validate it (unless not ``validate``); the
+    problem in one line, or None."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -82,6 +89,8 @@ def point_problem(config_loader: Any, config: DictConfig, overrides: Sequence[st
         job_cfg = config_loader.load_sweep_config(config, list(overrides))
     except (HydraException, OmegaConfBaseException) as e:
         return composition_problem(e)
+    if not validate:
+        return None
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # parallelism=auto prints its choice per point
             spec = resolved_spec(job_cfg)  # each group built once, as the job's launch will
@@ -136,7 +145,12 @@ class SweepCheckCallback(Callback):
         from hydra.core.global_hydra import GlobalHydra
 
         adopt_launcher(config)
-        if OmegaConf.select(config, "cluster.launcher") == "slurm":
+        # a sweep of dry runs compares layouts: it runs here, and the layouts the launch refuses
+        # are rows of its report (each job records its refusal), so only composing can fail it
+        dry = is_dry_run(config)
+        if dry:
+            run_here(config)
+        elif OmegaConf.select(config, "cluster.launcher") == "slurm":
             try:  # no sbatch, an unknown partition: said before the sweep dir exists
                 check_slurm(config)
             except UserError as e:
@@ -154,7 +168,7 @@ class SweepCheckCallback(Callback):
         points, swept = expanded
         bad = []
         for num, overrides in enumerate(points):
-            problem = point_problem(config_loader, config, overrides)
+            problem = point_problem(config_loader, config, overrides, validate=not dry)
             if problem is not None:
                 bad.append((num, overrides, problem))
         if bad:

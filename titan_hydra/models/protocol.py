@@ -294,6 +294,21 @@ class SizesSamples(Protocol):
 
 
 @runtime_checkable
+class ShapesBatches(Protocol):
+    """The capability of a family whose training batch is not a token tensor (an image family's
+    dict of latents, caption states and conditioning): a batch of its exact shapes and dtypes,
+    zero-filled, from the config alone (``dry_run=simulate`` steps the model on one)."""
+
+    def batch_like(self, args: Any, data: SampleSettings, local_batch: int) -> tuple[Any, torch.Tensor]:
+        """(inputs, target) of one local batch, zeros: what the data loader would hand the model."""
+        ...
+
+    def dataset_sizes(self, data: SampleSettings) -> dict[str, int]:
+        """What the model build reads of the built dataset (e.g. ``image_tokens``), from the settings."""
+        ...
+
+
+@runtime_checkable
 class ShardsRope(Protocol):
     """The capability of a family whose model keeps rotary tables as buffers indexed by position:
     context parallel shards them with the tokens, so each rank rotates its own positions."""

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from titan_hydra.models.protocol import ShapesBatches
 from titan_hydra.simulate.balanced_routing import balanced_routing
 from titan_hydra.simulate.collectives import Collective, CollectiveCounter
 from titan_hydra.simulate.live_memory import LiveMemory
@@ -73,18 +74,22 @@ def optimizer_state(optimizer) -> list[torch.Tensor]:
 
 
 class FakeBatches:
-    """The data loader of a simulated rank: fake batches of the run's shape, made inside fake mode."""
+    """The data loader of a simulated rank: fake batches of the run's shape, made inside fake mode
+    (token batches, or the family's own batch shapes: ``ShapesBatches``, e.g. Flux's)."""
 
     def __init__(self, spec: RunSpec, fake: FakeTensorMode, seq_len: int | None = None) -> None:
         self.fake = fake
+        self.spec = spec
         self.shape = (spec.batch.local, seq_len or spec.batch.seq_len)
-        self.vocab = int(spec.shape.vocab_size)
+        self.vocab = int(spec.shape.vocab_size) if spec.token_data else 0
 
     def __iter__(self):
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> tuple[Any, torch.Tensor]:
         with self.fake:
+            if not self.spec.token_data:
+                return self.spec.family.batch_like(self.spec.model_args, self.spec.data, self.spec.batch.local)
             tokens = torch.randint(0, self.vocab, self.shape, dtype=torch.long)
         return tokens, tokens
 
@@ -97,9 +102,15 @@ def fake_materializer(fake: FakeTensorMode):
     return materialize
 
 
+def dataset_stand_in(spec: RunSpec) -> types.SimpleNamespace:
+    """What the model build and the loop read of the built dataset, from the settings (no data is read)."""
+    sizes = spec.family.dataset_sizes(spec.data) if isinstance(spec.family, ShapesBatches) else {}
+    return types.SimpleNamespace(seq_len=spec.batch.seq_len, document_eos_id=None, **sizes)
+
+
 def trainer_of(spec: RunSpec, built, optim, rank: int, loader) -> Trainer:
     """The training loop's object with its services off: the simulator calls its step parts."""
-    dataset = types.SimpleNamespace(seq_len=spec.batch.seq_len, document_eos_id=None)
+    dataset = dataset_stand_in(spec)
     data = DataPlan(dataset=dataset, train_loader=loader, val_loader_factory=lambda: iter(()))
     services = Services(monitors=None, checkpointer=None, periodic_eval=NoEval(),
                         fault_tolerance=NoFaultTolerance(), health=NoHealth(), preemption=NoPreemption())
@@ -117,7 +128,7 @@ def simulate_rank(spec: RunSpec, rank: int, steps: int, kernel_device: torch.dev
     dims = spec.dims
     dims.build_mesh("cpu")
     fake = FakeTensorMode(allow_non_fake_inputs=True) if fake_tensors else contextlib.nullcontext()
-    dataset = types.SimpleNamespace(seq_len=spec.batch.seq_len, document_eos_id=None)
+    dataset = dataset_stand_in(spec)
     built = build_parallel_model(spec, CPU, rank, dataset, materialize=fake_materializer(fake) if fake_tensors else None,
                                  kernel_device=kernel_device)
     optim = optimization_of(spec, built)

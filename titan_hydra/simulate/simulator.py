@@ -10,6 +10,7 @@ figure with the closed-form plan (``report.py``).
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import resource
 import time
@@ -18,6 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 from titan_hydra.errors import ConfigError
+from titan_hydra.models.protocol import ShapesBatches
 from titan_hydra.planner.devices import usable_memory_of
 from titan_hydra.planner.plan import layout_label, plan
 from titan_hydra.simulate.fake_world import fake_world
@@ -35,9 +37,20 @@ def representative_ranks(dims) -> list[int]:
     return [p * per_stage for p in range(dims.pp)]
 
 
+def rank_processes() -> multiprocessing.context.BaseContext:
+    """Where simulated ranks run: fresh processes forked from a server that imported this module
+    once (torch, the models, the parallel code): a rank starts in milliseconds instead of the
+    seconds a spawned interpreter spends importing, and inherits no state of this process (the
+    server runs no tensor op, so DTensor's caches start empty in every rank)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context
+
+
 def rank_in_world(spec: RunSpec, rank: int, steps: int, stage_input=None) -> RankResult:
     """One simulated rank in a process of its own (run by a fresh worker: DTensor's caches compare
     meshes of different worlds as equal, so one process cannot host two worlds one after the other)."""
+    gc.enable()  # a fork server started by a launch pauses collection (launch/gc_paused.py); storages must be freed
     with fake_world(spec.world_size, rank):
         return simulate_rank(spec, rank, int(steps), torch.device(spec.cluster.device), stage_input)
 
@@ -51,8 +64,9 @@ def check_simulable(spec: RunSpec) -> None:
                           "simulate with compile=none (compile changes activation memory, not the layout)")
     if spec.fault_tolerant:
         raise ConfigError("dry_run=simulate simulates one replica group: set fault_tolerance=none to simulate it")
-    if not spec.token_data:
-        raise ConfigError(f"dry_run=simulate makes token batches; {spec.flavor} reads other data: not simulated yet")
+    if not spec.token_data and not isinstance(spec.family, ShapesBatches):
+        raise ConfigError(f"dry_run=simulate makes token batches, and model family {spec.family.name!r} names no "
+                          "other batch shapes (ShapesBatches in titan_hydra/models/protocol.py): not simulated")
 
 
 def simulate(spec: RunSpec, parallel_ranks: int = PARALLEL_RANKS) -> Simulation:
@@ -60,15 +74,15 @@ def simulate(spec: RunSpec, parallel_ranks: int = PARALLEL_RANKS) -> Simulation:
     the first ``parallel_ranks`` processes at a time."""
     check_simulable(spec)
     started, cpu0 = time.perf_counter(), time.process_time()
-    # (each rank runs in a spawned worker: one process cannot host two fake worlds in turn)
+    # (each rank runs in a fresh process: one process cannot host two fake worlds in turn)
     steps = int(spec.training.simulate_steps)
     first, *others = representative_ranks(spec.dims)
-    spawn = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=spawn, max_tasks_per_child=1) as pool:
+    fresh = rank_processes()
+    with ProcessPoolExecutor(1, mp_context=fresh, max_tasks_per_child=1) as pool:
         head = pool.submit(rank_in_world, spec, first, steps).result()
     results = [head]
     if others:  # the first stage's output shape is what the later stages receive
-        with ProcessPoolExecutor(min(parallel_ranks, len(others)), mp_context=spawn, max_tasks_per_child=1) as pool:
+        with ProcessPoolExecutor(min(parallel_ranks, len(others)), mp_context=fresh, max_tasks_per_child=1) as pool:
             results += list(pool.map(rank_in_world, *zip(*[(spec, r, steps, head.stage_output) for r in others])))
     usable = usable_memory_of(spec.cluster)
     wall = time.perf_counter() - started

@@ -93,12 +93,14 @@ class BoundEval:
     evaluator: Any  # titan_hydra.train.eval.PeriodicEval
     model: BuiltModel
     dataset: Any
+    dims: Any = None  # ParallelDims: where this rank's slice of a sharded evaluation is
 
     def due(self, step: int, last: bool) -> bool:
         return self.evaluator.due(step, last)
 
     def run(self, step: int, last: bool) -> tuple[dict[str, float], dict[str, tuple[np.ndarray, list[str]]]]:
-        return self.evaluator.run(self.model.parts, self.model.family, self.model.args, self.dataset, step, last)
+        return self.evaluator.run(self.model.parts, self.model.family, self.model.args, self.dataset, step, last,
+                                  dims=self.dims)
 
 
 @dataclass(frozen=True)

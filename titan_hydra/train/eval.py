@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from titan_hydra.config.eval import EvalSettings
 from titan_hydra.parallel.full_state import gather_full_state
@@ -55,10 +56,16 @@ class PeriodicEval:
     def due(self, step: int, last: bool) -> bool:
         return self._harness_due(step, last) or self._samples_due(step, last) or self._fidelity_due(step, last)
 
-    def run(self, parts: list[torch.nn.Module], family, args, dataset, step: int, last: bool
+    def run(self, parts: list[torch.nn.Module], family, args, dataset, step: int, last: bool, dims=None
             ) -> tuple[dict[str, float], dict[str, tuple[np.ndarray, list[str]]]]:
         """(the harness's scores, the same dict on every rank; {key: (uint8 pictures [N, H, W, 3],
-        their prompts)} on rank 0, {} elsewhere) of the current weights."""
+        their prompts)} on rank 0, {} elsewhere) of the current weights. ``sharded``: the harness
+        runs on every rank over the training model (``dims``: its data-parallel place), no copy."""
+        sharded = {}
+        if self.settings.sharded and self._harness_due(step, last):
+            sharded = self._evaluate_sharded(parts, args, dataset.tokenizer, dims)
+            if not (self._fidelity_due(step, last) or self._samples_due(step, last)):
+                return sharded, {}
         state = gather_full_state(parts)  # collective inside each rank's sharding groups
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         rank = dist.get_rank() if distributed else 0
@@ -71,7 +78,8 @@ class PeriodicEval:
         pictures: dict[str, tuple[np.ndarray, list[str]]] = {}
         if rank == 0:
             model = self._full_copy(state, family, args)
-            if self._harness_due(step, last):
+            scores[0] = dict(sharded)
+            if self._harness_due(step, last) and not self.settings.sharded:
                 scores[0] = self._evaluate(model, args, dataset.tokenizer)
             if self._fidelity_due(step, last):
                 scores[0].update(self.fidelity(model, family, dataset))
@@ -110,11 +118,32 @@ class PeriodicEval:
         return model.float().eval()
 
     def _evaluate(self, model: torch.nn.Module, args, tokenizer) -> dict[str, float]:
-        from titan_hydra.evaluation import TitanLM, run_harness  # lm-eval (optional extra): only when asked for
+        from titan_hydra.evaluation import TitanLM  # lm-eval (optional extra): see check
 
-        s = self.settings
-        window = min(s.max_seq_len or args.max_seq_len, args.max_seq_len)
+        return self._harness(TitanLM(model, tokenizer, self._window(args), self.settings.batch_size))
+
+    def _evaluate_sharded(self, parts: list[torch.nn.Module], args, tokenizer, dims) -> dict[str, float]:
+        from titan_hydra.evaluation import ShardedLM  # lm-eval (optional extra): see check
+
+        model = parts[0]
+        device = next(model.parameters()).device
+
+        @torch.no_grad()
+        def forward(ids: torch.Tensor) -> torch.Tensor:
+            logits = model(ids.to(device))
+            return logits.full_tensor() if isinstance(logits, DTensor) else logits  # tp: vocab-sharded logits
+
+        dp_rank, dp_degree = (dims.dp_rank(), dims.dp_degree) if dims is not None else (0, 1)
+        return self._harness(ShardedLM(forward, tokenizer, self._window(args), self.settings.batch_size, dp_rank,
+                                          dp_degree))
+
+    def _window(self, args) -> int:
+        return min(self.settings.max_seq_len or args.max_seq_len, args.max_seq_len)
+
+    def _harness(self, lm) -> dict[str, float]:
+        from titan_hydra.evaluation import run_harness  # lm-eval (optional extra): see check
+
         with torch.autocast("cpu", enabled=False):
-            results = run_harness(TitanLM(model, tokenizer, window, s.batch_size), list(s.tasks), s.limit)
+            results = run_harness(lm, list(self.settings.tasks), self.settings.limit)
         return {f"eval/{task}/{metric}": float(value) for task, metrics in results.items()
                 for metric, value in metrics.items() if metric != "sample_len"}

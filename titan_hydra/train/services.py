@@ -155,7 +155,7 @@ def build_services(spec: RunSpec, run_dir: str, where: Placement, built: BuiltMo
         monitors=Monitors(metric_logger, build_throughput(spec, device, rank, built), MemoryMonitor(device),
                           NoProfiler() if profiler is None else profiler),
         checkpointer=checkpointer,
-        periodic_eval=BoundEval(PeriodicEval(spec.eval), built, data.dataset) if spec.eval.enabled else NoEval(),
+        periodic_eval=BoundEval(PeriodicEval(spec.eval), built, data.dataset, spec.dims) if spec.eval.enabled else NoEval(),
         fault_tolerance=spec.fault_tolerance if spec.fault_tolerance.enabled else NoFaultTolerance(),
         health=health_of(spec, run_dir, rank, device, built, data, checkpointer, state, metric_logger),
         preemption=preempted_by_slurm(rank, spec.world_size, device),

@@ -15,6 +15,7 @@ stages, and Flux has no experts.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -24,10 +25,11 @@ from torch import nn
 from titan_hydra.errors import ConfigError
 from titan_hydra.models.flux.diffusers_io import FluxDiffusersAdapter
 from titan_hydra.models.flux.examples import image_tokens_of
-from titan_hydra.models.flux.model import Flux, FluxArgs
+from titan_hydra.models.flux.model import Flux, FluxArgs, image_ids, text_ids
 from titan_hydra.models.flux.sampling import sample_images
 from titan_hydra.models.objective import Objective
-from titan_hydra.models.protocol import DrawsSamples, ModelFamily, ModelShape, SampleSettings, SizesSamples
+from titan_hydra.models.protocol import (DrawsSamples, ModelFamily, ModelShape, SampleSettings, ShapesBatches,
+                                         SizesSamples)
 
 
 class FlowMatching(Objective):
@@ -85,7 +87,7 @@ OWN_IMAGES = "or data=flux_images with data.path for your own images"
 DEV_GUIDANCE = 3.5
 
 
-class FluxFamily(ModelFamily, SizesSamples, DrawsSamples):
+class FluxFamily(ModelFamily, SizesSamples, DrawsSamples, ShapesBatches):
     name = "flux"
     args_cls = FluxArgs
     model_cls = Flux
@@ -156,6 +158,25 @@ class FluxFamily(ModelFamily, SizesSamples, DrawsSamples):
     def flops_per_sample(self, args: FluxArgs, data: SampleSettings, seq_len: int) -> float:
         self.require(args, data)
         return self.flops_per_image(args, *self.tokens_of(data))
+
+    def batch_like(self, args: FluxArgs, data: SampleSettings, local_batch: int) -> tuple[dict[str, torch.Tensor],
+                                                                                         torch.Tensor]:
+        """A batch of ``FluxExamples.make_batch``'s shapes, zeros (the ShapesBatches capability)."""
+        self.require(args, data)
+        image, text = self.tokens_of(data)
+        side = math.isqrt(image)
+        b = int(local_batch)
+        inputs = {"img": torch.zeros(b, image, args.in_channels), "img_ids": image_ids(side, side, batch=b).contiguous(),
+                  "txt": torch.zeros(b, text, args.context_dim), "txt_ids": text_ids(text, batch=b).contiguous(),
+                  "timesteps": torch.zeros(b), "y": torch.zeros(b, args.pooled_dim)}
+        if data.guidance is not None:
+            inputs["guidance"] = torch.zeros(b)
+        return inputs, torch.zeros(b, image, args.in_channels)
+
+    def dataset_sizes(self, data: SampleSettings) -> dict[str, int]:
+        """The image-caption dataset's tokens per sample (what ``flops_per_unit`` reads), from the settings."""
+        image, text = self.tokens_of(data)
+        return {"image_tokens": image, "text_tokens": text}
 
     def check(self, args: FluxArgs, dims: Any, seq_len: int) -> None:
         for name, degree, why in (("pp", dims.pp, "pipeline stages would pass both streams and the conditioning"),

@@ -104,6 +104,10 @@ class HFFamily(ModelFamily):
                                   "use parallelism.pp=1")
             if dims.pp > s.n_layers:
                 raise ConfigError(f"parallelism.pp={dims.pp} exceeds num_hidden_layers={s.n_layers}; lower parallelism.pp")
+            if dims.tp > 1:  # found by dry_run=simulate, then in a real 4-rank run (docs/scaling.md)
+                raise ConfigError(f"parallelism.pp={dims.pp} with parallelism.tp={dims.tp} does not run for model=hf: "
+                                  "a stage's output leaves transformers' TP plan as a sequence-sharded DTensor, which "
+                                  "torch's pipeline stages cannot pass on; use pp or tp, not both")
             if s.tied_embeddings:
                 raise ConfigError("tie_word_embeddings=true cannot run under pipeline parallel (embedding and head "
                                   "live on different stages); set model.fields.tie_word_embeddings=false or "
