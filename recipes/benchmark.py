@@ -32,6 +32,10 @@ are comparable; absolute numbers on shared 2-core machines are noisy.
     python recipes/benchmark.py --suite hybrid --steps 200 --batch 4 --seq-len 512 training.seq_len=128
         # Qwen3.5 debug against transformers' implementation, tokens/s against the sequence length
         # and loss at equal tokens for full attention / hybrid 3:1 / all Gated DeltaNet
+    python recipes/benchmark.py --suite simulate_grid
+        # the closed-form planner against dry_run=simulate on 44 points (every family, 1-D to 4-D,
+        # AC none/selective/full, 8 to 2,048 H100 ranks; depth cut, real widths); add
+        # --simulated bench_out/simulate_grid.json to rerun only the planner against those figures
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ from titan_hydra.bench.variants import SUITES
 # function). A suite's module (torch, models, the config groups) is imported only once it is the
 # one asked for, so parsing the arguments (--help) costs nothing.
 EXTRA_SUITES = {"data": ("data", "data_suite"), "ft": ("ft", "ft_suite"), "moe_memory": ("moe_memory", "moe_memory_suite"),
-                "mtp": ("mtp", "mtp_suite"), "hybrid": ("hybrid", "hybrid_suite")}
+                "mtp": ("mtp", "mtp_suite"), "hybrid": ("hybrid", "hybrid_suite"),
+                "simulate_grid": ("simulate_grid", "simulate_grid_suite")}
 
 
 def suite_function(module: str, name: str):
@@ -72,7 +77,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seqs", type=int, nargs="+", default=[256, 1024, 4096, 8192],
                    help="hybrid suite: sequence lengths of the layer-pattern sweep")
     p.add_argument("--timed-steps", type=int, default=5, help="hybrid suite: timed steps per in-process point")
-    p.add_argument("--variant", default=None, help="moe_memory suite: only the variants whose name contains this")
+    p.add_argument("--variant", default=None,
+                   help="moe_memory, simulate_grid suites: only the variants (grid points) whose name contains this")
+    p.add_argument("--simulated", default=None,
+                   help="simulate_grid suite: a previous run's JSON; its simulated figures are reused, the planner "
+                        "rerun (points it lacks are simulated)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5, help="steps excluded from the medians")
     add_threads(p)
@@ -90,7 +99,8 @@ def main() -> None:
 
 
 def run_extra_suite(args) -> None:
-    """A suite that measures something other than training variants (data, ft, moe_memory, mtp, hybrid)."""
+    """A suite that measures something other than training variants (data, ft, moe_memory, mtp, hybrid,
+    simulate_grid)."""
     with tempfile.TemporaryDirectory(prefix=f"titan_bench_{args.suite}_") as tmp:
         lines, result = suite_function(*EXTRA_SUITES[args.suite])(args, Path(tmp))
     print("\n".join(lines))

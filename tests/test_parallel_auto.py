@@ -135,7 +135,8 @@ def test_deepseek_v3_671b_keeps_expert_parallel_when_compiled_or_selectively_che
 
 
 def test_resolution_is_deterministic_and_idempotent():
-    ov = ["model=llama3_70b", *H100, "cluster.nnodes=8", "training.local_batch_size=1"]
+    ov = ["model=llama3_70b", *H100, "cluster.nnodes=8", "training.local_batch_size=1",
+          "activation_checkpoint=selective_op"]
     a, _ = resolved(ov)
     b, _ = resolved(ov)
     assert a.parallelism == b.parallelism
@@ -228,7 +229,7 @@ def test_debug_model_trains_with_auto_on_two_cpu_processes(tmp_path, run_cache, 
 @pytest.mark.slow
 def test_launch_nothing_fits_one_line_error(tmp_path):
     proc = run_launch(["parallelism=auto", "model=llama3_70b", "cluster=slurm_h100", "training.seq_len=8192",
-                       "training.local_batch_size=1", "data.max_documents=1"], cwd=tmp_path, timeout=120)
+                       "training.local_batch_size=1", "activation_checkpoint=selective_op", "data.max_documents=1"], cwd=tmp_path, timeout=120)
     assert proc.returncode == 2
     lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
     assert lines[-1].startswith("error: parallelism=auto: model=llama3_70b does not fit on 1x8 devices")
@@ -238,13 +239,13 @@ def test_launch_nothing_fits_one_line_error(tmp_path):
 @pytest.mark.slow
 def test_launch_dry_run_prints_the_choice(tmp_path):
     ov = ["parallelism=auto", "model=llama3_70b", "cluster=slurm_h100", "cluster.nnodes=8", "training.seq_len=8192",
-          "training.local_batch_size=1", "data.max_documents=1"]
+          "training.local_batch_size=1", "activation_checkpoint=selective_op", "data.max_documents=1"]
     proc = run_launch(["dry_run=true", *ov], cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cfg, p = resolved(ov)
-    assert (cfg.parallelism.dp_shard, cfg.parallelism.tp) == (8, 8)
-    assert f"parallelism=auto chose dp_shard=8 tp=8: fits ({p.mem_total_gib:.3g} GiB/rank)" in proc.stdout
-    assert "64 / dp_replicate=1 dp_shard=8 tp=8 pp=1 cp=1" in proc.stdout
+    assert (cfg.parallelism.dp_shard, cfg.parallelism.tp) == (16, 4)
+    assert f"parallelism=auto chose dp_shard=16 tp=4: fits ({p.mem_total_gib:.3g} GiB/rank)" in proc.stdout
+    assert "64 / dp_replicate=1 dp_shard=16 tp=4 pp=1 cp=1" in proc.stdout
     assert f"memory per rank: peak         {p.mem_total_gib:.3f} GiB (fits)" in proc.stdout
     assert f"80 GiB / {ClusterConfig.memory_headroom:.0%} kept free -> {p.usable_memory_gib:.1f} GiB usable" in proc.stdout
 

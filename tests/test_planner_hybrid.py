@@ -88,7 +88,7 @@ def test_hybrid_estimate_within_15_percent_of_measured_peak(interval, precision)
 def test_auto_plans_the_published_moe_flavor_without_tensor_parallel():
     """On two 8-GPU H100 nodes auto picks a fitting layout; every TP layout is listed as invalid
     with the one-line reason (MoE models have no expert TP plan). One node cannot hold its fp32 state (~34.7B params x 16 B
-    over 8 ranks > 60.8 GiB usable): refused in one line naming the remedies."""
+    over 8 ranks > 66.4 GiB usable): refused in one line naming the remedies."""
     cfg = compose_cfg(["model=qwen3_5_35b_a3b", "parallelism=auto", "cluster=slurm_h100", "cluster.nnodes=2"])
     cands = auto.candidates(spec_of(cfg))
     tp = [c for c in cands if c.tp > 1]

@@ -13,4 +13,5 @@ of its own; nothing in the package imports it.
   moe_memory.py  resident memory of a long MoE run
   mtp.py         multi-token prediction: validation loss at equal tokens
   hybrid.py      Qwen3.5's Gated DeltaNet hybrid against transformers', tokens/s per layer pattern
+  simulate_grid.py  the closed-form planner against dry_run=simulate on a grid of layouts and families
 """

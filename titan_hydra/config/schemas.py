@@ -58,9 +58,9 @@ class ClusterConfig:
     gpu_mem_gib: Optional[float] = None
     # Fraction of that memory the planner keeps free (parallelism=auto's fit check and the plan's
     # "fits"): the estimator's largest underestimate of torchtitan's 18 published H100 peaks,
-    # 1 - 0.766 (t6_fsdp1_cp8), rounded up to the percent. recipes/estimate_published.py prints it
+    # 1 - 0.836 (t6_fsdp1_cp8), rounded up to the percent. recipes/estimate_published.py prints it
     # and tests/test_estimator_published.py recomputes it from the rows. 0 = trust the estimate.
-    memory_headroom: float = 0.24
+    memory_headroom: float = 0.17
     # Refuse a run whose planned peak cannot fit this machine (its RAM on CPU, the device on GPU), before
     # anything is built (planner/fit.py); false lets an expert go on anyway.
     memory_check: bool = True

@@ -74,13 +74,21 @@ def loss_peak_bytes(args: ModelShape, tokens: float, dims) -> float:
     return (1 + args.mtp_layers) * tokens * (loss_bytes_per_token(args, dims) + 2 * args.dim)
 
 
-def saved_block_bytes_cuda(args: ModelShape, mode: str, tokens: float, tp: int, policy: str) -> float:
-    """What one block keeps for backward on CUDA for ``tokens`` (bf16 activations, FSDP bf16 params)."""
+def saved_block_bytes_cuda(args: ModelShape, mode: str, tokens: float, tp: int, policy: str,
+                           sequence_parallel: bool = False) -> float:
+    """What one block keeps for backward on CUDA for ``tokens`` (bf16 activations, FSDP bf16 params).
+
+    Without AC under sequence parallel, the two norm outputs the block all-gathers (attention's
+    and the FFN's input, 2d bytes each) are saved whole, for the full sequence, by the matmuls
+    that read them: the measured coefficients split every term by tp, so the rest of each
+    gathered copy is added (+57% per block on llama3_70b at tp 8, which is what the simulator
+    measured beyond this estimate on fsdp x tp; selective_op recomputes the gathers)."""
     if mode == "full":
         return tokens * 2 * args.dim / tp  # the block input (sequence-sharded under SP)
     if mode == "selective_op":
         return tokens * sac_saved_bytes_per_token(args, policy, tp)
-    return block_activation_bytes(args, "bf16_params", "none", tokens, tp)
+    gathered = tokens * 2 * 2 * args.dim * (1 - 1 / tp) if sequence_parallel and tp > 1 else 0.0
+    return block_activation_bytes(args, "bf16_params", "none", tokens, tp) + gathered
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,7 @@ class StepTerms:
     """The byte terms of one step that the schedule does not change (per rank, CUDA, bf16 FSDP)."""
 
     tp: int
+    sequence_parallel: bool  # TP's sequence parallel: blocks all-gather their norm outputs
     ac_mode: str  # as modeled on CUDA (selective_layer counted as none: the upper bound)
     sac_policy: str
     compiled: bool
@@ -120,7 +129,7 @@ def step_terms(spec: RunSpec) -> StepTerms:
     ac = spec.activation_checkpoint
     mode = ac.mode
     return StepTerms(
-        tp=tp, ac_mode="none" if mode == "selective_layer" else mode,
+        tp=tp, sequence_parallel=bool(dims.tp_sequence_parallel), ac_mode="none" if mode == "selective_layer" else mode,
         sac_policy=ac.policy, compiled=spec.compiler.enabled,
         fsdp=bool(dims.fsdp_enabled), weight_bytes=w_bytes, block_weights=block_w, root_weights=root_w,
         block_grads=blk / tp * (2 + 4), layer_params=avg_blk,
@@ -133,8 +142,8 @@ def cuda_dynamic_peak(spec: RunSpec, runtime: Runtime, pp_rank: int | None = Non
     worst rank (or on pipeline rank ``pp_rank``), on CUDA with bf16 FSDP params.
 
     Without PP: the saved activations of every block, plus the larger of the loss backward's
-    peak and one block's recompute with its unsharded gradients (bf16, + fp32 reduce-scatter input);
-    FSDP keeps the root (embedding, output) and the last block unsharded through it.
+    peak (with the root groups unsharded) and one block's recompute with its unsharded gradients
+    (bf16, + fp32 reduce-scatter input), its weights and the next block's unsharded beside the root.
     With PP (FSDP does not reshard after forward and does not reduce-scatter until the last
     microbatch, as torchtitan and titan_hydra do): the whole stage's parameters stay unsharded, and
     after a stage's first backward its gradients accumulate unsharded in fp32 (FSDP2's
@@ -159,11 +168,19 @@ def recompute_with_grads(args: ModelShape, terms: StepTerms, tokens: float) -> f
 
 def unpipelined_peak(args: ModelShape, dims, terms: StepTerms, tokens: float) -> tuple[float, float]:
     """``cuda_dynamic_peak`` without PP, for this rank's ``tokens`` per step."""
-    saved = args.n_layers * saved_block_bytes_cuda(args, terms.ac_mode, tokens, terms.tp, terms.sac_policy)
-    saved += args.mtp_layers * saved_block_bytes_cuda(args, "none", tokens, terms.tp, terms.sac_policy)
-    dyn = saved + max(loss_peak_bytes(args, tokens, dims), recompute_with_grads(args, terms, tokens))
-    unsharded = terms.root_weights + 2 * terms.block_weights  # root + the last block (kept) + the one in use
-    return dyn + unsharded, unsharded
+    sp = terms.sequence_parallel
+    saved = args.n_layers * saved_block_bytes_cuda(args, terms.ac_mode, tokens, terms.tp, terms.sac_policy, sp)
+    saved += args.mtp_layers * saved_block_bytes_cuda(args, "none", tokens, terms.tp, terms.sac_policy, sp)
+    # Two candidate moments. The loss backward: every block resharded after its forward, the root
+    # groups (embedding, head) unsharded. A block's backward: its recompute and unsharded grads,
+    # its weights and the next block's (prefetched) unsharded beside the root. The simulator showed
+    # the first holding no block weights (llama4_maverick, fsdp x ep: only the two root-sized bf16
+    # tensors at the loss backward's peak), which one sum of both overcounted.
+    at_loss = loss_peak_bytes(args, tokens, dims) + terms.root_weights
+    blocks = 2 * terms.block_weights
+    at_block = recompute_with_grads(args, terms, tokens) + terms.root_weights + blocks
+    unsharded = terms.root_weights + (blocks if at_block > at_loss else 0.0)
+    return saved + max(at_loss, at_block), unsharded
 
 
 @dataclass(frozen=True)
@@ -188,7 +205,8 @@ def microbatch_bytes(args: ModelShape, dims, terms: StepTerms, tokens: float) ->
     mb_tokens = tokens / n_mb
     tp = terms.tp
     return MicrobatchBytes(
-        n_mb=n_mb, per_block=saved_block_bytes_cuda(args, terms.ac_mode, mb_tokens, tp, terms.sac_policy),
+        n_mb=n_mb, per_block=saved_block_bytes_cuda(args, terms.ac_mode, mb_tokens, tp, terms.sac_policy,
+                                                     terms.sequence_parallel),
         io=mb_tokens * 2 * args.dim / (tp if dims.tp_sequence_parallel else 1),
         logits=mb_tokens * 2 * args.vocab_size / (tp if dims.loss_parallel_enabled else 1),
         backward_extra=recompute_with_grads(args, terms, mb_tokens),
@@ -206,7 +224,7 @@ def pipelined_peak(args: ModelShape, dims, terms: StepTerms, runtime: Runtime, t
     for rank in range(dims.pp) if pp_rank is None else [pp_rank]:
         stages = [rank + k * dims.pp for k in range(n_local)]
         unsharded = stage_unsharded_bytes(args, terms, sizes, stages)
-        peak = schedule_peak(dims, runtime, rank, stages, sizes, mb, terms)
+        peak = schedule_peak(dims, runtime, rank, stages, sizes, mb, terms, args)
         if peak + unsharded > sum(worst):
             worst = (peak, unsharded)
     return worst[0] + worst[1], worst[1]
@@ -223,8 +241,23 @@ def stage_unsharded_bytes(args: ModelShape, terms: StepTerms, sizes: list[int], 
     return unsharded
 
 
+def accumulated_grad_bytes(args: ModelShape, terms: StepTerms, sizes: list[int], stage: int) -> float:
+    """fp32 gradients a stage accumulates unsharded between microbatches (FSDP reduce-scatters
+    after the last one only): its blocks' (split by tp), the output head's on the last stage, and
+    on the first the embedding's at the whole vocabulary: under TP the row-wise embedding's
+    backward makes a Partial gradient of the full table (DTensor's strategy for
+    ``embedding_dense_backward``), which FSDP accumulates as it is until its reduce-scatter
+    (simulated: 3.9 GiB on llama3_70b's first stage, fsdp x tp 8 x pp 4)."""
+    grads = sizes[stage] * terms.layer_params / terms.tp * 4
+    if stage == 0:
+        grads += args.embedding_params * 4
+    if stage == len(sizes) - 1:
+        grads += args.head_params / terms.tp * 4
+    return grads
+
+
 def schedule_peak(dims, runtime: Runtime, rank: int, stages: list[int], sizes: list[int],
-                  mb: MicrobatchBytes, terms: StepTerms) -> float:
+                  mb: MicrobatchBytes, terms: StepTerms, args: ModelShape) -> float:
     """The most a rank holds at any backward of its schedule: in-flight microbatches'
     activations and stage outputs, the p2p buffers, gradients accumulated so far, and the
     backward's own transient. A received input is also the first block's saved input (counted
@@ -244,10 +277,12 @@ def schedule_peak(dims, runtime: Runtime, rank: int, stages: list[int], sizes: l
         if runtime.pp_keeps_outputs and last in stages:  # outputs kept past their backward
             held += done[stages.index(last)] * mb.logits
         grads_done = [d > 0 and mb.n_mb > 1 for d in done]
-        acc = sum(sizes[s] * terms.layer_params / terms.tp * 4 for g, s in zip(grads_done, stages) if g)
+        acc = sum(accumulated_grad_bytes(args, terms, sizes, s) for g, s in zip(grads_done, stages) if g)
         extra = mb.backward_extra
         if stages[k] == last:
             extra = max(extra, mb.loss_peak)
+        if stages[k] == 0:  # the embedding's gradient as its backward makes it (bf16, the whole table)
+            extra = max(extra, args.embedding_params * 2)
         peak = max(peak, held + acc + extra)
         live[k] -= 1
         done[k] += 1

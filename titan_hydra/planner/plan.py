@@ -31,7 +31,7 @@ from titan_hydra.planner.cuda_memory import (
 )
 from titan_hydra.planner.devices import device_memory_of, peak_tflops_of, usable_memory_of
 from titan_hydra.planner.runtime import TITAN_HYDRA, Runtime
-from titan_hydra.planner.shape import largest_block_params, stage_params
+from titan_hydra.planner.shape import expert_shard_padding, largest_block_params, stage_params
 from titan_hydra.spec import RunSpec
 
 GIB = 1024**3
@@ -84,6 +84,9 @@ class Plan:
     # a batch / seq-len schedule's stages: every figure above is its largest step's (the most
     # micro-batches, the longest windows; activations are one micro-batch's, whatever the count)
     schedule: str = ""
+    # the peak before the CUDA caching allocator's reserve (what the tensors hold: the figure a
+    # simulation's counted bytes compare with); equal to mem_total_gib off CUDA
+    mem_allocated_gib: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -177,6 +180,7 @@ def plan(spec: RunSpec, runtime: Runtime = TITAN_HYDRA) -> Plan:
         flops_per_unit=fpt if per_unit else per_sample, units_per_step=tokens if per_unit else global_bs,
         tokens_per_sample=seq,
         schedule=spec.batch.schedule.describe() if spec.batch.schedule is not None else "",
+        mem_allocated_gib=mem.allocated / GIB,
     )
 
 
@@ -195,6 +199,7 @@ class RankMemory:
     activations: float
     transient: float
     peak: float
+    allocated: float  # the peak before the CUDA allocator's reserve (= peak off CUDA)
 
 
 def rank_memory(spec: RunSpec, runtime: Runtime, seq: int) -> RankMemory:
@@ -202,7 +207,7 @@ def rank_memory(spec: RunSpec, runtime: Runtime, seq: int) -> RankMemory:
     dims, args, mp = spec.dims, spec.shape, spec.mixed_precision
     ac = spec.activation_checkpoint
     fsdp_shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
-    params_local = stage_params(args, dims.pp) / dims.tp / fsdp_shard
+    params_local = stage_params(args, dims.pp) / dims.tp / fsdp_shard + expert_shard_padding(args, dims)
     mem_params = params_local * 4  # fp32 master weights
     mem_grads = params_local * 4
     mem_optim = params_local * 8  # AdamW exp_avg + exp_avg_sq
@@ -220,10 +225,11 @@ def rank_memory(spec: RunSpec, runtime: Runtime, seq: int) -> RankMemory:
         act, transient = dyn - unsharded, unsharded
         compiled = spec.compiler.enabled
         reserve = ALLOCATOR_RESERVE_COMPILED if compiled else ALLOCATOR_RESERVE_EAGER
+        allocated = mem_params + mem_optim + max(dyn, optimizer_step, end_of_backward)
         peak = mem_params + mem_optim + reserve * max(dyn, optimizer_step, end_of_backward)
     else:
-        peak = mem_params + mem_optim + max(act + transient, optimizer_step, end_of_backward)
-    return RankMemory(mem_params, mem_grads, mem_optim, act, transient, peak)
+        peak = allocated = mem_params + mem_optim + max(act + transient, optimizer_step, end_of_backward)
+    return RankMemory(mem_params, mem_grads, mem_optim, act, transient, peak, allocated)
 
 
 def in_flight_tokens(local_batch_size: int, seq: int, dims) -> float:
@@ -264,7 +270,21 @@ def fsdp_unsharded_bytes(args: ModelShape, dims, kind: str, mem_grads: float) ->
     # Last groups of backward: (almost) every sharded gradient already exists while a group
     # is still unsharded: its params, its unsharded grads and reduce-scatter's fp32 copy-in.
     # This is the peak when parameters outweigh activations (the ~100M model at 128 tokens).
-    return transient, mem_grads + max(head, block) * (2 * pbytes + 4)
+    end_of_backward = mem_grads + max(head, block) * (2 * pbytes + 4)
+    if dims.tp > 1:
+        end_of_backward = max(end_of_backward, tp_embedding_backward_bytes(args, dims, pbytes, block, mem_grads))
+    return transient, end_of_backward
+
+
+def tp_embedding_backward_bytes(args: ModelShape, dims, pbytes: int, block: float, mem_grads: float) -> float:
+    """The embedding's backward under TP, the last of the step: DTensor's strategy for
+    ``embedding_dense_backward`` with a row-wise (vocabulary-sharded) table makes a Partial
+    gradient of the WHOLE table on every rank before it is reduce-scattered, while the sharded
+    gradients exist, the root group (embedding, head) is unsharded and the last block's fp32
+    reduce-scatter input is still in flight. Simulated on llama3_70b at fsdp 8 x tp 8: these
+    terms sum to the measured end-of-backward peak (3.07 GiB above parameters and AdamW state)."""
+    root = (args.embedding_params + args.head_params) / dims.tp
+    return mem_grads + args.embedding_params * pbytes + root * pbytes + block * 4
 
 
 def optimizer_step_bytes(spec: RunSpec, params_local: float, mem_grads: float, fsdp_shard: int) -> float:

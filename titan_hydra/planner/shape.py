@@ -26,3 +26,21 @@ def largest_block_params(args: ModelShape, ep: int = 1) -> float:
     expert_layer = args.expert_params / args.moe_layers
     dense_avg = args.block_params - args.expert_params / args.n_layers
     return dense_avg + expert_layer / max(ep, 1)
+
+
+def expert_shard_padding(args: ModelShape, dims) -> float:
+    """Parameters one rank holds beyond its even share because FSDP2 shards the routed experts'
+    stacked weights on dim 0 (the experts) and pads it to a multiple of the shard count: with
+    fewer local experts (n_experts / ep) than ranks sharing them (efsdp), each rank holds one
+    whole expert row, not a fraction (deepseek_v3_671b at ep 32 on 2,048 ranks: 8 local experts
+    over efsdp 64, 8x the even share, simulated). 0 without FSDP or experts."""
+    if not args.moe_layers or not args.n_experts or not dims.fsdp_enabled:
+        return 0.0
+    ep = int(getattr(dims, "ep", 1))
+    local, shard = args.n_experts / ep, dims.dp_shard * dims.cp // ep
+    padded = math.ceil(local / shard) - local / shard
+    if padded <= 0:
+        return 0.0
+    layers = math.ceil(args.moe_layers / dims.pp)
+    per_expert = args.expert_params / args.moe_layers / args.n_experts  # one expert of one layer
+    return layers * per_expert * padded / (dims.tp if ep == 1 else 1)

@@ -69,8 +69,9 @@ def check_simulable(spec: RunSpec) -> None:
                           "other batch shapes (ShapesBatches in titan_hydra/models/protocol.py): not simulated")
 
 
-def simulate(spec: RunSpec) -> Simulation:
-    """Simulate ``training.simulate_steps`` steps of every distinct rank of ``spec``."""
+def simulate(spec: RunSpec, parallel_ranks: int = PARALLEL_RANKS) -> Simulation:
+    """Simulate ``training.simulate_steps`` steps of every distinct rank of ``spec``, the ranks after
+    the first ``parallel_ranks`` processes at a time."""
     check_simulable(spec)
     started, cpu0 = time.perf_counter(), time.process_time()
     # (each rank runs in a fresh process: one process cannot host two fake worlds in turn)
@@ -81,7 +82,7 @@ def simulate(spec: RunSpec) -> Simulation:
         head = pool.submit(rank_in_world, spec, first, steps).result()
     results = [head]
     if others:  # the first stage's output shape is what the later stages receive
-        with ProcessPoolExecutor(min(PARALLEL_RANKS, len(others)), mp_context=fresh, max_tasks_per_child=1) as pool:
+        with ProcessPoolExecutor(min(parallel_ranks, len(others)), mp_context=fresh, max_tasks_per_child=1) as pool:
             results += list(pool.map(rank_in_world, *zip(*[(spec, r, steps, head.stage_output) for r in others])))
     usable = usable_memory_of(spec.cluster)
     wall = time.perf_counter() - started

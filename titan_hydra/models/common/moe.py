@@ -230,10 +230,15 @@ class GroupedExperts(nn.Module):
         padded, padded_counts, rows = pad_to_buckets(x, counts)
         return self.run(padded, padded_counts, dtype).index_select(0, rows)
 
+    def grouped(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether the experts run as one grouped GEMM here (else a loop over experts). One rule for
+        every experts module: the simulator's GPU routing replaces ``grouped_mm_works`` for all."""
+        return self.use_grouped_mm and grouped_mm_works(device, dtype)
+
     def run(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The experts on rows already in ``dtype`` (subclasses change the expert function here)."""
         w1, w2, w3 = self.weights_in(dtype, self.w1, self.w2, self.w3)
-        if self.use_grouped_mm and grouped_mm_works(x.device, dtype):
+        if self.grouped(x.device, dtype):
             return grouped_swiglu(x, w1, w2, w3, counts)
         return looped_swiglu(x, w1, w2, w3, counts)
 

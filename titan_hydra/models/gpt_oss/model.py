@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_hydra.kernels.grouped_mm import grouped_mm_works
 from titan_hydra.models.common.attention import Attention
 from titan_hydra.models.common.decoder import Decoder, Multipliers, TransformerBlock, residual_out_std
 from titan_hydra.models.common.moe import GroupedExperts, MoE, MoEArgs, TokenChoiceRouter
@@ -145,7 +144,7 @@ class GptOssExperts(GroupedExperts):
     def run(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         params = (self.w1, self.w3, self.w2, self.w1_bias, self.w3_bias, self.w2_bias)
         w1, w3, w2, b1, b3, b2 = self.weights_in(dtype, *params)
-        if self.use_grouped_mm and grouped_mm_works(x.device, dtype):
+        if self.grouped(x.device, dtype):
             offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
             expert_of_row = torch.repeat_interleave(torch.arange(counts.shape[0], device=x.device), counts,
                                                     output_size=x.shape[0])

@@ -1,0 +1,64 @@
+"""The simulate_grid suite's logic (recipes/benchmark.py --suite simulate_grid): the grid covers what
+issue 61 asks of it, every point builds a valid config, and a rerun against saved simulated
+figures recomputes only the planner, comparing like with like. No simulation runs here."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+
+from titan_hydra.bench.simulate_grid import GRID, WITHIN, planner_figures, simulate_grid_suite, spec_of, summary
+
+
+def test_grid_covers_families_layouts_ac_modes_and_world_sizes():
+    assert len(GRID) >= 40 and len({p.name for p in GRID}) == len(GRID)
+    assert {"llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_5", "qwen3_next", "llama4"} <= {
+        p.family for p in GRID}
+    assert {p.ac for p in GRID} == {"none", "selective_op", "full"}
+    assert min(p.world for p in GRID) == 8 and max(p.world for p in GRID) == 2048
+
+
+@pytest.mark.slow  # composes and validates all 44 configs (~0.5 s each)
+def test_every_point_is_a_valid_config_of_its_world_and_depth():
+    dims_seen = set()
+    for point in GRID:
+        spec = spec_of(point)
+        assert spec.world_size == point.world, point.name
+        d = spec.dims
+        dims_seen.add(sum(x > 1 for x in (d.dp_replicate, d.dp_shard, d.tp, d.pp)))
+        # depth cut: a few blocks per pipeline stage, never a stage without one
+        assert spec.shape.n_layers <= 4 * d.pp * (2 if d.pp_schedule == "Interleaved1F1B" else 1), point.name
+    assert dims_seen == {1, 2, 3, 4}  # 1-D to 4-D meshes
+
+
+def test_rerun_against_saved_figures_recomputes_the_planner_only(tmp_path):
+    point = next(p for p in GRID if p.name == "llama3_8b fsdp full")
+    plan = planner_figures(spec_of(point))
+    saved = {"rank": 0, "stages": [0], "params": plan["params"], "grads": plan["grads"],
+             "optimizer": plan["optimizer"], "activations": 1.0, "transient": 1.0, "peak": plan["peak"] / 1.25,
+             "rank_peaks": {"0": plan["peak"] / 1.25}, "sim_cpu_s": 1.0}
+    previous = tmp_path / "previous.json"
+    previous.write_text(json.dumps({"rows": [{"name": point.name, "simulated": saved, "cpu_s": 3.0}]}))
+    args = types.SimpleNamespace(simulated=str(previous), variant=point.name, out=str(tmp_path / "out.json"))
+    lines, result = simulate_grid_suite(args, tmp_path)
+    (row,) = result["rows"]
+    assert row["simulated"] == saved and row["cpu_s"] == 3.0  # reused, not simulated again
+    assert row["planner"] == plan
+    assert row["error"] == pytest.approx(0.25)  # (planner - simulated) / simulated
+    assert result["summary"]["within_10pct"] == 0 and result["summary"]["simulated"] == 1
+    assert json.loads((tmp_path / "out.json").read_text())["rows"][0]["error"] == row["error"]
+    assert any(line.startswith(f"| {point.name} |") and "+25%" in line for line in lines)
+
+
+def test_summary_counts_points_within_the_bound_and_failures():
+    def row(name, sim, planned):
+        figures = dict.fromkeys(("activations", "transient"), 1.0)
+        return {"name": name, "simulated": {**figures, "peak": sim}, "planner": {**figures, "peak": planned},
+                "error": (planned - sim) / sim}
+    rows = [row("a", 100.0, 100.0 * (1 + WITHIN) - 1), row("b", 100.0, 89.0), row("c", 100.0, 95.0),
+            {"name": "d", "failed": "refused"}]
+    s = summary(rows)
+    assert (s["points"], s["simulated"], s["within_10pct"], s["failed"]) == (4, 3, 2, ["d"])
+    assert s["error_by_category"]["peak"]["min"] == pytest.approx(-0.11)
