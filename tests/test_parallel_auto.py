@@ -272,6 +272,30 @@ def test_a_pipeline_deeper_than_the_local_batch_gets_one_sample_per_microbatch()
     assert mine.local_batch == 0 and "pp_microbatches=8" in mine.invalid
 
 
+def test_auto_keeps_the_runs_batch_when_a_layout_at_it_fits(capsys):
+    """With global_batch_size=-1 a pipeline fed a larger local batch grows the global batch, and its
+    amortized communication would win the speed ranking: it is taken only when nothing fits at the
+    run's batch. 405B at the default 8 x 2048 on 64 H100 nodes: dp_shard=64 tp=8 fits at local
+    batch 8; dp_shard=4 tp=4 pp=32 is estimated faster only at local batch 32."""
+    ov = ["model=llama3_405b", "cluster=slurm_h100", "parallelism=auto", "cluster.nnodes=64"]
+    cands = auto.candidates(spec_of(compose_cfg(ov)))
+    chosen = auto.choose(cands)
+    assert (chosen.describe(), chosen.local_batch, chosen.grows_global_batch) == ("dp_shard=64 tp=8", 0, False)
+    grown = [c for c in cands if c.fits and not c.invalid and c.grows_global_batch]
+    assert grown and max(c.tokens_per_s for c in grown) > chosen.tokens_per_s
+    order = auto.ranked(cands)  # the order auto_verify simulates in: the run's batch first
+    assert [c for c in order if c.fits][0] is chosen
+    assert [c.grows_global_batch for c in order] == sorted(c.grows_global_batch for c in order)
+    cfg, _ = resolved(ov)
+    assert cfg.training.local_batch_size == 8
+    assert "faster dp_shard=4 tp=4 pp=32 needs a larger global batch (local batch 32 in 32 microbatches" in capsys.readouterr().out
+    # with the global batch fixed, the larger local batch only shrinks accumulation: ranked by speed alone
+    fixed = auto.candidates(spec_of(compose_cfg([*ov, "training.global_batch_size=4096"])))
+    assert not any(c.grows_global_batch for c in fixed)
+    fastest = max((c for c in fixed if c.fits and not c.invalid), key=lambda c: c.tokens_per_s)
+    assert auto.choose(fixed).tokens_per_s >= (1 - auto.TIE_TOLERANCE) * fastest.tokens_per_s
+
+
 def test_a_fixed_global_batch_stays_fixed_when_auto_feeds_the_pipeline():
     """With training.global_batch_size set, the larger local batch comes out of gradient accumulation."""
     ov = ["model=llama3_405b", *H100, "cluster.nnodes=64", "training.global_batch_size=4096"]  # 8 x 512 ranks

@@ -62,6 +62,7 @@ class Candidate:
     pp_microbatches: int | None
     ep: int = 1  # expert parallel (MoE models): borrowed from dp_shard x cp
     local_batch: int = 0  # samples per rank per step when auto raised it to feed the pipeline (0: the run's)
+    grows_global_batch: bool = False  # that raise makes the global batch larger (global_batch_size=-1)
     mem_gib: float = 0.0
     fits: bool = True
     tokens_per_s: float = 0.0
@@ -151,12 +152,14 @@ def fed_pipeline(base: RunSpec, c: Candidate) -> Candidate:
     that the launch rules accept. A fixed ``training.global_batch_size`` stays fixed (gradient
     accumulation shrinks by the same factor; a multiple it cannot absorb is not taken); with
     ``global_batch_size=-1`` the global batch is local x data parallel, as on every layout. The
-    planner sizes the larger batch like any other, so memory still decides."""
+    planner sizes the larger batch like any other, so memory still decides; a candidate that grows
+    the global batch this way is chosen only when none at the run's batch fits (``choose``)."""
     if c.pp == 1 or base.dims.pp_microbatches or not layout_problem_of(base, c):
         return c
     local = base.batch.local
     for k in range(2, max(2, math.ceil(2 * c.pp / local)) + 1):  # V schedules hold 2 stages per rank
-        fed = dataclasses.replace(c, local_batch=k * local, pp_microbatches=k * local)
+        fed = dataclasses.replace(c, local_batch=k * local, pp_microbatches=k * local,
+                                  grows_global_batch=base.training.global_batch_size == -1)
         if not layout_problem_of(base, fed):
             return fed
     return c
@@ -246,10 +249,9 @@ def preference(c: Candidate) -> tuple:
     return c.model_parallel_dims, c.tp * c.pp * c.cp, c.dp_replicate, c.pp, -c.tokens_per_s
 
 
-def ranked(cands: list[Candidate]) -> list[Candidate]:
-    """Valid candidates, best first: by estimated tokens/s, candidates within ``TIE_TOLERANCE`` of
-    each other ordered by ``preference`` (``choose`` takes the first that fits)."""
-    rest = sorted((c for c in cands if not c.invalid), key=lambda c: -c.tokens_per_s)
+def by_speed(cands: list[Candidate]) -> list[Candidate]:
+    """By estimated tokens/s, candidates within ``TIE_TOLERANCE`` of each other ordered by ``preference``."""
+    rest = sorted(cands, key=lambda c: -c.tokens_per_s)
     out = []
     while rest:
         near = [c for c in rest if c.tokens_per_s >= (1 - TIE_TOLERANCE) * rest[0].tokens_per_s]
@@ -259,14 +261,19 @@ def ranked(cands: list[Candidate]) -> list[Candidate]:
     return out
 
 
+def ranked(cands: list[Candidate]) -> list[Candidate]:
+    """Valid candidates, best first (``choose`` takes the first that fits): those at the run's own
+    batch before those that grow its global batch to feed a pipeline (a larger batch is a
+    different training run, and its amortized communication would win every speed comparison),
+    each group ``by_speed``."""
+    valid = [c for c in cands if not c.invalid]
+    return by_speed([c for c in valid if not c.grows_global_batch]) + by_speed([c for c in valid if c.grows_global_batch])
+
+
 def choose(cands: list[Candidate]) -> Candidate | None:
-    """Highest estimated tokens/s among valid fitting candidates; near-ties go to simpler layouts."""
-    ok = [c for c in cands if c.fits and not c.invalid]
-    if not ok:
-        return None
-    best = max(c.tokens_per_s for c in ok)
-    near = [c for c in ok if c.tokens_per_s >= (1 - TIE_TOLERANCE) * best]
-    return min(near, key=preference)
+    """The first of ``ranked`` that fits: the fastest estimate at the run's batch, near-ties to simpler
+    layouts; a layout that grows the global batch only when none at the run's batch fits."""
+    return next((c for c in ranked(cands) if c.fits), None)
 
 
 def table(cands: list[Candidate], device_gib: float | None) -> str:
@@ -281,14 +288,22 @@ def table(cands: list[Candidate], device_gib: float | None) -> str:
 
 def reason(chosen: Candidate, cands: list[Candidate], peak_known: bool) -> str:
     ok = [c for c in cands if c.fits and not c.invalid]
-    fastest = max(ok, key=lambda c: c.tokens_per_s)
+    same = [c for c in ok if c.grows_global_batch == chosen.grows_global_batch]  # what it was ranked among
+    fastest = max(same, key=lambda c: c.tokens_per_s)
     unit = "tokens/s" if peak_known else "tokens/s at a nominal 1 TFLOP/s peak"
     why = f"fits ({chosen.mem_gib:.3g} GiB/rank), est. {chosen.tokens_per_s:.4g} {unit}"
+    if chosen.grows_global_batch:
+        why += f" with {chosen.batch_note()} (no layout at the run's batch fits)"
     if fastest is chosen:
-        why += f", the highest of {len(ok)} fitting layouts"
+        why += f", the highest of {len(same)} fitting layouts"
     else:
         why += (f", within {TIE_TOLERANCE:.0%} of the fastest fitting ({fastest.describe()}) with fewer "
                 "model-parallel dims")
+    grown = [c for c in ok if c.grows_global_batch and c.tokens_per_s > chosen.tokens_per_s]
+    if grown and not chosen.grows_global_batch:
+        g = max(grown, key=lambda c: c.tokens_per_s)
+        why += (f"; faster {g.describe()} needs a larger global batch ({g.batch_note()}: set "
+                "training.global_batch_size and auto raises the local batch without growing it)")
     too_big = [c for c in cands if not c.invalid and not c.fits and c.tokens_per_s > chosen.tokens_per_s]
     if too_big:
         b = min(too_big, key=lambda c: c.mem_gib)  # the closest miss
