@@ -275,3 +275,44 @@ def test_auto_verify_takes_the_fastest_candidate_whose_simulated_peak_fits(capsy
     fits = re.search(rf"{second.describe()} simulated peak ([0-9.e+-]+) GiB/rank \(planned [0-9.e+-]+\): fits", out)
     assert fits and float(fits.group(1)) <= usable, out
     assert f"parallelism=auto took {second.describe()}" in out
+
+
+def _saved_for_backward(fn) -> list[torch.Tensor]:
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fn()
+    return saved
+
+
+def test_masked_attention_of_a_gpu_run_saves_what_the_efficient_kernel_saves():
+    """On a GPU cluster a masked SDPA call (gpt_oss's windows and sinks, document masks) runs the
+    memory-efficient kernel's op on fake tensors: saved for backward are q, k, v, the bias, the
+    output and the log-sum-exp, not CPU's math-path probabilities [B, H, S, keys]."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from titan_hydra.models.common.attention import masked_attention
+    from titan_hydra.simulate.gpu_attention import EfficientMaskedAttention, additive_bias
+
+    b, h, s, d = 2, 4, 256, 64
+    mask = torch.ones(s, s, dtype=torch.bool).tril()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v = (torch.randn(b, h, s, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        sinks = torch.zeros(h, requires_grad=True)
+        math_path = _saved_for_backward(lambda: masked_attention(q, k, v, mask, sinks))
+        with EfficientMaskedAttention():
+            out = masked_attention(q, k, v, mask, sinks)
+            efficient = _saved_for_backward(lambda: masked_attention(q, k, v, mask, sinks))
+        out.sum().backward()  # the efficient op's backward runs too
+        assert q.grad.shape == q.shape and sinks.grad.shape == sinks.shape
+    keys = s + 1  # the sink is one more key
+    assert any(t.shape == (b, h, s, keys) and t.dtype == torch.float32 for t in math_path)
+    assert not any(t.dim() == 4 and t.shape[-2:] == (s, keys) and t.dtype == torch.float32 for t in efficient)
+    lse = [t for t in efficient if t.dtype == torch.float32 and t.shape[:2] == (b, h) and t.dim() == 3]
+    assert lse and lse[0].shape[-1] >= s  # CUDA's log-sum-exp: one per head and (padded) position
+    assert out.shape == (b, h, s, d)
+    # the bias is the mask: SDPA with it equals SDPA with the boolean mask (fp32, real values)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, h, s, d) for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    got = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=additive_bias(mask, torch.float32))
+    assert torch.allclose(got, want, rtol=0, atol=1e-6)

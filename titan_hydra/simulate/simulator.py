@@ -22,6 +22,7 @@ from titan_hydra.errors import ConfigError
 from titan_hydra.models.protocol import ShapesBatches
 from titan_hydra.planner.devices import usable_memory_of
 from titan_hydra.planner.plan import layout_label, plan
+from titan_hydra.simulate import gpu_attention
 from titan_hydra.simulate.fake_world import fake_world
 from titan_hydra.simulate.rank import RankResult, simulate_rank
 from titan_hydra.simulate.report import GIB, GPU_NOTES, Simulation
@@ -87,7 +88,8 @@ def simulate(spec: RunSpec, parallel_ranks: int = PARALLEL_RANKS) -> Simulation:
     usable = usable_memory_of(spec.cluster)
     wall = time.perf_counter() - started
     cpu = time.process_time() - cpu0 + sum(r.cpu_s for r in results)
-    notes = list(GPU_NOTES) + [f"cpu time {cpu:.1f} s over {len(results)} rank process(es); the wall time "
+    on_gpu = [gpu_attention.NOTE] if spec.cluster.device == "cuda" else []
+    notes = list(GPU_NOTES) + on_gpu + [f"cpu time {cpu:.1f} s over {len(results)} rank process(es); the wall time "
                                "includes their start (imports) and any wait for a shared CPU"]
     return Simulation(
         world_size=spec.world_size, layout=layout_label(spec.dims, spec.dims.ep), flavor=spec.flavor,

@@ -1,0 +1,55 @@
+"""Masked attention as a GPU runs it, for the fake tensors of a run that targets a GPU.
+
+A boolean mask (packed documents, sliding windows, chunks, attention sinks) sends CPU SDPA down
+its math path, which saves the fp32 attention probabilities for backward: [B, H, S, keys] per
+layer, 8 GiB per gpt_oss layer at 2 x 4,096 tokens. On a GPU the same call takes the
+memory-efficient kernel: it takes the mask as an additive bias in the inputs' dtype (mask-shaped,
+broadcast over batch and heads) and saves only its output and an fp32 log-sum-exp per head and
+position. While a rank of a GPU run is simulated, ``F.scaled_dot_product_attention`` with a mask
+becomes that kernel's op, ``aten._scaled_dot_product_efficient_attention``, whose meta
+implementation fake tensors run (forward and backward). Unmasked calls keep CPU's flash kernel,
+which saves what CUDA's flash kernel saves; DTensor inputs (context parallel) keep their handlers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
+
+NOTE = ("masked attention (documents, windows, chunks, sinks): the CUDA memory-efficient kernel's op runs "
+        "(output, fp32 log-sum-exp, the mask as a bias in the inputs' dtype), not CPU's math path, which would "
+        "save fp32 probabilities")
+
+_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def additive_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float bias a GPU's SDPA makes of a boolean mask (0 where visible, -inf where not)."""
+    if mask.dtype != torch.bool:
+        return mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def efficient_attention(q, k, v, mask, scale=None) -> torch.Tensor:
+    """``aten._scaled_dot_product_efficient_attention`` on q/k/v [B, H, S, D] with ``mask``."""
+    bias = additive_bias(mask, q.dtype).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    out, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, False, scale=scale)
+    return out
+
+
+class EfficientMaskedAttention(TorchFunctionMode):
+    """Routes masked SDPA calls to the memory-efficient kernel's op (module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            call = {**dict(zip(_ARGS, args)), **kwargs}
+            q, k, mask = call["query"], call["key"], call.get("attn_mask")
+            plain = (mask is not None and not call.get("is_causal") and not call.get("dropout_p")
+                     and not call.get("enable_gqa") and q.shape[1] == k.shape[1]
+                     and not any(isinstance(t, DTensor) for t in (q, k, call["value"], mask)))
+            if plain:
+                return efficient_attention(q, k, call["value"], mask, call.get("scale"))
+        return func(*args, **kwargs)
