@@ -35,6 +35,7 @@ from titan_hydra.quiet import loggers_at_error
 
 LOCAL_TASKS = ("builtin_ppl", "builtin_ppl:<chars>", "jsonl_mc:<file.jsonl>")
 BUILTIN_PPL, JSONL_MC = "builtin_ppl", "jsonl_mc:"
+KNOWN = "use builtin_ppl, builtin_ppl:<chars>, jsonl_mc:<file>, or a name from `lm-eval ls tasks`"
 
 
 class TitanLM(LM):
@@ -232,7 +233,7 @@ def check_tasks(tasks: list[str], manager=None) -> None:
     """One-line ConfigError for a task that is neither local nor in the harness's registry, a local
     task's bad size, or a local task file that does not parse (its file and line)."""
     if not tasks:
-        raise ConfigError("no evaluation task given: use builtin_ppl, jsonl_mc:<file>, or a name from `lm-eval ls tasks`")
+        raise ConfigError(f"no evaluation task given: {KNOWN}")
     local = [t for t in tasks if _is_local(t)]
     for task in local:
         if task.startswith(JSONL_MC):
@@ -245,8 +246,7 @@ def check_tasks(tasks: list[str], manager=None) -> None:
         manager = task_manager_for(tasks)
     unknown = [t for t in tasks if t not in local and t not in manager.all_tasks]
     if unknown:
-        raise ConfigError(f"unknown task(s) {unknown}: use builtin_ppl, jsonl_mc:<file>, or a name from "
-                          "`lm-eval ls tasks`")
+        raise ConfigError(f"unknown task(s) {unknown}: {KNOWN}")
 
 
 def run_harness(lm: LM, tasks: list[str], limit: int | None = None, manager=None) -> dict[str, dict[str, float]]:
