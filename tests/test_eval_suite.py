@@ -168,3 +168,14 @@ def test_a_task_file_that_does_not_parse_is_named_with_its_line(tmp_path):
     with pytest.raises(ConfigError, match=rf"^eval suites file {broken} line 3 does not parse: "):
         load_suites(broken)
     assert SUITES_FILE.parent.name == "conf"
+
+
+def test_launch_prints_the_unknown_suite_as_one_line(capsys, tmp_path):
+    from titan_hydra.launch.entry import launch
+
+    with pytest.raises(SystemExit) as e:
+        launch(compose_cfg(["eval.freq=5", "eval.suite=fastest"]), str(tmp_path))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: eval.suite=fastest is not a task set: known ones are fast, full") and "\n" not in err
+    assert not any(tmp_path.iterdir())  # refused before the run wrote anything
