@@ -11,8 +11,10 @@ it prints the first step where ``|a - b| > atol + rtol * |b|`` (numpy.isclose's 
 any difference at all, bit for bit, NaN equal to NaN), the largest absolute and relative
 differences and their steps. The default tolerance, rtol 1e-5, is about 100 fp32 ulps: what
 reordering the reductions of a small fp32 run moves a loss by (a layout change; see the parity
-bounds of tests/helpers.py), far below any change of data, schedule or model. Exit status: 0 when
-every metric agrees, 1 when one differs, 2 for bad input (a missing dir, no metrics, nothing in common).
+bounds of tests/helpers.py), far below any change of data, schedule or model. Runs that evaluated
+during training (``eval.freq``, ``eval.suite``) add a table of each run's last score per task,
+``eval/<task>/acc`` and ``eval/<task>/ppl``, and B - A. Exit status: 0 when every metric agrees,
+1 when one differs, 2 for bad input (a missing dir, no metrics, nothing in common).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from titan_hydra.analysis.compare import ATOL, RTOL, KeyDiff, compare, plot, table
+from titan_hydra.analysis.compare import ATOL, RTOL, KeyDiff, compare, eval_table, plot, table
 from titan_hydra.analysis.flags import parser
 from titan_hydra.errors import exit_status
 
@@ -44,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             plot(args.run_a, args.run_b, diffs, args.plot)
         differing = [d.key for d in diffs if d.first_step is not None]
+        scores = eval_table(args.run_a, args.run_b)
         return (f"A: {args.run_a}\nB: {args.run_b}\ntolerance: {rule}\n\n{table(diffs)}\n\n"
+                + (f"{scores}\n\n" if scores else "")
                 + (f"differ: {', '.join(differing)}" if differing else "equal within the tolerance"))
 
     status = exit_status(report)

@@ -33,7 +33,9 @@ from titan_hydra.errors import ConfigError
 from titan_hydra.generate import SamplingConfig, generate
 from titan_hydra.quiet import loggers_at_error
 
-LOCAL_TASKS = ("builtin_ppl", "jsonl_mc:<file.jsonl>")
+LOCAL_TASKS = ("builtin_ppl", "builtin_ppl:<chars>", "jsonl_mc:<file.jsonl>")
+BUILTIN_PPL, JSONL_MC = "builtin_ppl", "jsonl_mc:"
+KNOWN = "use builtin_ppl, builtin_ppl:<chars>, jsonl_mc:<file>, or a name from `lm-eval ls tasks`"
 
 
 class TitanLM(LM):
@@ -120,30 +122,94 @@ FEWSHOT_SEED = 1234  # simple_evaluate's default
 MC_METRICS = [{"metric": m, "aggregation": "mean", "higher_is_better": True} for m in ("acc", "acc_norm")]
 
 
-def builtin_heldout_jsonl(out_dir: Path) -> Path:
-    """The built-in corpus's validation documents (those TokenDataset holds out) as JSON lines."""
-    path = out_dir / "builtin_val.jsonl"
+def builtin_heldout_jsonl(out_dir: Path, chars: int | None = None) -> Path:
+    """The built-in corpus's validation documents (those TokenDataset holds out) as JSON lines;
+    ``chars``: each one's first ``chars`` characters, cut back to the last line end within them
+    (every held-out file stays in, a fixed small share of each: the files range from 1 to 229 kB,
+    so the first N files would be mostly the largest one)."""
+    path = out_dir / f"builtin_val_{chars or 'all'}.jsonl"
     with open(path, "w") as f:
         for text in corpus.builtin_documents("val"):
+            if chars is not None and len(text) > chars:
+                head = text[:chars]
+                text = head[: head.rindex("\n") + 1] if "\n" in head else head
             f.write(json.dumps({"text": text}) + "\n")
     return path
+
+
+def builtin_chars(name: str) -> int | None:
+    """N of ``builtin_ppl:N`` (characters of each held-out file), None for ``builtin_ppl``."""
+    if name == BUILTIN_PPL:
+        return None
+    text = name[len(BUILTIN_PPL) + 1:]
+    if not text.isdigit() or int(text) <= 0:
+        raise ConfigError(f"task {name}: the characters of each held-out file to score must be a positive integer "
+                          "(builtin_ppl:1024), or builtin_ppl for the whole files")
+    return int(text)
+
+
+def local_task_name(name: str) -> str:
+    """The name the harness reports (and ``eval/<name>/...`` logs) a local task under."""
+    if name.startswith(JSONL_MC):
+        return f"jsonl_mc_{Path(name[len(JSONL_MC):]).stem}"
+    chars = builtin_chars(name)
+    return BUILTIN_PPL if chars is None else f"{BUILTIN_PPL}_{chars}"
+
+
+def check_mc_file(name: str) -> Path:
+    """The file of a ``jsonl_mc:<file>`` task, every line of it a question the task can score: one
+    line (the file and the line number) for the first that is not."""
+    path = Path(name[len(JSONL_MC):]).expanduser().resolve()
+    if not path.is_file():
+        raise ConfigError(f"task {name}: {path} does not exist; give a JSON-lines file of query/choices/gold lines")
+    lines = [(n, line) for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+             if line.strip()]  # (blank lines: the harness's JSON reader skips them too)
+    if not lines:
+        raise ConfigError(f"task file {path} is empty; give one question a line: {MC_LINE}")
+    for number, line in lines:
+        problem = _mc_problem(line)
+        if problem:
+            raise ConfigError(f"task file {path} line {number} {problem}; each line is {MC_LINE}")
+    return path
+
+
+MC_LINE = '{"query": "...", "choices": ["...", "..."], "gold": <index of the right choice>}'
+
+
+def _mc_problem(line: str) -> str | None:
+    """What is wrong with one line of a multiple-choice file (None: nothing)."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        return f"is not JSON ({e.msg} at column {e.colno})"
+    if not isinstance(row, dict):
+        return "is not a JSON object"
+    missing = [k for k in ("query", "choices", "gold") if k not in row]
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    choices, gold = row["choices"], row["gold"]
+    if not isinstance(row["query"], str):
+        return "has a query that is not a string"
+    if not (isinstance(choices, list) and len(choices) >= 2 and all(isinstance(c, str) for c in choices)):
+        return "has choices that are not a list of two or more strings"
+    if isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold < len(choices):
+        return f"has gold {gold!r}, not the index of one of its {len(choices)} choices"
+    return None
 
 
 def task_configs(names: list[str], work: Path) -> list[Any]:
     """Harness task names pass through; local task names become task config dicts."""
     tasks: list[Any] = []
     for name in names:
-        if name == "builtin_ppl":
-            tasks.append({"task": "builtin_ppl", "dataset_path": "json",
-                          "dataset_kwargs": {"data_files": {"test": str(builtin_heldout_jsonl(work))}},
+        if name == BUILTIN_PPL or name.startswith(BUILTIN_PPL + ":"):
+            data = builtin_heldout_jsonl(work, builtin_chars(name))
+            tasks.append({"task": local_task_name(name), "dataset_path": "json",
+                          "dataset_kwargs": {"data_files": {"test": str(data)}},
                           "test_split": "test", "output_type": "loglikelihood_rolling", "doc_to_text": "",
                           "doc_to_target": "{{text}}", "metric_list": PPL_METRICS})
-        elif name.startswith("jsonl_mc:"):
-            path = Path(name.split(":", 1)[1]).expanduser().resolve()
-            if not path.is_file():
-                raise ConfigError(f"task {name}: {path} does not exist; give a JSON-lines file of query/choices/gold "
-                                  "lines")
-            tasks.append({"task": f"jsonl_mc_{path.stem}", "dataset_path": "json",
+        elif name.startswith(JSONL_MC):
+            path = check_mc_file(name)
+            tasks.append({"task": local_task_name(name), "dataset_path": "json",
                           "dataset_kwargs": {"data_files": {"test": str(path)}}, "test_split": "test",
                           "output_type": "multiple_choice", "doc_to_text": "{{query}}", "doc_to_choice": "{{choices}}",
                           "doc_to_target": "{{gold}}", "metric_list": MC_METRICS})
@@ -153,7 +219,7 @@ def task_configs(names: list[str], work: Path) -> list[Any]:
 
 
 def _is_local(task: str) -> bool:
-    return task == "builtin_ppl" or task.startswith("jsonl_mc:")
+    return task == BUILTIN_PPL or task.startswith((BUILTIN_PPL + ":", JSONL_MC))
 
 
 def task_manager_for(tasks: list[str]):
@@ -164,18 +230,23 @@ def task_manager_for(tasks: list[str]):
 
 
 def check_tasks(tasks: list[str], manager=None) -> None:
-    """One-line ConfigError for a task that is neither local nor in the harness's registry."""
+    """One-line ConfigError for a task that is neither local nor in the harness's registry, a local
+    task's bad size, or a local task file that does not parse (its file and line)."""
     if not tasks:
-        raise ConfigError("no evaluation task given: use builtin_ppl, jsonl_mc:<file>, or a name from `lm-eval ls tasks`")
+        raise ConfigError(f"no evaluation task given: {KNOWN}")
     local = [t for t in tasks if _is_local(t)]
+    for task in local:
+        if task.startswith(JSONL_MC):
+            check_mc_file(task)
+        else:
+            builtin_chars(task)
     if len(local) == len(tasks):
         return
     if manager is None:
         manager = task_manager_for(tasks)
     unknown = [t for t in tasks if t not in local and t not in manager.all_tasks]
     if unknown:
-        raise ConfigError(f"unknown task(s) {unknown}: use builtin_ppl, jsonl_mc:<file>, or a name from "
-                          "`lm-eval ls tasks`")
+        raise ConfigError(f"unknown task(s) {unknown}: {KNOWN}")
 
 
 def run_harness(lm: LM, tasks: list[str], limit: int | None = None, manager=None) -> dict[str, dict[str, float]]:
@@ -201,8 +272,20 @@ def run_harness(lm: LM, tasks: list[str], limit: int | None = None, manager=None
     finally:
         if bars:
             datasets_logging.enable_progress_bar()
-    return {task: {k.split(",")[0]: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "alias"}
+    return {task: with_ppl({k.split(",")[0]: v for k, v in metrics.items()
+                            if isinstance(v, (int, float)) and k != "alias"})
             for task, metrics in results["results"].items()}
+
+
+def with_ppl(metrics: dict[str, float]) -> dict[str, float]:
+    """A task's metrics with ``ppl`` beside the harness's own names, so every task's perplexity is
+    read under one name (``eval/<task>/ppl``; accuracy is the harness's ``acc`` already): the
+    harness's ``perplexity`` where the task reports one (lambada), else its byte perplexity (rolling
+    tasks: builtin_ppl, wikitext), which needs no tokenizer to compare runs by."""
+    for name in ("perplexity", "byte_perplexity"):
+        if name in metrics:
+            return {**metrics, "ppl": metrics[name]}
+    return metrics
 
 
 # ------------------------------------------------------------------------------ sharded scoring

@@ -6,6 +6,8 @@ the steps both logged (a resumed run's re-run steps: the last value wins): the f
 bit, NaN equal to NaN), the largest absolute and relative differences and their steps. The
 default tolerance, rtol 1e-5, is about 100 fp32 ulps: what reordering the reductions of a small
 fp32 run moves a loss by (a layout change), far below any change of data, schedule or model.
+Beside it, ``eval_table``: each run's last in-loop evaluation score per task (``eval/<task>/acc``
+and ``eval/<task>/ppl``), the numbers a comparison of two trainings is usually about.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titan_hydra.analysis import figures
-from titan_hydra.analysis.runs import read_metrics
+from titan_hydra.analysis.runs import final_evals, read_metrics
 from titan_hydra.errors import UserError
 
 RTOL, ATOL = 1e-5, 0.0
@@ -115,6 +117,21 @@ def table(diffs: list[KeyDiff]) -> str:
         first = "-" if d.first_step is None else str(d.first_step)
         lines.append(f"| {d.key} | {d.steps}{extra} | {first} | {_at(d.max_abs, d.max_abs_step)} | "
                      f"{_at(d.max_rel, d.max_rel_step)} |")
+    return "\n".join(lines)
+
+
+def eval_table(run_a: Path, run_b: Path) -> str:
+    """Markdown: one row per task and summary metric either run logged, each run's last value (and
+    its step) and B - A; "" when neither run evaluated during training."""
+    a, b = (final_evals(read_metrics(Path(run) / "metrics.jsonl")) for run in (run_a, run_b))
+    if not a and not b:
+        return ""
+    lines = ["| eval (last logged) | A | B | B - A |", "|---|---:|---:|---:|"]
+    for name in sorted(set(a) | set(b)):
+        cells = [f"{a[name][1]:.4f} (step {a[name][0]})" if name in a else "-",
+                 f"{b[name][1]:.4f} (step {b[name][0]})" if name in b else "-"]
+        delta = f"{b[name][1] - a[name][1]:+.4f}" if name in a and name in b else "-"
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {delta} |")
     return "\n".join(lines)
 
 

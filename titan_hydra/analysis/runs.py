@@ -61,6 +61,22 @@ def metric_curves(metrics: list[dict], prefix: str) -> dict[str, list[tuple[int,
     return curves
 
 
+# In-loop evaluation's summary metrics, the two every task logs under one name (``eval/<task>/acc``,
+# ``eval/<task>/ppl``: titan_hydra/evaluation.py ``with_ppl``): what reports show per task.
+EVAL, EVAL_SUMMARY = "eval/", ("acc", "ppl")
+
+
+def eval_curves(metrics: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """{``<task>/acc`` or ``<task>/ppl``: [(step, value)]} of a run's in-loop evaluation."""
+    return {name: curve for name, curve in metric_curves(metrics, EVAL).items()
+            if name.rsplit("/", 1)[-1] in EVAL_SUMMARY}
+
+
+def final_evals(metrics: list[dict]) -> dict[str, tuple[int, float]]:
+    """{``<task>/acc`` or ``<task>/ppl``: (step, value)} of the last evaluation that logged it."""
+    return {name: curve[-1] for name, curve in sorted(eval_curves(metrics).items())}
+
+
 @dataclass(frozen=True)
 class Tokens:
     """The tokens a run's optimizer steps consumed, as it logged them.

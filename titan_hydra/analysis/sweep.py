@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from titan_hydra.analysis.runs import metric_curves, read_metrics, read_yaml
+from titan_hydra.analysis.runs import EVAL, eval_curves, metric_curves, read_metrics, read_yaml
 
 COLUMNS = ["job", "label", "overrides", "status", "final_loss", "val_loss", "tok_per_s", "mfu_pct", "peak_mem_gib", "steps", "skipped", "rollbacks",
            "error"]
@@ -40,6 +40,8 @@ class JobRow:
     source_curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     # text-to-image fidelity: what -> [(step, val/fidelity/<what>)]
     fidelity_curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    # in-loop evaluation: "<task>/acc" or "<task>/ppl" -> [(step, eval/<task>/<acc|ppl>)]
+    eval_curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -68,6 +70,7 @@ def job_row(num: int, run_dir: Path, manifest_overrides: list[str] | None) -> Jo
     row.source_curves = {n: [(int(r["step"]), float(r[f"val/{n}/loss"])) for r in val if f"val/{n}/loss" in r]
                          for n in names}
     row.fidelity_curves = metric_curves(metrics, FIDELITY)
+    row.eval_curves = eval_curves(metrics)
     steady = train[1:] or train  # the first step includes warm-up
     row.tok_per_s = _mean([r["tps"] for r in steady if r.get("tps") is not None])
     row.mfu_pct = _mean([r["mfu"] for r in steady if r.get("mfu") is not None])
@@ -182,4 +185,14 @@ def fidelity_names(rows: list[JobRow]) -> list[str]:
 
 def last_fidelity(row: JobRow, name: str) -> float | None:
     curve = row.fidelity_curves.get(name)
+    return curve[-1][1] if curve else None
+
+
+def eval_names(rows: list[JobRow]) -> list[str]:
+    """``<task>/acc`` and ``<task>/ppl`` of every task any job evaluated during training."""
+    return sorted({n for r in rows for n in r.eval_curves})
+
+
+def last_eval(row: JobRow, name: str) -> float | None:
+    curve = row.eval_curves.get(name)
     return curve[-1][1] if curve else None

@@ -8,7 +8,9 @@ source's validation loss (``val/<name>/loss``) as columns and ``source_val_curve
 over ``optimizer.lr`` and other keys adds the loss against the LR, one curve per value of the other
 keys, with each curve's best LR (a table and ``loss_vs_lr.png``); a run that scores its pictures
 (``eval=fidelity``) adds each ``val/fidelity/<what>`` as columns and ``fidelity_curves.png``; a
-sweep of cooldown branches adds ``anneal_branches.png`` (titan_hydra/analysis/anneal.py).
+sweep of cooldown branches adds ``anneal_branches.png`` (titan_hydra/analysis/anneal.py); jobs that
+evaluated during training (``eval.freq``, ``eval.suite``) add each task's last ``eval/<task>/acc``
+and ``eval/<task>/ppl`` as columns and ``eval_curves.png``.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from typing import Any
 from titan_hydra.analysis import figures
 from titan_hydra.analysis.anneal import plot_anneal
 from titan_hydra.analysis.layout_sweep import LayoutRow, collect_layouts, is_dry_run_sweep, write_layout_tables
-from titan_hydra.analysis.sweep import (COLUMNS, FIDELITY, LR, JobRow, collect, fidelity_names, label_rows,
-                                        last_fidelity, last_source_val, lr_curves, source_names)
+from titan_hydra.analysis.sweep import (COLUMNS, EVAL, FIDELITY, LR, JobRow, collect, eval_names, fidelity_names,
+                                        label_rows, last_eval, last_fidelity, last_source_val, lr_curves, source_names)
 from titan_hydra.errors import UserError
 
 
@@ -57,23 +59,25 @@ def _fmt(value: Any, spec: str) -> str:
 
 
 def write_tables(rows: list[JobRow], sweep_dir: Path) -> None:
-    sources, fidelity = source_names(rows), fidelity_names(rows)
+    sources, fidelity, evals = source_names(rows), fidelity_names(rows), eval_names(rows)
     with open(sweep_dir / "report.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS + [f"val_loss/{n}" for n in sources]
-                                + [FIDELITY + n for n in fidelity])
+                                + [FIDELITY + n for n in fidelity] + [EVAL + n for n in evals])
         writer.writeheader()
         for r in rows:
             writer.writerow({**{k: v for k, v in asdict(r).items() if k in COLUMNS},
                              **{f"val_loss/{n}": last_source_val(r, n) for n in sources},
-                             **{FIDELITY + n: last_fidelity(r, n) for n in fidelity}})
+                             **{FIDELITY + n: last_fidelity(r, n) for n in fidelity},
+                             **{EVAL + n: last_eval(r, n) for n in evals}})
     lines = [
         f"# Sweep report: {sweep_dir}",
         "",
         f"{sum(r.status == 'completed' for r in rows)} of {len(rows)} jobs completed.",
         "",
         "| job | varies | status | final loss | val loss | " + "".join(f"val {n} | " for n in sources)
-        + "".join(f"fidelity {n} | " for n in fidelity) + "tok/s | MFU % | peak mem GiB | steps | skipped | rollbacks |",
-        "|---:|---|---|---:|---:|" + "---:|" * (len(sources) + len(fidelity)) + "---:|---:|---:|---:|---:|---:|",
+        + "".join(f"fidelity {n} | " for n in fidelity) + "".join(f"{n} | " for n in evals)
+        + "tok/s | MFU % | peak mem GiB | steps | skipped | rollbacks |",
+        "|---:|---|---|---:|---:|" + "---:|" * (len(sources) + len(fidelity) + len(evals)) + "---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         status = r.status if not r.error else f"{r.status}: {r.error}".replace("|", "/")
@@ -81,6 +85,7 @@ def write_tables(rows: list[JobRow], sweep_dir: Path) -> None:
             f"| {r.job} | `{r.label}` | {status} | {_fmt(r.final_loss, '.4f')} | {_fmt(r.val_loss, '.4f')} | "
             + "".join(f"{_fmt(last_source_val(r, n), '.4f')} | " for n in sources)
             + "".join(f"{_fmt(last_fidelity(r, n), '.3f')} | " for n in fidelity)
+            + "".join(f"{_fmt(last_eval(r, n), '.4f')} | " for n in evals)
             + f"{_fmt(r.tok_per_s, ',.0f')} | {_fmt(r.mfu_pct, '.2f')} | {_fmt(r.peak_mem_gib, '.2f')} | {r.steps} | "
             f"{r.skipped} | {r.rollbacks} |"
         )
@@ -92,6 +97,8 @@ def write_tables(rows: list[JobRow], sweep_dir: Path) -> None:
         lines += lr_table(curves)
     if fidelity:
         lines += ["![held-out caption fidelity](fidelity_curves.png)", ""]
+    if evals:
+        lines += ["![in-loop evaluation per task](eval_curves.png)", ""]
     (sweep_dir / "report.md").write_text("\n".join(lines))
 
 
@@ -108,6 +115,10 @@ def write_plots(rows: list[JobRow], sweep_dir: Path) -> None:
     if fidelity:
         curve_panels([{n: r.fidelity_curves.get(n, []) for n in fidelity} for r in rows], rows,
                      sweep_dir / "fidelity_curves.png", FIDELITY + "{}")
+    evals = eval_names(rows)
+    if evals:
+        curve_panels([{n: r.eval_curves.get(n, []) for n in evals} for r in rows], rows,
+                     sweep_dir / "eval_curves.png", EVAL + "{}")
     plot_throughput(rows, sweep_dir / "throughput.png")
 
 

@@ -3,13 +3,22 @@
 Its Hydra schema is derived from this dataclass (``titan_hydra.groups``). The settings sit below
 the ``RunSpec`` that carries them, so validation reads them typed; the evaluator that runs them
 on a rank's model (``train/eval.PeriodicEval``) is built from them there.
+
+``suite`` names the tasks as a set (a name of ``conf/eval_suites.yaml``, or a list); ``tasks``
+may stay beside it only where it holds nothing outside the suite (``eval=builtin_ppl``'s
+``[builtin_ppl]`` beside ``eval.suite=full``), and ``tasks`` then becomes the suite's list, so
+every reader after this one sees one list. A task outside the suite is refused in one line rather
+than added or dropped: runs of one suite log the same tasks, column for column, and ``fast`` stays
+fast (``eval=builtin_ppl eval.suite=fast`` would otherwise score the whole held-out split too).
 """
 
 from __future__ import annotations
 
+import collections.abc
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from titan_hydra.config.eval_suites import same_task, suite_tasks
 from titan_hydra.errors import ConfigError
 from titan_hydra.models.protocol import DrawsSamples
 
@@ -21,7 +30,8 @@ class EvalSettings:
     ``fidelity_every`` steps. The ``eval`` group's target: its defaults are the group's schema."""
 
     freq: int = 0
-    tasks: Sequence[str] = ()  # builtin_ppl, jsonl_mc:<file>, harness names
+    suite: Any = None  # a task set by name (fast, full: conf/eval_suites.yaml) or a list of task names
+    tasks: Sequence[str] = ()  # builtin_ppl[:N], jsonl_mc:<file>, harness names; within the suite's if both
     limit: Optional[int] = None  # documents per task
     batch_size: int = 8
     max_seq_len: Optional[int] = None  # scoring window (the schema links it to training.seq_len)
@@ -46,7 +56,12 @@ class EvalSettings:
                               "scored each time)")
         if self.sample_steps <= 0:
             raise ConfigError(f"eval.sample_steps={self.sample_steps} must be positive (sampler steps per picture)")
-        typed: dict[str, Any] = {"tasks": tuple(str(t) for t in self.tasks),
+        suite, tasks = self.suite, tuple(str(t) for t in self.tasks)
+        if isinstance(suite, collections.abc.Sequence) and not isinstance(suite, str):
+            suite = tuple(str(t) for t in suite)
+        if suite is not None:
+            tasks = self._suite_tasks(suite, tasks)
+        typed: dict[str, Any] = {"suite": suite, "tasks": tasks,
                                  "sample_prompts": tuple(str(p) for p in self.sample_prompts)}
         for key in ("freq", "batch_size", "sample_every", "sample_steps", "sample_seed", "fidelity_every",
                     "fidelity_prompts"):
@@ -55,6 +70,21 @@ class EvalSettings:
         typed["sharded"] = bool(self.sharded)
         for key, value in typed.items():
             object.__setattr__(self, key, value)
+
+    def _suite_tasks(self, suite: Any, given: tuple[str, ...]) -> tuple[str, ...]:
+        """The suite's tasks, or one line: no harness to run them (``freq`` 0), or ``tasks`` naming
+        one outside the suite."""
+        shown = f"[{','.join(suite)}]" if isinstance(suite, tuple) else str(suite)
+        if int(self.freq) == 0:
+            raise ConfigError(f"eval.suite={shown} runs with the harness every eval.freq steps, and eval.freq=0 "
+                              "(never); set eval.freq=N")
+        named = suite_tasks(suite)
+        outside = [t for t in given if same_task(t) not in {same_task(n) for n in named}]
+        if outside:
+            raise ConfigError(f"eval.suite={shown} and eval.tasks=[{','.join(given)}] both name the tasks, and the "
+                              f"suite lacks {outside}; set eval.tasks=[] to run the suite alone, or name every task "
+                              "in one of the two")
+        return named
 
     @property
     def enabled(self) -> bool:

@@ -10,11 +10,11 @@ right). All run on one unsharded copy of the model: every rank
 contributes its weights as full tensors (``gather_full_state``: FSDP / TP / EP shards all-gathered
 inside their groups, each pipeline stage's blocks from its own ranks); rank 0 assembles the copy on
 CPU, runs the harness (``titan_hydra.evaluation``) and draws the pictures, and broadcasts the
-scores, which every rank logs as ``eval/<task>/<metric>``. The training model is not touched (no
-mode switch, no cache, its own random generator for the pictures' noise), so the run continues
-exactly as without evaluation. The cost is one full copy of the weights on rank 0's host memory
-for the duration: right for the model sizes this evaluates quickly; a sharded harness run is
-future work.
+scores, which every rank logs as ``eval/<task>/<metric>`` (every task's summary under one name:
+``acc`` or ``ppl``). The training model is not touched (no mode switch, no cache, its own random
+generator for the pictures' noise), so the run continues exactly as without evaluation. The cost
+is one full copy of the weights on rank 0's host memory for the duration: right for the model
+sizes this evaluates quickly; ``eval.sharded=true`` scores the harness's requests without it.
 """
 
 from __future__ import annotations
