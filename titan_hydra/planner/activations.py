@@ -92,7 +92,7 @@ def activation_bytes(args: ModelShape, kind: str, mode: str, tokens: float, laye
 # token copies routed to each of the top_k experts (gathered input, expert output, gate-weighted
 # output: bytes per element of top_k x dim) and the router's fp32 logits and scores per expert;
 # selective_op recomputes most of the copies. Fitted with MemTracker on qwen3_moe_debug and
-# deepseek_v3_debug (estimate/measured 0.98-1.13, 2026-11-23; tests/test_estimator.py).
+# deepseek_v3_debug (estimate/measured 0.98-1.13; tests/test_estimator.py checks it).
 MOE_ROUTED_COEF = {("fp32", "none"): 12, ("bf16", "none"): 10, ("bf16_params", "none"): 8,
                    ("fp32", "selective_op"): 6, ("bf16", "selective_op"): 2, ("bf16_params", "selective_op"): 2}
 MOE_ROUTER_BYTES = 12  # per token and expert: fp32 logits, scores, selection mask
@@ -114,7 +114,7 @@ def moe_activation_bytes(args: ModelShape, kind: str, mode: str, tokens: float) 
 # [dk, dk] transition and [dk, dv] state, scanned and stacked (state / C per token). Bytes per
 # element of that count, net of the attention tensors the block coefficients already hold, fitted
 # with MemTracker on qwen3_5_debug (4 layers, all-linear vs all-full vs 3:1, seq 256 -> 512:
-# 27.4 kB (fp32) and 22.7 kB (bf16) per token and layer over an attention layer, 2026-11-27). bf16
+# 27.4 kB (fp32) and 22.7 kB (bf16) per token and layer over an attention layer). bf16
 # is close to fp32 because the rule runs in fp32 whatever the input. Selective AC is counted as
 # none (an upper bound: its policy saves the rule's matmul outputs); full AC keeps the input only.
 LINEAR_ATTN_COEF = {"fp32": 3.24, "bf16": 2.69, "bf16_params": 2.69}
