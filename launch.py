@@ -19,6 +19,12 @@ atexit.register(gc.freeze)
 # finds nothing to free. After them, they are frozen out of every later collection.
 gc.disable()
 
+from titan_hydra.quiet import without_progress_bars  # noqa: E402  (standard library only)
+
+# Before anything imports tqdm: the lm-eval harness's bars (eval.freq) and HF's would interleave
+# with the step lines; the console already says where a run is.
+without_progress_bars()
+
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 

@@ -17,7 +17,7 @@ def run_dir(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("outputs")
     rd = tmp / "run"
     proc = run_launch(
-        TINY + ["training.steps=6", "training.val_freq=3", "training.val_steps=2",
+        TINY + ["training.steps=6", "training.val_freq=3", "training.val_steps=2", "eval=fast", "eval.freq=6",
                 "run_name=outputs-test", "tags=[unit]", f"hydra.run.dir={rd}"],
         cwd=tmp,
         timeout=300,
@@ -25,6 +25,7 @@ def run_dir(tmp_path_factory) -> Path:
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "step     6 | loss" in proc.stdout
     (rd / "console.txt").write_text(proc.stdout)
+    (rd / "console_stderr.txt").write_text(proc.stderr)
     return rd
 
 
@@ -50,6 +51,9 @@ def test_header_and_footer_say_what_ran_and_where_it_went(run_dir):
     val = [r["val/loss"] for r in rows if "val/loss" in r][-1]
     done = next(l for l in out if l.startswith("done: 6 steps in "))
     assert f"final loss {loss:.4f} | val loss {val:.4f}" in done
+    # the in-loop harness (eval=fast at step 6) draws no progress bars on either stream
+    for stream in ("console.txt", "console_stderr.txt"):
+        assert not re.search(r"it/s\]|\d+%\|", (run_dir / stream).read_text()), stream
     sync = next(l for l in out if "wandb sync " in l).split("wandb sync ")[1].strip()
     assert Path(sync).is_dir() and Path(sync).parent == run_dir / "wandb" and list(Path(sync).glob("run-*.wandb"))
 
@@ -73,6 +77,9 @@ def test_metrics_jsonl(run_dir):
     # warmup_steps=2: the LR rises over the first steps, then decays
     assert train[0]["lr"] < train[1]["lr"] and train[-1]["lr"] < train[2]["lr"]
     assert val[0]["val/ppl"] == pytest.approx(math.exp(val[0]["val/loss"]), rel=1e-6)
+    scored = [r for r in data if "eval/builtin_ppl_1024/ppl" in r]
+    assert [r["step"] for r in scored] == [6] and math.isfinite(scored[0]["eval/builtin_ppl_1024/ppl"])
+    assert 0 <= scored[0]["eval/jsonl_mc_tiny_mc/acc"] <= 1
 
 
 def test_tensorboard_holds_the_losses(run_dir):
