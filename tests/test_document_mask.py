@@ -122,6 +122,7 @@ def test_document_mask_changes_the_loss(run_cache, short_docs):
     (["parallelism=tp", "parallelism.tp=2"], 2, 1),
 ], ids=["pp2_1f1b", "tp2"])
 @pytest.mark.slow
+@pytest.mark.gate("tp2")
 def test_document_mask_loss_parity_across_layouts(tmp_path, run_cache, short_docs, layout, nproc, dp,
                                                   record_property):
     """PP splits the document ids into microbatches and hands them to every stage; TP's attention

@@ -232,7 +232,7 @@ LAYOUT_CASES = {
 
 @pytest.mark.parametrize("name", list(LAYOUT_CASES))
 @pytest.mark.slow
-@pytest.mark.gate("debug tp2", "debug pp2 8 microbatches")
+@pytest.mark.gate("debug tp2")
 def test_estimate_within_15_percent_per_rank_under_layouts(tmp_path, name):
     import json
 

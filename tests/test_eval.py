@@ -121,6 +121,7 @@ def test_eval_with_no_tasks_reports_the_builtin_perplexity(checkpoint, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_local_multiple_choice_and_bad_tasks(checkpoint, capsys):
     scores = eval_recipe.evaluate(checkpoint, [f"jsonl_mc:{REPO / 'recipes/eval_tasks/tiny_mc.jsonl'}"])
     acc = scores["jsonl_mc_tiny_mc"]["acc"]

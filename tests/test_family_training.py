@@ -94,6 +94,7 @@ def by_cost(families):
 
 
 @pytest.mark.parametrize("family", by_cost(FAMILIES))
+@pytest.mark.gate("qwen3_5_moe", "llama4")
 def test_debug_flavor_trains_with_falling_loss(tmp_path, family):
     from titan_hydra.train.pretrain import run
 

@@ -203,6 +203,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_diloco_with_one_inner_step_and_outer_lr_1_is_data_parallel(tmp_path, ddp_dir, single_dir, run_cache,
                                                                    record_property):
     """pseudo-gradient = lr x own gradient; averaged and applied with outer SGD(lr 1) = one DDP

@@ -180,6 +180,7 @@ def test_resharded_resume_continues_one_process_run(tmp_path, single, bounds, fs
     assert diff <= bounds["loss"], (diff, bounds["loss"], resumed, reference)
 
 
+@pytest.mark.extended
 def test_compile_per_block_matches_eager(tmp_path):
     """compile=model captures each double- and single-stream block (family.blocks()) whole, as
     for decoders. The backend is aot_eager: dynamo's capture and AOT autograd are where a model
@@ -304,6 +305,7 @@ def test_flavor_parameter_counts_equal_diffusers(flavor):
 # split along the joint sequence, attention as a ring (not causal: any equal split is exact).
 @pytest.mark.parametrize("layout,extra", [("tp", ["parallelism.tp_sequence_parallel=false"]), ("cp", [])])
 @pytest.mark.slow
+@pytest.mark.gate("tp-extra0")
 def test_tensor_and_context_parallel_match_one_process(tmp_path, single, bounds, layout, extra):
     _, rows = launch_layout(tmp_path, layout, 2, extra, dp=1)
     assert_matches(rows, single, layout, bounds)

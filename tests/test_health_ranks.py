@@ -84,6 +84,7 @@ def test_a_hung_rank_ends_the_attempt_and_the_restart_finishes_the_run(tmp_path,
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_flipped_weight_bit_on_one_replica_stops_the_run_naming_it(tmp_path):
     proc, run_dir = launch(tmp_path, "bitflip", [
         "training.steps=4", "parallelism=ddp", "fault_injection.bitflip_rank=1", "fault_injection.at_step=2",
@@ -95,6 +96,7 @@ def test_a_flipped_weight_bit_on_one_replica_stops_the_run_naming_it(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_gradient_bit_flip_on_one_rank_is_found_by_the_recheck_and_named(tmp_path):
     proc, run_dir = launch(tmp_path, "recheck", [
         "training.steps=4", "health.recheck_every=2", "health.recheck_action=continue",

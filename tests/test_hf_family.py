@@ -175,7 +175,7 @@ def singles(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ALL + STACKS)
-@pytest.mark.gate("qwen3", "gpt2", "opt", "qwen3_moe")
+@pytest.mark.gate("gpt2", "opt", "qwen3_moe")
 def test_trains_and_fsdp_equals_one_process(tmp_path, singles, run_cache, arch, record_property):
     _, single = singles(arch)
     assert single[-1] < single[0] - 0.05, single
@@ -186,7 +186,7 @@ def test_trains_and_fsdp_equals_one_process(tmp_path, singles, run_cache, arch, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ALL)  # MoE: attention sharded, the MoE block whole on each rank
-@pytest.mark.gate("qwen3", "qwen3_moe")
+@pytest.mark.gate("qwen3_moe")
 def test_tp_equals_one_process(tmp_path, singles, run_cache, arch, record_property):
     layout_equals_one_process(tmp_path, singles, run_cache, arch, "tp", 2, 1, record_property)
 
@@ -227,7 +227,7 @@ def test_exact_resume(singles, tmp_path, capsys, arch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,ac", [("qwen3", "selective_op"), ("gpt2", "full")])
-@pytest.mark.gate("gpt2-full")
+@pytest.mark.extended
 def test_compile_and_ac_equal_eager(singles, tmp_path, run_cache, arch, ac, record_property):
     """Per-layer compile of transformers' own layers + AC (gpt2: its blocks at transformer.h): the eager
     losses, within the machine's rounding floor (Inductor fuses and reorders sums)."""

@@ -96,6 +96,7 @@ def test_bad_targets_and_bounds_are_refused_in_one_line(call, match):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_two_job_search_runs_into_the_recipe_and_its_weights_paste_back(tmp_path):
     words = {"python": "def return class import self value list dict for in if else",
              "c": "int char void struct static const unsigned long return if while for",

@@ -116,6 +116,7 @@ def test_wandb_offline_run_holds_config_and_history(run_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_fsdp_float8_run_prints_no_warning_a_user_cannot_act_on(tmp_path):
     """2-rank FSDP with torchao float8: stderr stays empty (no DTensor CPU-random warning per
     rank, no torchao library-load failures, no pytree deprecation notes); stdout is the header,

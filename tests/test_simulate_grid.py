@@ -21,6 +21,7 @@ def test_grid_covers_families_layouts_ac_modes_and_world_sizes():
 
 
 @pytest.mark.slow  # composes and validates all 44 configs (~0.5 s each)
+@pytest.mark.extended
 def test_every_point_is_a_valid_config_of_its_world_and_depth():
     dims_seen = set()
     for point in GRID:

@@ -151,6 +151,7 @@ def test_job_port_is_below_the_ephemeral_range(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_torchft_groups_are_the_jobs_of_a_sweep(slurm, tmp_path):
     """One SLURM job per replica group (a 2-point array) around a Lighthouse the user runs: with
     min_replicas=2 every step is both groups' (averaged loss, identical in both logs), and both

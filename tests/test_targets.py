@@ -16,7 +16,13 @@ GROUP_OPTIONS = sorted((group.name, option.stem) for group in CONF.iterdir() if 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 
-@pytest.mark.parametrize("group,option", GROUP_OPTIONS)
+# Every published model flavor names the same family targets as its debug flavor: those run in
+# the extended tier (docs/testing.md#tiers), every other option in the gate.
+TIERED = [pytest.param(g, o, marks=pytest.mark.extended if g == "model" and "debug" not in o else ())
+          for g, o in GROUP_OPTIONS]
+
+
+@pytest.mark.parametrize("group,option", TIERED)
 def test_every_option_in_conf_builds_what_its_group_builds(group, option):
     check_targets(compose_cfg([f"{group}={option}"]))
 

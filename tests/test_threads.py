@@ -145,6 +145,7 @@ def test_submitit_local_jobs_divide_the_cores(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_threads_per_proc_overrides(tmp_path):
     proc = launch(["cluster.nproc_per_node=2", "parallelism=ddp", "cluster.threads_per_proc=3",
                    f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
