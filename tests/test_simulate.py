@@ -291,7 +291,7 @@ def test_masked_attention_of_a_gpu_run_saves_what_the_efficient_kernel_saves():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from titan_hydra.models.common.attention import masked_attention
-    from titan_hydra.simulate.gpu_attention import EfficientMaskedAttention, additive_bias
+    from titan_hydra.simulate.gpu_attention import additive_bias, efficient_masked_attention
 
     b, h, s, d = 2, 4, 256, 64
     mask = torch.ones(s, s, dtype=torch.bool).tril()
@@ -299,7 +299,7 @@ def test_masked_attention_of_a_gpu_run_saves_what_the_efficient_kernel_saves():
         q, k, v = (torch.randn(b, h, s, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         sinks = torch.zeros(h, requires_grad=True)
         math_path = _saved_for_backward(lambda: masked_attention(q, k, v, mask, sinks))
-        with EfficientMaskedAttention():
+        with efficient_masked_attention():
             out = masked_attention(q, k, v, mask, sinks)
             efficient = _saved_for_backward(lambda: masked_attention(q, k, v, mask, sinks))
         out.sum().backward()  # the efficient op's backward runs too

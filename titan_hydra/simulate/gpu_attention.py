@@ -13,16 +13,16 @@ which saves what CUDA's flash kernel saves; DTensor inputs (context parallel) ke
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torch.overrides import TorchFunctionMode
 
 NOTE = ("masked attention (documents, windows, chunks, sinks): the CUDA memory-efficient kernel's op runs "
         "(output, fp32 log-sum-exp, the mask as a bias in the inputs' dtype), not CPU's math path, which would "
         "save fp32 probabilities")
-
-_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 def additive_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -39,17 +39,27 @@ def efficient_attention(q, k, v, mask, scale=None) -> torch.Tensor:
     return out
 
 
-class EfficientMaskedAttention(TorchFunctionMode):
-    """Routes masked SDPA calls to the memory-efficient kernel's op (module docstring)."""
+@contextlib.contextmanager
+def efficient_masked_attention() -> Iterator[None]:
+    """Masked SDPA calls become the memory-efficient kernel's op meanwhile (module docstring).
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            call = {**dict(zip(_ARGS, args)), **kwargs}
-            q, k, mask = call["query"], call["key"], call.get("attn_mask")
-            plain = (mask is not None and not call.get("is_causal") and not call.get("dropout_p")
-                     and not call.get("enable_gqa") and q.shape[1] == k.shape[1]
-                     and not any(isinstance(t, DTensor) for t in (q, k, call["value"], mask)))
-            if plain:
-                return efficient_attention(q, k, call["value"], mask, call.get("scale"))
-        return func(*args, **kwargs)
+    ``F.scaled_dot_product_attention`` itself is swapped, not intercepted by a TorchFunctionMode:
+    activation checkpointing recomputes a block inside backward, where function modes are not
+    active, and the recomputation must save what the forward saved. The swap lives in the
+    simulated rank's own process and is undone on exit."""
+    real = F.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        plain = (attn_mask is not None and not is_causal and not dropout_p and not enable_gqa
+                 and query.shape[1] == key.shape[1]
+                 and not any(isinstance(t, DTensor) for t in (query, key, value, attn_mask)))
+        if plain:
+            return efficient_attention(query, key, value, attn_mask, scale)
+        return real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = real

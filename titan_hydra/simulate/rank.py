@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from titan_hydra.models.protocol import ShapesBatches
 from titan_hydra.simulate.balanced_routing import balanced_routing
 from titan_hydra.simulate.collectives import Collective, CollectiveCounter
-from titan_hydra.simulate.gpu_attention import EfficientMaskedAttention
+from titan_hydra.simulate.gpu_attention import efficient_masked_attention
 from titan_hydra.simulate.live_memory import LiveMemory
 from titan_hydra.simulate.pipeline_replay import PipelineReplay
 from titan_hydra.spec import RunSpec
@@ -141,7 +141,7 @@ def simulate_rank(spec: RunSpec, rank: int, steps: int, kernel_device: torch.dev
               if dims.pp_enabled else None)
     routing = balanced_routing(kernel_device.type == "cuda") if fake_tensors else contextlib.nullcontext()
     on_gpu = fake_tensors and kernel_device.type == "cuda"
-    attention = EfficientMaskedAttention() if on_gpu else contextlib.nullcontext()
+    attention = efficient_masked_attention() if on_gpu else contextlib.nullcontext()
     with fake, routing, attention:
         memory.adopt([*params, *(b for part in built.parts for b in part.buffers())])
         with memory, comms:
