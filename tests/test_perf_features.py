@@ -252,7 +252,7 @@ def test_selective_ac_saves_inside_compiled_moe_pieces():
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.slow
-@pytest.mark.gate("qwen3")
+@pytest.mark.extended
 def test_regional_compile_with_ac_and_compiled_loss_matches_eager(run_cache, record_property, kind):
     cfg = OmegaConf.create({"mode": "model_loss", "backend": "inductor"})
     x = batch(2, 32)
