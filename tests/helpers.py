@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import copy
 import gc
+import hashlib
 import json
 import math
 import multiprocessing
 import os
+import pickle
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -20,6 +23,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
+from filelock import FileLock  # torch's own dependency
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -205,18 +209,38 @@ def by_step(source: Path | Iterable[dict], key: str) -> dict[int, float]:
 
 class RunCache:
     """Results that several tests compare with (single-process reference runs), computed once
-    per session: conftest's ``run_cache`` fixture is the one instance."""
+    per session: conftest's ``run_cache`` fixture is the one instance per process. Under xdist
+    the workers share them through files beside their temp dirs (under a lock per key): each
+    reference is computed by the first worker that asks, not once per worker."""
 
     def __init__(self, tmp_path_factory):
         self._factory = tmp_path_factory
         self._values: dict[tuple, Any] = {}
+        base = tmp_path_factory.getbasetemp()
+        # xdist gives each worker <session root>/popen-gwN; the root is the session's, shared.
+        self._shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "run_cache"
+        self._shared.mkdir(exist_ok=True)
 
     def once(self, key: tuple, compute: Callable[[Path], T]) -> T:
-        """``compute(fresh temp dir)`` the first time ``key`` is asked for, the stored result after.
-        Keys are global to the session: start them with a name of their own (``("pp_single", family)``)."""
+        """``compute(fresh temp dir)`` the first time ``key`` is asked for in the session, the
+        stored result after. Keys are global to the session: start them with a name of their own
+        (``("pp_single", family)``). A compute that raises stores nothing: the next asker retries."""
         if key not in self._values:
             name = re.sub(r"[^\w.=-]+", "_", "_".join(map(str, key)))[:60]
-            self._values[key] = compute(self._factory.mktemp(name))
+            name += "-" + hashlib.sha1(repr(key).encode()).hexdigest()[:8]
+            stored = self._shared / f"{name}.pkl"
+            with FileLock(str(self._shared / f"{name}.lock")):
+                if stored.exists():
+                    self._values[key] = pickle.loads(stored.read_bytes())
+                else:
+                    folder = self._shared / name
+                    shutil.rmtree(folder, ignore_errors=True)  # what a compute that raised left
+                    folder.mkdir()
+                    value = compute(folder)
+                    partial = stored.with_suffix(".partial")
+                    partial.write_bytes(pickle.dumps(value))
+                    partial.replace(stored)
+                    self._values[key] = value
         return self._values[key]
 
 

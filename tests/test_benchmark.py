@@ -16,6 +16,7 @@ from helpers import REPO, TINY
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_benchmark_precision_suite_tiny(tmp_path):
     out = tmp_path / "bench.json"
     overrides = [o for o in TINY if not o.startswith("lr_scheduler.")] + ["lr_scheduler.warmup_steps=1"]

@@ -55,7 +55,7 @@ def test_family_counts_what_it_builds():
     ("tp", ["parallelism=tp", "training.local_batch_size=8"]),
     ("pp", ["parallelism=pp", "training.local_batch_size=8"]),
 ])
-@pytest.mark.gate("tp-overrides1")
+@pytest.mark.gate("pp-overrides2")
 def test_byo_model_trains_under_layouts_like_one_process(tmp_path, single, run_cache, layout, overrides):
     assert len(single) == STEPS and single[-1] < single[0]
     losses = train(tmp_path, layout, overrides + ["cluster.nproc_per_node=2"])

@@ -161,7 +161,7 @@ def test_fsdp_matches_one_process(single, bounds, fsdp_run):
 
 @pytest.mark.parametrize("layout,nproc", [("ddp", 2), ("hsdp", 4)])
 @pytest.mark.slow
-@pytest.mark.gate("hsdp-4")
+@pytest.mark.extended
 def test_data_parallel_matches_one_process(tmp_path, single, bounds, layout, nproc):
     """ddp, and hsdp 2 x 2 (reduce-scatter within a replica, all-reduce across)."""
     assert_matches(launch_layout(tmp_path, layout, nproc)[1], single, layout, bounds)

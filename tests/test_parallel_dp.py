@@ -75,6 +75,7 @@ def test_fp32_loss_parity(tmp_path, run_cache, record_property, family, name, ov
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_bf16_loss_parity(tmp_path, run_cache, record_property):
     bf16 = ("training.mixed_precision=bf16",)
     losses = run_layout(tmp_path, ["parallelism=fsdp", *bf16], nproc=2, dp=2)

@@ -34,6 +34,7 @@ def _real_rank(rank: int, overrides: list[str], out_dir: str) -> None:
 
 @pytest.mark.slow  # spawns the simulated ranks' processes
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
+@pytest.mark.gate("fsdp")
 def test_simulated_rank_holds_what_the_real_two_rank_run_holds(tmp_path, layout):
     overrides = [*DEBUG, f"parallelism={layout}"]
     if layout == "tp":
@@ -201,6 +202,7 @@ def test_dry_run_takes_only_its_three_values():
 
 
 @pytest.mark.slow  # spawns the simulated ranks' processes
+@pytest.mark.extended
 def test_hybrid_linear_attention_at_64_ranks():
     """qwen3_5_9b's widths, one period of its layer pattern (3 Gated DeltaNet + 1 full attention),
     HSDP (2 replicas x fsdp 8) x tp 4 (the family's TP plan covers both kinds of layer)."""
@@ -212,6 +214,7 @@ def test_hybrid_linear_attention_at_64_ranks():
 
 
 @pytest.mark.slow  # spawns the simulated ranks' processes
+@pytest.mark.extended
 def test_flux_image_batches_at_64_ranks():
     """flux_dev's widths (1 double + 2 single blocks) on 512-pixel pictures with 256 caption tokens,
     HSDP (2 replicas x fsdp 8) x tp 4: the family's own batch shapes (ShapesBatches) stepped."""

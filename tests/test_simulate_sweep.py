@@ -47,6 +47,7 @@ def csv_rows(sweep: Path) -> list[dict]:
 
 
 @pytest.mark.slow  # each simulated rank is a spawned process
+@pytest.mark.extended
 def test_simulate_sweep_reports_each_layout(tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_launch(["-m", *SIM, "parallelism.pp=1,2,3", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=600)

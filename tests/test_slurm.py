@@ -61,6 +61,7 @@ SWEEP_TINY = [
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_multirun_becomes_array_and_report_lists_both(slurm, tmp_path):
     sweep = tmp_path / "sweep"
     proc = slurm_run(tmp_path, ["cluster=slurm_local", *SWEEP_TINY, "optimizer.lr=1e-3,3e-3",
