@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # op name -> (reported op, index of the argument whose size is the op's bytes, index of the group)
@@ -101,6 +102,8 @@ class CollectiveCounter(TorchDispatchMode):
         entry[1] += n
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor's dispatch first: the collectives inside its ops come back here
         ns, name = func.namespace, func._opname  # noqa: SLF001
         if ns == "c10d" and name in C10D:
             op, data_arg, group_arg = C10D[name]

@@ -24,6 +24,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
@@ -133,6 +134,11 @@ class LiveMemory(TorchDispatchMode):
                 self._phase_of[key] = phase
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            # DTensor's dispatch first: its local ops, the temporaries inside the op included
+            # (a redistribution's buffer, loss parallel's log-softmax, context parallel's
+            # gathered keys and values), then come back here one by one.
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         # inside the autograd engine (a graph task running) everything made is backward's
         phase = "backward" if torch._C._current_graph_task_id() != -1 else self.phase  # noqa: SLF001
