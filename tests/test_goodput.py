@@ -22,7 +22,7 @@ import pytest
 
 from helpers import REPO, TINY, compose_cfg, read_metrics, run_launch
 from titan_hydra.errors import ConfigError
-from titan_hydra.metrics.goodput import LEDGER, read_records, tally_of
+from titan_hydra.metrics.goodput import LAUNCH_STARTED_ENV, LEDGER, read_records, tally_of
 from titan_hydra.metrics import goodput_ledger
 from titan_hydra.metrics.goodput_ledger import GoodputLedger
 from titan_hydra.config.fault_injection import FaultInjection
@@ -118,6 +118,41 @@ def test_a_worker_restarted_by_torch_elastic_counts_from_the_dead_attempts_last_
     by_hand = GoodputLedger(tmp_path, rank=0)
     by_hand.begin(resumed_step=0)
     assert read_records(path)[0][-1]["s"]["lost"] < 30.0
+
+
+def test_a_worker_counts_from_its_launchers_start(tmp_path, monkeypatch):
+    """A worker of the local launcher (forked from its fork server once the launcher has composed,
+    validated and prepared the data) counts the run's start-up from the launcher's start; one torch
+    elastic restarted counts from its dead attempt, not from the launch again."""
+    path = tmp_path / LEDGER
+    monkeypatch.setattr(goodput_ledger, "_last_close", [])  # no earlier run in this process
+    monkeypatch.setattr(goodput_ledger, "process_start_time", lambda: time.time() - 1.0)  # a forked worker
+    monkeypatch.setenv(LAUNCH_STARTED_ENV, repr(time.time() - 20.0))
+    GoodputLedger(tmp_path, rank=0).begin(resumed_step=0)
+    start = read_records(path)[0][-1]
+    assert 20.0 <= start["s"]["warmup"] < 30.0, start
+    last = time.time() - 5.0
+    path.write_text(json.dumps(start) + "\n" + json.dumps({**_step(1, productive=5.0), "t": last}) + "\n")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    GoodputLedger(tmp_path, rank=0).begin(resumed_step=0)
+    assert 5.0 <= read_records(path)[0][-1]["s"]["lost"] < 15.0  # the dead attempt's last record on
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_a_two_rank_launch_accounts_from_the_command(tmp_path):
+    """Measured from outside: the ledger of a 2-rank launch starts when the command did (the
+    launcher's interpreter start), not when the workers forked, and sums to the command's wall time."""
+    run_dir = tmp_path / "run"
+    t0 = time.time()
+    proc = run_launch(TINY + ["cluster.nproc_per_node=2", "parallelism=fsdp", "logger=minimal",
+                              f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    wall = time.time() - t0
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records, problem = read_records(run_dir / LEDGER)
+    assert problem is None and records[0]["kind"] == "start"
+    assert -0.05 <= records[0]["t"] - t0 < 1.0, records[0]["t"] - t0  # /proc counts in 10-ms ticks
+    assert abs(tally_of(records).total_s - wall) <= 0.05 * wall + 3.0, (tally_of(records).total_s, wall)
 
 
 def test_kill_at_step_zero_is_refused():

@@ -29,6 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from titan_hydra.config import ClusterConfig
 from titan_hydra.errors import RankFailed, UserError
+from titan_hydra.metrics.goodput import LAUNCH_STARTED_ENV, launch_ended, launch_started
 from titan_hydra.runtime.rendezvous import free_port
 from titan_hydra.runtime.threads import exported, threads_here
 from titan_hydra.spec import RunSpec
@@ -55,14 +56,19 @@ def load_program(spec: str):
 
 
 @record
-def worker_main(spec: RunSpec, run_dir: str, return_state: bool = False, program: str = DEFAULT_PROGRAM):
+def worker_main(spec: RunSpec, run_dir: str, return_state: bool = False, program: str = DEFAULT_PROGRAM,
+                launched_at: float | None = None):
     """Entry point of one elastic worker (module level so that spawn can pickle it): runs
     ``program`` on the run's spec, which the launcher validated once for every worker.
+    ``launched_at``: when the launcher's start-up began, for the run's goodput ledger (an argument,
+    not the environment: a fork server keeps the environment it started with, an earlier launch's).
 
     A UserError is re-raised as WorkerUserError so that the parent can tell bad input (one
     line, no traceback) from a bug (traceback kept in the error file).
     """
     os.environ["TITAN_HYDRA_WORKER"] = "1"
+    if launched_at is not None:
+        os.environ[LAUNCH_STARTED_ENV] = repr(launched_at)
     gc.freeze()  # what a forked worker inherited lives as long as it does (launch/gc_paused.py)
     gc.enable()
     # A forked worker keeps the launcher's thread count (OMP_NUM_THREADS is read once, at import)
@@ -120,9 +126,11 @@ def run_local(
     threads = threads_here(cluster.threads_per_proc, local_processes=int(cluster.nproc_per_node))
     try:
         with exported({"OMP_NUM_THREADS": str(threads.n)}):
-            results = entry(spec, run_dir, return_state, program or DEFAULT_PROGRAM)
+            results = entry(spec, run_dir, return_state, program or DEFAULT_PROGRAM, launch_started())
     except ChildFailedError as e:
         raise error_of(e) from None
+    finally:
+        launch_ended()
     return results[0]
 
 

@@ -66,6 +66,30 @@ def process_start_time() -> float:
 
 _IMPORTED = time.time()
 
+# Set by the local launcher for the workers it starts: when its own start-up began. A worker forked
+# from the fork server starts after the launcher composed, validated and prepared the data; that
+# time is the run's start-up too.
+LAUNCH_STARTED_ENV = "TITAN_HYDRA_LAUNCH_STARTED"
+_launches_ended: list[float] = []  # in the launcher: where its previous launch (an in-process sweep job) ended
+
+
+def launch_started() -> float:
+    """In a launcher: when this launch's start-up began (the process start, or the end of the
+    process's previous launch)."""
+    return max([process_start_time(), *_launches_ended])
+
+
+def launch_ended() -> None:
+    _launches_ended[:] = [time.time()]
+
+
+def launcher_started() -> float | None:
+    """In a worker: when the launcher that started it began (None: no local launcher, or unreadable)."""
+    try:
+        return float(os.environ[LAUNCH_STARTED_ENV])
+    except (KeyError, ValueError):
+        return None
+
 
 def parse_line(line: str, number: int) -> dict[str, Any]:
     """One record, checked; LedgerCorrupt naming the line when it is not one."""

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from titan_hydra.metrics.goodput import LEDGER, Tally, process_start_time, read_records, tally_of
+from titan_hydra.metrics.goodput import LEDGER, Tally, launcher_started, process_start_time, read_records, tally_of
 
 # Where this process's previous run ended (Hydra's in-process multirun, tests): the next run's
 # start-up counts from there, not from the process start.
@@ -57,13 +57,23 @@ class GoodputLedger:
     def __init__(self, run_dir: str | os.PathLike, rank: int) -> None:
         self.path = Path(run_dir) / LEDGER
         self.active = rank == 0
-        self.started = max([process_start_time(), *_last_close])
+        self.started = max([self._process_or_launcher_start(), *_last_close])
         self.tally = Tally()
         self.pending: dict[str, float] = {}
         self.mark = time.perf_counter()
         self.first_step = True
         self.own_s = 0.0
         self._file = None
+
+    @staticmethod
+    def _process_or_launcher_start() -> float:
+        """The start of this attempt: the local launcher's, where it started this worker (its
+        composing, validation and data preparation came first); a worker torch elastic restarted
+        counts from the dead attempt instead (``begin``)."""
+        launcher = launcher_started()
+        if launcher is None or relaunched():
+            return process_start_time()
+        return min(process_start_time(), launcher)
 
     # ---------------------------------------------------------------- attempt start and end
     def begin(self, resumed_step: int) -> None:
