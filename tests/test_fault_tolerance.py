@@ -29,6 +29,7 @@ import torch
 from helpers import REPO, floor_bound, fp32_ulp, launch_here, machine_bound, read_metrics, series
 from titan_hydra.checkpoint.storage import load_plain, read_metadata, tensor_entries
 from titan_hydra.launch.ft_local import lighthouse_binary
+from titan_hydra.metrics.goodput import LEDGER, read_records, tally_of
 from titan_hydra.runtime.rendezvous import free_port
 
 STEPS = 24
@@ -190,6 +191,10 @@ def test_a_killed_group_restarts_recovers_from_its_peer_and_rejoins(tmp_path, dd
     rejoined = [r for r in steps_of(group1) if r["ft/recoveries"] == 1]
     assert rejoined, "the restarted group 1 did not recover from a peer"
     assert steps0[-1]["ft/participants"] == 2  # and both finished together
+    # group 0's ledger: a step torchft dropped when group 1 died is lost to that failure, not a health skip
+    totals = tally_of(read_records(run_dir / LEDGER)[0]).totals
+    assert totals.get("health", 0.0) == 0.0, totals
+    assert (totals.get("lost", 0.0) > 0) == (steps0[-1]["ft/dropped"] > 0), (totals, steps0[-1]["ft/dropped"])
     # both groups hold the same final weights (their own last checkpoints)
     a, b = weights_at(run_dir), weights_at(group1)
     assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -42,7 +42,7 @@ CATEGORIES: dict[str, str] = {
     "warmup": "start-up to the first step, and each attempt's first step (compile, allocation)",
     "health": "skipped steps, and steps redone after a health rollback",
     "straggler_wait": "the fastest rank waiting on the slowest (health straggler timings)",
-    "lost": "lost to failures: steps trained twice after a restart, and the restart's start-up",
+    "lost": "lost to failures: steps trained twice after a restart, the restart's start-up, steps torchft dropped",
     "other": "shutdown after the last step (loggers, process groups)",
 }
 

@@ -128,8 +128,9 @@ class GoodputLedger:
             self.add(category, time.perf_counter() - t0)
 
     def unkept(self, category: str = "health") -> None:
-        """The step just tried was not kept (skipped by the health checks, dropped by torchft): its
-        unclaimed time goes to ``category`` (written with the next kept step)."""
+        """The step just tried was not kept: its unclaimed time goes to ``category`` (``health``:
+        skipped by the health checks; ``lost``: dropped by torchft when a group failed), written with
+        the next kept step."""
         self.add(category, max(time.perf_counter() - self.mark - sum(self.pending.values()), 0.0))
 
     def step(self, step: int) -> None:

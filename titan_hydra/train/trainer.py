@@ -102,7 +102,8 @@ class Trainer:
 
     # --- one optimizer step -----------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        """One optimizer step; the metrics say ``committed: False`` when torchft dropped it."""
+        """One optimizer step; the metrics say ``committed: False`` when it was not kept, and
+        ``applied: False`` when the health checks skipped it (else torchft dropped it)."""
         ft = self.fault_tolerance
         ft.begin_step()
         self.health.begin_step(self.state.step + 1)
@@ -146,6 +147,7 @@ class Trainer:
             "lr": lr,
             "data_time": data_time,
             "committed": committed,
+            "applied": apply,  # the health checks kept it (torchft may still have dropped it)
             **self.plan_metrics(plan),
             **hook_metrics,
             **ft.metrics(),
@@ -191,9 +193,12 @@ class Trainer:
         while self.state.step < self.steps:
             metrics = self.train_step()
             self.goodput.add("data_wait", metrics["data_time"])
-            if not metrics.pop("committed"):
-                self.goodput.unkept()  # skipped by the health checks, or dropped by torchft
-                continue  # torchft dropped the step (a group failed mid-step): the next batch retries it
+            committed, applied = metrics.pop("committed"), metrics.pop("applied")
+            if not committed:
+                # skipped by the health checks, or dropped by torchft (a group failed mid-step: lost
+                # to that failure); the next batch retries the step
+                self.goodput.unkept("lost" if applied else "health")
+                continue
             self.state.step += 1
             self.state.losses.append(metrics["loss"])
             step = self.state.step
