@@ -72,10 +72,11 @@ def test_the_tracker_counts_what_the_allocator_holds_under_tp(tmp_path):
     """The live-storage tracker's peak on a real TP(2) step equals the CPU allocator's as
     torch.profiler records it. It missed the temporaries made inside DTensor ops (TP's
     redistributions, loss parallel's log-softmax) until it let DTensor dispatch first: 5% low
-    here. Rank 0 only: rank 1's allocator also holds gloo's receive buffers, which vary by run."""
+    here. Rank 0's: in some runs the allocator also holds a 1 MiB block no aten op makes (up to 3
+    of them on rank 1), so the tracker may be below it by that much, never above."""
     spawn_gloo(_allocator_peak, 2, [*DEBUG, "parallelism=tp", "parallelism.tp=2"], str(tmp_path))
     got = json.loads((tmp_path / "0.json").read_text())
-    assert abs(got["tracker"] - got["allocator"]) <= 0.005 * got["allocator"], got
+    assert 0 <= got["allocator"] - got["tracker"] <= 2**20 + 0.001 * got["allocator"], got
 
 
 @pytest.mark.slow  # spawns the simulated ranks' processes
