@@ -151,3 +151,14 @@ def test_aux_loss_layouts_equal_one_process(tmp_path, run_cache, layout, nproc, 
     assert single["loss"][-1] < single["loss"][0] - 0.05, single["loss"]
     run_layout(tmp_path, overrides("mixtral", *AUX, f"parallelism={layout}"), nproc=nproc, dp=nproc)
     assert_moe_run_equals(tmp_path / "run", single, run_cache, f"mixtral aux {layout}", record_property)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_aux_loss_compiled_with_full_ac_equals_eager(tmp_path, run_cache, record_property):
+    """Per-block compile (the routers inside fullgraph graphs, the experts eager) with full AC: the
+    routers' logits still reach the aux loss, a recompute neither counts tokens again nor adds its
+    logits to the next step's loss (measured: loss and aux within 1 ulp, the load metrics equal)."""
+    single = reference(run_cache)
+    run_single(tmp_path, overrides("mixtral", *AUX, "compile=model", "activation_checkpoint=full"))
+    assert_moe_run_equals(tmp_path / "run", single, run_cache, "mixtral aux compile+full ac", record_property)

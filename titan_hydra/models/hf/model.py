@@ -139,11 +139,14 @@ class TitanForward:
             inputs["titan_doc_ids"] = doc_ids  # through the layers' **kwargs to attention.titan_attention
         if self.get_output_embeddings() is None:
             return base_model(self)(**inputs, use_cache=False).last_hidden_state
-        aux = self.training and torch.is_grad_enabled() and router.aux_enabled(self.config)
-        if router.aux_enabled(self.config):  # router logits only where the aux loss is backpropagated
-            inputs["output_router_logits"] = aux
-        out = super().forward(**inputs, use_cache=False)
-        return router.inject_aux(self, out.logits, out.router_logits) if aux else out.logits
+        if not router.aux_enabled(self.config):
+            return super().forward(**inputs, use_cache=False).logits
+        # transformers' recorder and its own aux loss stay off: router.py's hooks keep the logits
+        router.clear_logits(self)  # what an eval forward or the last step's AC recompute left
+        logits = super().forward(**inputs, use_cache=False, output_router_logits=False).logits
+        if not (self.training and torch.is_grad_enabled()):
+            return logits
+        return router.inject_aux(self, logits, router.take_logits(self))
 
     def init_weights(self, buffer_device: Any = None) -> None:
         """transformers' own initialization of every parameter and buffer, drawn afresh."""
@@ -211,6 +214,11 @@ def causal_lm(model_type: str | None = None, config: str | None = None, fields: 
         raise ConfigError(f"model=hf cannot lay out {cfg.model_type}: {e}; the engine wraps, shards and cuts "
                           "a model block by block") from None
     router.install_counters(model)  # the moe/* load metrics, as the native MoE counts
+    try:
+        router.install_logit_capture(model)
+    except router.NoRouterLogits as e:
+        raise ConfigError(f"model.fields.output_router_logits=true: {cfg.model_type} has no router auxiliary loss "
+                          f"here ({e}); remove the field") from None
     model.tie_weights()  # from_config leaves a meta build untied; counting and FSDP need one tensor
     if chosen.implementation == attention.NAME:
         attention.expose_hooks(model)  # the kernel policies fill them, as on the native Attention

@@ -12,9 +12,13 @@ transformers' MoE layers leave two things to their caller that the native MoE do
   it alone; ``zero_counts`` gives it its start.
 * The auxiliary load-balancing loss, on by transformers' own switch: ``output_router_logits=True``
   with the architecture's ``router_aux_loss_coef``. transformers adds ``coef * aux`` to its loss
-  only when given labels, and the engine computes the loss itself, so the forward asks for the
-  router logits and adds the same term to the gradient (``inject_aux``, on the logits: the loss
-  function keeps its ``(logits, labels)`` signature, as the native MoE's aux loss does).
+  only when given labels, and the engine computes the loss itself, so the forward adds the same
+  term to the gradient (``inject_aux``, on the logits: the loss function keeps its ``(logits,
+  labels)`` signature, as the native MoE's aux loss does). The router logits come from a forward
+  hook on each module transformers itself records them from (the architecture's
+  ``_can_record_outputs["router_logits"]``), appending to a list the forward reads: transformers'
+  own recorder reads a ``ContextVar`` inside the layers, which a per-block ``torch.compile`` cannot
+  trace, while a list append is a side effect dynamo replays.
 
 The loss is transformers' Switch loss, E * sum_e f_e * P_e, with f_e the share of top-k choices
 and P_e the mean routing probability of expert e over every layer's tokens. It is not a mean
@@ -91,6 +95,49 @@ def zero_counts(model: nn.Module) -> None:
 
 
 # -------------------------------------------------------------------------------- aux loss
+
+
+class NoRouterLogits(Exception):
+    """The architecture declares no module its router logits are recorded from."""
+
+
+def install_logit_capture(model: nn.Module) -> None:
+    """With the aux loss on: ``model.router_logits_sink``, the list each router's forward hook
+    appends its logits to in training. The routers may run compiled (per-block compile compiles
+    around the eager experts), where the recompute test of the counting hook cannot be traced:
+    an activation-checkpoint recompute appends too, after its forward took the list, and the
+    next forward starts by emptying it (``take_logits``)."""
+    if not aux_enabled(model.config):
+        return
+    spec = getattr(model, "_can_record_outputs", None) or {}
+    spec = spec.get("router_logits")
+    if spec is None:
+        raise NoRouterLogits("its modeling code records no router_logits")
+    target, index = (spec, 0) if isinstance(spec, type) else (spec.target_class, spec.index)
+    layer = f".{spec.layer_name.strip('.')}." if getattr(spec, "layer_name", None) else None
+    sink: list[torch.Tensor] = []
+    for name, m in model.named_modules():
+        if isinstance(m, target) and (layer is None or layer in f".{name}."):
+            m.register_forward_hook(functools.partial(_keep_logits, sink, index))
+    model.router_logits_sink = sink
+
+
+def _keep_logits(sink: list, index: int, module: nn.Module, args: tuple, output: Any) -> None:
+    if module.training:
+        sink.append(output[index] if isinstance(output, tuple) else output)
+
+
+def clear_logits(model: nn.Module) -> None:
+    sink = getattr(model, "router_logits_sink", None)
+    if sink is not None:
+        sink.clear()
+
+
+def take_logits(model: nn.Module) -> list[torch.Tensor]:
+    """This forward's router logits, in layer order; the list emptied for the next."""
+    logits = list(model.router_logits_sink)
+    clear_logits(model)
+    return logits
 
 
 def balance_sums(router_logits: Iterable[torch.Tensor], num_experts: int, top_k: int
