@@ -6,7 +6,8 @@ transformers' model given labels, bit for bit (same weights, same batch, fp32). 
 fsdp(2) the run equals one process: the aux loss sums the ranks' top-k choices (models/hf/router.py),
 so each step's value (``moe/aux_loss``) and gradient are the global batch's. The load metrics count
 what the experts modules were called with, which for mixtral is the top-k of transformers' router
-logits, and the counts summed over the data-parallel ranks equal one process's.
+logits, and the counts summed over the data-parallel ranks equal one process's. The same parity
+holds for qwen2_moe, granitemoe, phimoe, jetmoe and jamba from tiny fields.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ def built(arch: str, *extra: str):
     return spec, model.train()
 
 
-def batch(spec, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.randint(0, spec.model_args.vocab_size, (2, 25), generator=torch.Generator().manual_seed(seed))
+def batch(vocab_size: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, vocab_size, (2, 25), generator=torch.Generator().manual_seed(seed))
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
@@ -51,15 +52,51 @@ def test_aux_loss_is_transformers_own(arch):
     and labels, and the gradient our backward of the cross entropy alone leaves (the aux term rides
     on the logits) is the gradient of transformers' loss: the same operations in the same order, so
     equal bit for bit. Without the aux loss the gradients differ (the check can fail)."""
+    spec, ours = built(arch, *AUX)
+    grads = assert_transformers_own(ours, spec.model_args.hf_config, spec.model_args.vocab_size)
+    _, plain = built(arch)
+    x, y = batch(spec.model_args.vocab_size)
+    cross_entropy_loss(plain(x), y).backward()
+    router = next(n for n, _ in plain.named_parameters() if ".gate." in n or ".router." in n)
+    assert not torch.equal(dict(plain.named_parameters())[router].grad, grads[router].grad)
+
+
+# Architectures without a debug flavor, from tiny fields (transformers' names for each: JetMoE calls
+# its coefficient aux_loss_coef and routes attention heads as well as the MLP; Jamba mixes Mamba layers in).
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 512, "num_experts_per_tok": 2, "output_router_logits": True}
+OWN = {"qwen2_moe": {"num_experts": 4, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64},
+       "granitemoe": {"num_local_experts": 4}, "phimoe": {"num_local_experts": 4},
+       "jetmoe": {"num_local_experts": 4, "head_dim": 16, "aux_loss_coef": COEF},
+       "jamba": {"num_experts": 4, "mamba_d_state": 8, "mamba_d_conv": 4}}
+
+
+@pytest.mark.parametrize("arch", sorted(OWN))
+def test_aux_loss_is_transformers_own_from_tiny_fields(arch):
+    """The same for the other MoE architectures transformers ships with a router aux loss (PhiMoE
+    samples its routes in training: both forwards start from one seed)."""
+    from titan_hydra.models.hf.model import causal_lm
+
+    fields = {**TINY, **OWN[arch], **({} if arch == "jetmoe" else {"router_aux_loss_coef": COEF})}
+    ours = causal_lm(model_type=arch, fields=fields)
+    torch.manual_seed(0)
+    ours.init_weights()
+    assert_transformers_own(ours.train(), ours.config, 512)
+
+
+def assert_transformers_own(ours, config, vocab_size: int) -> dict:
+    """Loss and every gradient of ``ours`` (training forward, aux loss on) equal transformers' own
+    model's with labels, on the same weights and batch; returns transformers' parameters."""
     from transformers import AutoModelForCausalLM
 
-    spec, ours = built(arch, *AUX)
-    ref = AutoModelForCausalLM.from_config(spec.model_args.hf_config).train()
+    ref = AutoModelForCausalLM.from_config(config).train()
     ref.load_state_dict(ours.state_dict())
-    x, y = batch(spec)
+    x, y = batch(vocab_size)
+    torch.manual_seed(5)
     ce = cross_entropy_loss(ours(x), y)
     ce.backward()
     aux = balance_and_aux(ours)["moe/aux_loss"]
+    torch.manual_seed(5)
     out = ref(input_ids=x, labels=y, shift_labels=y)
     out.loss.backward()
     assert aux == out.aux_loss.item() and aux > 1.0  # E * sum f P >= 1 (even routing)
@@ -67,11 +104,7 @@ def test_aux_loss_is_transformers_own(arch):
     grads = dict(ref.named_parameters())
     for name, p in ours.named_parameters():
         assert torch.equal(p.grad, grads[name].grad), name
-
-    _, plain = built(arch)
-    cross_entropy_loss(plain(x), y).backward()
-    router = next(n for n, _ in plain.named_parameters() if ".gate." in n or ".router." in n)
-    assert not torch.equal(dict(plain.named_parameters())[router].grad, grads[router].grad)
+    return grads
 
 
 def balance_and_aux(model) -> dict[str, float]:
@@ -89,7 +122,7 @@ def test_load_metrics_count_transformers_routing():
     spec, ours = built("mixtral")
     ref = AutoModelForCausalLM.from_config(spec.model_args.hf_config).train()
     ref.load_state_dict(ours.state_dict())
-    x, _ = batch(spec)
+    x, _ = batch(spec.model_args.vocab_size)
     with torch.no_grad():
         ours.eval()(x)
         assert all(int(b.sum()) == 0 for n, b in ours.named_buffers() if n.endswith("tokens_per_expert"))

@@ -217,7 +217,7 @@ def causal_lm(model_type: str | None = None, config: str | None = None, fields: 
     try:
         router.install_logit_capture(model)
     except router.NoRouterLogits as e:
-        raise ConfigError(f"model.fields.output_router_logits=true: {cfg.model_type} has no router auxiliary loss "
+        raise ConfigError(f"model.fields.output_router_logits=true: transformers' {cfg.model_type} has no router auxiliary loss "
                           f"here ({e}); remove the field") from None
     model.tie_weights()  # from_config leaves a meta build untied; counting and FSDP need one tensor
     if chosen.implementation == attention.NAME:

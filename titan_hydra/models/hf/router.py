@@ -42,6 +42,7 @@ from torch import nn
 from titan_hydra.models.common.moe import InjectAuxLoss, recomputing
 
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+COEFFICIENT_KEYS = ("router_aux_loss_coef", "aux_loss_coef")
 
 
 def routed_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -109,17 +110,25 @@ def install_logit_capture(model: nn.Module) -> None:
     next forward starts by emptying it (``take_logits``)."""
     if not aux_enabled(model.config):
         return
-    spec = getattr(model, "_can_record_outputs", None) or {}
-    spec = spec.get("router_logits")
-    if spec is None:
+    specs = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+    if specs is None:
         raise NoRouterLogits("its modeling code records no router_logits")
-    target, index = (spec, 0) if isinstance(spec, type) else (spec.target_class, spec.index)
-    layer = f".{spec.layer_name.strip('.')}." if getattr(spec, "layer_name", None) else None
+    if coefficient(model.config) is None:
+        raise NoRouterLogits("its config has no router_aux_loss_coef")
     sink: list[torch.Tensor] = []
-    for name, m in model.named_modules():
-        if isinstance(m, target) and (layer is None or layer in f".{name}."):
-            m.register_forward_hook(functools.partial(_keep_logits, sink, index))
+    for spec in specs if isinstance(specs, (list, tuple)) else [specs]:  # JetMoE: attention's and the MLP's
+        target, index = (spec, 0) if isinstance(spec, type) else (spec.target_class, spec.index)
+        layer = f".{spec.layer_name.strip('.')}." if getattr(spec, "layer_name", None) else None
+        for name, m in model.named_modules():
+            if isinstance(m, target) and (layer is None or layer in f".{name}."):
+                m.register_forward_hook(functools.partial(_keep_logits, sink, index))
     model.router_logits_sink = sink
+
+
+def coefficient(cfg: Any) -> float | None:
+    """The aux loss's weight under the config's name for it (JetMoE: ``aux_loss_coef``)."""
+    value = next((getattr(cfg, k) for k in COEFFICIENT_KEYS if getattr(cfg, k, None) is not None), None)
+    return None if value is None else float(value)
 
 
 def _keep_logits(sink: list, index: int, module: nn.Module, args: tuple, output: Any) -> None:
@@ -184,7 +193,7 @@ def inject_aux(model: nn.Module, out: torch.Tensor, router_logits: Iterable[torc
     backprop, value = aux_loss(router_logits, expert_count(cfg), int(cfg.num_experts_per_tok),
                                getattr(model, "aux_group", None))
     model.aux_value = value * scale + getattr(model, "aux_value", 0.0)
-    return InjectAuxLoss.apply(out, backprop * (float(cfg.router_aux_loss_coef) * scale))
+    return InjectAuxLoss.apply(out, backprop * (coefficient(cfg) * scale))
 
 
 def set_aux_grad_scale(model_parts: Iterable[nn.Module], scale: float) -> None:
