@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titan_hydra.models.common.moe import InjectAuxLoss, recomputing
+from titan_hydra.models.common.moe import InjectAuxLoss, expert_counts, recomputing
 
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 COEFFICIENT_KEYS = ("router_aux_loss_coef", "aux_loss_coef")
@@ -85,7 +85,7 @@ def _count(block: nn.Module, experts: nn.Module, args: tuple) -> None:
         return
     with torch.no_grad():
         counts = block.tokens_per_expert
-        counts.add_(torch.bincount(args[1].reshape(-1), minlength=counts.numel()).to(counts.dtype))
+        counts.add_(expert_counts(args[1], counts.numel()))
 
 
 def zero_counts(model: nn.Module) -> None:
@@ -160,7 +160,7 @@ def balance_sums(router_logits: Iterable[torch.Tensor], num_experts: int, top_k:
         if logits is None:  # a dense layer of a mixed stack
             continue
         p = torch.softmax(logits, dim=-1)
-        hits = torch.bincount(torch.topk(p, top_k, dim=-1).indices.reshape(-1), minlength=num_experts)
+        hits = expert_counts(torch.topk(p, top_k, dim=-1).indices, num_experts)
         chosen = hits if chosen is None else chosen + hits
         probs = p.float().sum(0) if probs is None else probs + p.float().sum(0)
         rows += p.shape[0]
