@@ -107,6 +107,29 @@ def assert_transformers_own(ours, config, vocab_size: int) -> dict:
     return grads
 
 
+def test_aux_loss_weighs_like_the_microbatch_loss():
+    """Under accumulation the runner scales each microbatch's loss by 1 / N (``set_loss_scale``): the
+    aux term takes the same weight, so N microbatches of the same batch leave one batch's gradient
+    and ``moe/aux_loss`` (the mean over the step's microbatches; sums in another order: fp32 close)."""
+    spec, once = built("mixtral", *AUX)
+    _, twice = built("mixtral", *AUX)
+    x, y = batch(spec.model_args.vocab_size)
+    cross_entropy_loss(once(x), y).backward()
+    spec.family.set_loss_scale([twice], 0.5)
+    for _ in range(2):
+        (cross_entropy_loss(twice(x), y) * 0.5).backward()
+    assert balance_and_aux(twice)["moe/aux_loss"] == pytest.approx(balance_and_aux(once)["moe/aux_loss"], rel=1e-6)
+    grads = dict(once.named_parameters())
+    for name, p in twice.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-7)
+    spec.family.set_loss_scale([twice], 1.0)
+    twice.zero_grad()
+    for _ in range(2):  # the aux term left unweighted counts twice: the check above can fail
+        (cross_entropy_loss(twice(x), y) * 0.5).backward()
+    router = "model.layers.0.mlp.gate.weight"
+    assert not torch.allclose(dict(twice.named_parameters())[router].grad, grads[router].grad, rtol=1e-3)
+
+
 def balance_and_aux(model) -> dict[str, float]:
     from titan_hydra.models.hf import router
 
