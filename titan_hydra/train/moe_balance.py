@@ -3,6 +3,8 @@
 A training hook rather than model code because it sums every MoE layer's token counts over the
 data x context parallel ranks (one all-reduce), so that every rank moves its biases identically;
 the model only counts (``MoE.tokens_per_expert``) and chooses with the bias (``MoE.expert_bias``).
+A layer is any module with a ``tokens_per_expert`` buffer: the native ``MoE``, and transformers'
+MoE blocks under ``model=hf`` (``models/hf/router.py``; metrics only, they have no bias).
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titan_hydra.models.common.moe import moe_modules
+from titan_hydra.models.common.moe import MoE
 
 
 def moe_balance_hooks(model_parts: list[nn.Module], dims: Any) -> list[Callable[[], dict[str, float]]]:
     """The trainer's step hook for models with MoE layers (none for dense models, or a pipeline
     stage without MoE layers), with token counts summed over the data x context parallel ranks."""
-    if not moe_modules(model_parts):
+    if not counted_layers(model_parts):
         return []
     mesh = dims.submesh("dp_cp") if dims is not None else None
     group = mesh.get_group() if mesh is not None else None
@@ -35,6 +37,12 @@ def _layer_label(name: str) -> str:
     """``layer<i>`` for ``layers.<i>``, ``mtp_layer<k>`` for a multi-token prediction depth."""
     m = _LAYER_RE.search(name + ".")
     return f"{m.group(1) or ''}layer{m.group(2)}" if m else (name.replace(".", "_") or "root")
+
+
+def counted_layers(model_parts: Iterable[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every module that counts its tokens per expert."""
+    return [(name, m) for part in model_parts for name, m in part.named_modules()
+            if isinstance(getattr(m, "tokens_per_expert", None), torch.Tensor)]
 
 
 def _process_group(group: Any):
@@ -56,23 +64,24 @@ def balance_step(model_parts: Iterable[nn.Module], group: Any = None) -> dict[st
 
     Every rank gets the same sums, so biases stay identical on every rank.
     """
-    layers = moe_modules(model_parts)
+    layers = counted_layers(model_parts)
     if not layers:
         return {}
-    counts = torch.cat([m.tokens_per_expert for _, m in layers])
+    counts = torch.cat([m.tokens_per_expert.float() for _, m in layers])
     pg = _process_group(group)
     if pg is not None and dist.is_initialized() and dist.get_world_size(pg) > 1:
         dist.all_reduce(counts, group=pg)
     ratios, idle, total = [], torch.zeros((), device=counts.device), 0
     start = 0
     for _, m in layers:
-        c = counts[start:start + m.args.num_experts]
-        start += m.args.num_experts
+        n = m.tokens_per_expert.numel()
+        c = counts[start:start + n]
+        start += n
         mean = c.mean()
         ratios.append(torch.where(mean > 0, c.max() / mean.clamp_min(1e-20), torch.zeros_like(mean)))
         idle = idle + (c == 0).sum()
         total += c.numel()
-        if m.args.load_balance_coeff > 0:
+        if isinstance(m, MoE) and m.args.load_balance_coeff > 0:
             m.expert_bias.add_(m.args.load_balance_coeff * torch.sign(mean - c))
             m.expert_bias.sub_(m.expert_bias.mean())
         m.tokens_per_expert.zero_()

@@ -275,7 +275,7 @@ def looped_swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch
 # ---------------------------------------------------------------------------------------- MoE
 
 
-class _InjectAuxLoss(torch.autograd.Function):
+class InjectAuxLoss(torch.autograd.Function):
     """Identity on the layer output whose backward also sends d(aux)/d(aux) = 1 into ``aux``,
     i.e. adds ``aux`` to whatever loss the output reaches."""
 
@@ -305,7 +305,7 @@ def sequence_balance_loss(scores: torch.Tensor, selected: torch.Tensor, num_expe
     return (frac * mean_prob).sum(dim=-1).mean()
 
 
-def _recomputing() -> bool:
+def recomputing() -> bool:
     """Whether this forward runs inside a backward pass: an activation-checkpoint recompute (or the
     backward of torch's pipeline shape probe). Such a forward repeats one already counted, so it
     must not count its tokens again. (The autograd engine's graph-task id is what torch's own
@@ -347,7 +347,7 @@ class MoE(nn.Module):
         scores = self.router.scores(tokens)
         gates, selected = self.router.choose(scores, self.expert_bias)
         counts = expert_counts(selected, self.args.num_experts)
-        if self.training and not _recomputing():
+        if self.training and not recomputing():
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
         # local dispatch: (token, choice) pairs sorted by expert
@@ -364,7 +364,7 @@ class MoE(nn.Module):
         out = out.to(x.dtype).view(b, s, d)
         if self.training and self.args.aux_loss_coeff > 0 and torch.is_grad_enabled():
             aux = sequence_balance_loss(scores.view(b, s, -1), selected.view(b, s, -1), self.args.num_experts)
-            out = _InjectAuxLoss.apply(out, aux * (self.args.aux_loss_coeff * self.aux_grad_scale))
+            out = InjectAuxLoss.apply(out, aux * (self.args.aux_loss_coeff * self.aux_grad_scale))
         return out
 
     def init_weights(self, out_std: float, in_std: float = 0.02) -> None:

@@ -22,6 +22,7 @@ Everything is read off the architecture itself, never written per architecture:
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from functools import lru_cache
 from typing import Any, Mapping
@@ -30,21 +31,21 @@ from torch import nn
 
 from titan_hydra.errors import ConfigError
 from titan_hydra.models.common import counting
-from titan_hydra.models.hf import plans
+from titan_hydra.models.hf import plans, router
 from titan_hydra.models.hf.adapter import HFCheckpointAdapter
 from titan_hydra.models.hf.ep import TopKExpertParallel
 from titan_hydra.models.hf.model import HFArgs, causal_lm
 from titan_hydra.models.hf.stack import block_list, pipeline_ends, stack_ends, stack_owner
-from titan_hydra.models.protocol import ModelFamily, ModelShape, fsdp_units_in_order
+from titan_hydra.models.hf.router import expert_count, routed_experts
+from titan_hydra.models.protocol import ModelFamily, ModelShape, RunsStepHooks, WeighsLosses, fsdp_units_in_order
 
 # Config keys that say nothing about what the weights compute (checkpoint signature ignores them).
 NON_SEMANTIC = ("max_position_embeddings", "use_cache", "dtype", "torch_dtype", "transformers_version",
                 "architectures", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
                 "output_router_logits", "router_aux_loss_coef", "attention_dropout", "_attn_implementation")
-EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
-class HFFamily(ModelFamily):
+class HFFamily(ModelFamily, WeighsLosses, RunsStepHooks):
     name = "hf"
     args_cls = HFArgs
     model_cls = staticmethod(causal_lm)  # a builder function: the class is the architecture's
@@ -115,6 +116,14 @@ class HFFamily(ModelFamily):
             if float(getattr(cfg, "embedding_multiplier", 1.0) or 1.0) != 1.0:
                 raise ConfigError(f"parallelism.pp={dims.pp}: the {kind} forward scales its input embeddings "
                                   "(embedding_multiplier), which a later stage would repeat; use parallelism.pp=1")
+        if router.aux_enabled(cfg):
+            if not s.n_experts or not getattr(cfg, "num_experts_per_tok", None):
+                raise ConfigError(f"model.fields.output_router_logits=true: the {kind} config routes no tokens to "
+                                  "experts, so it has no router auxiliary loss; remove the field")
+            if dims.pp > 1:  # the loss spans every layer's routing, and a stage holds only its own layers'
+                raise ConfigError(f"parallelism.pp={dims.pp} with model.fields.output_router_logits=true: the "
+                                  "router's auxiliary loss is one function of every layer's routing, which no "
+                                  "pipeline stage holds; use parallelism.pp=1 or drop the aux loss")
         if dims.cp > 1:
             raise ConfigError(f"parallelism.cp={dims.cp} is not wired for model=hf (transformers' attention "
                               "modules); use parallelism.cp=1")
@@ -149,6 +158,19 @@ class HFFamily(ModelFamily):
     def finish_tp(self, model: nn.Module) -> None:
         model.tie_weights()
 
+    # --- training -----------------------------------------------------------------------
+    def set_loss_scale(self, model_parts: list[nn.Module], scale: float) -> None:
+        router.set_aux_grad_scale(model_parts, scale)
+
+    def step_hooks(self, model_parts: list[nn.Module], dims: Any) -> list:
+        """With the router's aux loss on: its data-parallel group (the loss sums the ranks' choices,
+        router.py) and its per-step metric ``moe/aux_loss``."""
+        if not any(router.aux_enabled(getattr(part, "config", None)) for part in model_parts):
+            return []
+        mesh = dims.submesh("dp_cp") if dims is not None else None
+        router.set_aux_group(model_parts, mesh.get_group() if mesh is not None else None)
+        return [functools.partial(router.aux_step, model_parts)]
+
     def cut_stage(self, model: nn.Module, layer_ids: range, is_first: bool, is_last: bool) -> nn.Module:
         stage = copy.deepcopy(model)
         _, base, _ = stack_owner(stage)
@@ -168,12 +190,6 @@ class HFFamily(ModelFamily):
             setattr(base, norm_name, nn.Identity())
             stage.set_output_embeddings(None)
         return stage
-
-
-def routed_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(fqn, module) of the experts modules: ``*.experts`` holding 3-D [E, ...] weights."""
-    return [(n, m) for n, m in model.named_modules() if n.endswith(".experts")
-            and any(p.dim() == 3 for p in m.parameters(recurse=False))]
 
 
 @lru_cache(maxsize=64)
@@ -196,7 +212,7 @@ def _shape(family: HFFamily, key: str) -> ModelShape:
     head_tensors = [*(norm.parameters() if isinstance(norm, nn.Module) else ()),
                     *([head.weight] if head is not None else ())]
     experts = [m for _, m in routed_experts(model)]
-    n_experts = next((int(getattr(cfg, k)) for k in EXPERT_COUNT_KEYS if getattr(cfg, k, None)), 0)
+    n_experts = expert_count(cfg)
     counts = counting.parameter_counts(model, emb, head_tensors, experts, n_experts,
                                        int(getattr(cfg, "num_experts_per_tok", 0) or 0))
     top_k = counts["top_k"]

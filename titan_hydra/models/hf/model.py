@@ -16,6 +16,10 @@ engine can treat it like any other model:
   keys (state-dict names) of its layers while the architecture's own ``for layer in self.layers[:n]``
   still iterates them in order.
 
+Every MoE block counts its tokens per expert (the ``moe/*`` load metrics), and with
+``output_router_logits=True`` in its config an MoE architecture's training forward adds
+transformers' auxiliary load-balancing loss to the gradient (``router.py``).
+
 Packed documents (``doc_ids``) become position ids restarting at every document: transformers
 then builds the block-causal mask itself (``masking_utils.find_packed_sequence_indices``).
 """
@@ -33,7 +37,7 @@ from torch import nn
 
 from titan_hydra.errors import ConfigError
 from titan_hydra.models.common.masking import positions_in_documents
-from titan_hydra.models.hf import attention
+from titan_hydra.models.hf import attention, router
 from titan_hydra.models.hf.fields import build_error, check_fields, message_of
 from titan_hydra.models.hf.stack import NoBlockList, find_block_list, install_layer_dict
 from titan_hydra.quiet import loggers_at_error
@@ -135,7 +139,14 @@ class TitanForward:
             inputs["titan_doc_ids"] = doc_ids  # through the layers' **kwargs to attention.titan_attention
         if self.get_output_embeddings() is None:
             return base_model(self)(**inputs, use_cache=False).last_hidden_state
-        return super().forward(**inputs, use_cache=False).logits
+        if not router.aux_enabled(self.config):
+            return super().forward(**inputs, use_cache=False).logits
+        # transformers' recorder and its own aux loss stay off: router.py's hooks keep the logits
+        router.clear_logits(self)  # what an eval forward or the last step's AC recompute left
+        logits = super().forward(**inputs, use_cache=False, output_router_logits=False).logits
+        if not (self.training and torch.is_grad_enabled()):
+            return logits
+        return router.inject_aux(self, logits, router.take_logits(self))
 
     def init_weights(self, buffer_device: Any = None) -> None:
         """transformers' own initialization of every parameter and buffer, drawn afresh."""
@@ -160,6 +171,7 @@ class TitanForward:
             raise ConfigError(f"transformers' {self.config.model_type} computes buffer {lost[0]} when it is built and "
                               "does not set it again in initialize_weights, so a meta-device build (every model=hf "
                               "run) cannot give it its values; this architecture cannot train under model=hf yet")
+        router.zero_counts(self)
 
 
 
@@ -201,6 +213,12 @@ def causal_lm(model_type: str | None = None, config: str | None = None, fields: 
     except NoBlockList as e:
         raise ConfigError(f"model=hf cannot lay out {cfg.model_type}: {e}; the engine wraps, shards and cuts "
                           "a model block by block") from None
+    router.install_counters(model)  # the moe/* load metrics, as the native MoE counts
+    try:
+        router.install_logit_capture(model)
+    except router.NoRouterLogits as e:
+        raise ConfigError(f"model.fields.output_router_logits=true: transformers' {cfg.model_type} has no router auxiliary loss "
+                          f"here ({e}); remove the field") from None
     model.tie_weights()  # from_config leaves a meta build untied; counting and FSDP need one tensor
     if chosen.implementation == attention.NAME:
         attention.expose_hooks(model)  # the kernel policies fill them, as on the native Attention
