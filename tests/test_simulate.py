@@ -302,6 +302,24 @@ def test_transformers_architecture_from_its_config_at_64_ranks(tmp_path):
 
 
 @pytest.mark.slow  # spawns the simulated ranks' processes
+def test_transformers_moe_with_expert_parallel():
+    """model=hf mixtral (transformers' experts module under the platform's TopKExpertParallel),
+    fsdp 8 with ep 4 on an H100 node: its shards exactly, and the tokens' all-to-all on ep (the
+    count and the dispatch plan are the native MoE's, which the simulator routes evenly)."""
+    spec, sim = simulated(["model=hf_mixtral_debug", "cluster=slurm_h100", "cluster.nnodes=1", "parallelism=fsdp_ep",
+                           "parallelism.ep=4"])
+    check_against_closed_form(spec, sim)
+    ops = {(c.mesh_dim, c.op) for c in sim.ranks[0].collectives}
+    assert {("ep", "all_to_all"), ("efsdp", "all_gather"), ("dp_shard", "all_gather")} <= ops, ops
+
+
+def test_a_transformers_moe_in_fp32_is_refused_in_one_line(capsys):
+    line = _refusal(["model=hf_mixtral_debug", "cluster.nproc_per_node=2", "parallelism=fsdp", "dry_run=simulate"],
+                    capsys)
+    assert line.startswith("error: dry_run=simulate of a model=hf MoE runs its experts in fp32"), line
+
+
+@pytest.mark.slow  # spawns the simulated ranks' processes
 def test_auto_verify_takes_the_fastest_candidate_whose_simulated_peak_fits(capsys):
     """A device just too small for the planner's first pick, as simulated, and large enough for its
     second: parallelism.auto_verify=simulate takes the second and writes it into the config."""

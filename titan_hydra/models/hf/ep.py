@@ -30,7 +30,8 @@ import functools
 import torch
 from torch import nn
 
-from titan_hydra.models.common.expert_parallel import ExpertParallel, all_to_all, local_expert_order, plan_dispatch
+from titan_hydra.models.common import expert_parallel, moe
+from titan_hydra.models.common.expert_parallel import ExpertParallel, all_to_all
 
 
 class LocalExperts:
@@ -83,14 +84,17 @@ class TopKExpertParallel(ExpertParallel):
         n_experts = next(module.parameters()).shape[0]  # the global count: parameters are DTensors
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, k) pairs sorted by global expert
-        counts = torch.bincount(flat, minlength=n_experts)
+        # the native MoE's functions, looked up at call time: a static-shape count (bincount's output
+        # size is data) and the dispatch plan, which the simulator swaps for balanced routing
+        counts = moe.expert_counts(flat, n_experts)
         group = mesh.get_group()
-        send, recv_splits, recv = plan_dispatch(counts, mesh.size(), group)
+        send, recv_splits, recv = expert_parallel.plan_dispatch(counts, mesh.size(), group)
         rows = all_to_all(hidden.index_select(0, order // k), recv_splits, send, group)
         weights = all_to_all(top_k_weights.reshape(-1).index_select(0, order), recv_splits, send, group)
-        local_order = local_expert_order(recv)
+        local_order = expert_parallel.local_expert_order(recv)
         per_local = recv.sum(0)
-        local_index = torch.repeat_interleave(torch.arange(per_local.numel(), device=hidden.device), per_local)
+        local_index = torch.repeat_interleave(torch.arange(per_local.numel(), device=hidden.device), per_local,
+                                              output_size=sum(recv_splits))  # known on the host: no sync
         module._ep_state = (torch.argsort(order), torch.argsort(local_order), send, recv_splits, tokens, k)
         return (rows.index_select(0, local_order), local_index.to(top_k_index.dtype).unsqueeze(1),
                 weights.index_select(0, local_order).unsqueeze(1))
