@@ -15,7 +15,7 @@ from titan_hydra.models.common.hf_decoder import HFConversionError
 from titan_hydra.models.llama3 import FAMILY as LLAMA
 from titan_hydra.models.llama3 import LlamaArgs
 from titan_hydra.data.settings import DataSettings
-from titan_hydra.models.protocol import (DrawsSamples, ModelFamily, RunsStepHooks, ShardsRope,
+from titan_hydra.models.protocol import (DrawsSamples, LimitsSimulation, ModelFamily, RunsStepHooks, ShardsRope,
                                          SizesSamples, WeighsLosses)
 from titan_hydra.models.qwen3 import FAMILY as QWEN3
 from titan_hydra.models.registry import BUILTIN, args_of, build_model, family_for_hf_type, get_family
@@ -204,7 +204,7 @@ def test_drawing_pictures_is_a_capability_a_family_opts_into():
 
 def test_optional_members_are_capabilities_the_engine_checks():
     """What only some families have is no member of ModelFamily: Flux sizes its own samples from
-    the typed data settings, the native decoders shard rope tables and weigh their MoE losses (hf: no CP, no aux loss), and a
+    the typed data settings, the decoders weigh their MoE losses and the native ones shard rope tables (hf: no CP), and a
     family without a capability gets the engine's default (a sample is seq_len tokens)."""
     from titan_hydra.layout import check_layout
     from titan_hydra.planner.plan import plan
@@ -216,8 +216,9 @@ def test_optional_members_are_capabilities_the_engine_checks():
         assert not hasattr(ModelFamily, member), member
     assert [n for n in BUILTIN if isinstance(get_family(n), SizesSamples)] == ["flux"]
     assert [n for n in BUILTIN if not isinstance(get_family(n), ShardsRope)] == ["flux", "hf"]
-    assert [n for n in BUILTIN if not isinstance(get_family(n), WeighsLosses)] == ["flux", "hf"]
-    assert not any(isinstance(get_family(n), RunsStepHooks) for n in BUILTIN)
+    assert [n for n in BUILTIN if not isinstance(get_family(n), WeighsLosses)] == ["flux"]  # hf: transformers' aux loss
+    assert [n for n in BUILTIN if isinstance(get_family(n), RunsStepHooks)] == ["hf"]  # its MoE load metrics
+    assert [n for n in BUILTIN if isinstance(get_family(n), LimitsSimulation)] == ["hf"]
     spec = spec_of(compose_cfg(["model=llama3_debug"]))
     assert isinstance(spec.data, DataSettings) and not spec.data.image_data
     check_layout(spec)

@@ -309,6 +309,15 @@ class ShapesBatches(Protocol):
 
 
 @runtime_checkable
+class LimitsSimulation(Protocol):
+    """The capability of a family that some configs of cannot be stepped on fake tensors
+    (``dry_run=simulate``): the reason in one line, or None where they can."""
+
+    def simulation_refusal(self, args: Any, device: str, mixed_precision: str) -> str | None:
+        """Why ``args`` on ``device`` under ``mixed_precision`` cannot be simulated (None: it can)."""
+
+
+@runtime_checkable
 class ShardsRope(Protocol):
     """The capability of a family whose model keeps rotary tables as buffers indexed by position:
     context parallel shards them with the tokens, so each rank rotates its own positions."""

@@ -19,7 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 from titan_hydra.errors import ConfigError
-from titan_hydra.models.protocol import ShapesBatches
+from titan_hydra.models.protocol import LimitsSimulation, ShapesBatches
 from titan_hydra.planner.devices import usable_memory_of
 from titan_hydra.planner.plan import layout_label, plan
 from titan_hydra.simulate import gpu_attention
@@ -65,11 +65,10 @@ def check_simulable(spec: RunSpec) -> None:
                           "simulate with compile=none (compile changes activation memory, not the layout)")
     if spec.fault_tolerant:
         raise ConfigError("dry_run=simulate simulates one replica group: set fault_tolerance=none to simulate it")
-    if spec.family.name == "hf" and spec.shape.n_experts and (
-            spec.cluster.device == "cpu" or spec.mixed_precision == "fp32"):
-        raise ConfigError("dry_run=simulate of a model=hf MoE runs its experts in fp32 here, and transformers' grouped "
-                          "GEMM has a fake-tensor kernel for bf16 only: simulate the GPU cluster the run targets "
-                          "(e.g. cluster=slurm_h100) with training.mixed_precision=bf16")
+    if isinstance(spec.family, LimitsSimulation):
+        refusal = spec.family.simulation_refusal(spec.model_args, str(spec.cluster.device), spec.mixed_precision)
+        if refusal:
+            raise ConfigError(refusal)
     if not spec.token_data and not isinstance(spec.family, ShapesBatches):
         raise ConfigError(f"dry_run=simulate makes token batches, and model family {spec.family.name!r} names no "
                           "other batch shapes (ShapesBatches in titan_hydra/models/protocol.py): not simulated")

@@ -37,7 +37,8 @@ from titan_hydra.models.hf.ep import TopKExpertParallel
 from titan_hydra.models.hf.model import HFArgs, causal_lm
 from titan_hydra.models.hf.stack import block_list, pipeline_ends, stack_ends, stack_owner
 from titan_hydra.models.hf.router import expert_count, routed_experts
-from titan_hydra.models.protocol import ModelFamily, ModelShape, RunsStepHooks, WeighsLosses, fsdp_units_in_order
+from titan_hydra.models.protocol import (LimitsSimulation, ModelFamily, ModelShape, RunsStepHooks, WeighsLosses,
+                                         fsdp_units_in_order)
 
 # Config keys that say nothing about what the weights compute (checkpoint signature ignores them).
 NON_SEMANTIC = ("max_position_embeddings", "use_cache", "dtype", "torch_dtype", "transformers_version",
@@ -45,7 +46,7 @@ NON_SEMANTIC = ("max_position_embeddings", "use_cache", "dtype", "torch_dtype", 
                 "output_router_logits", "router_aux_loss_coef", "attention_dropout", "_attn_implementation")
 
 
-class HFFamily(ModelFamily, WeighsLosses, RunsStepHooks):
+class HFFamily(ModelFamily, WeighsLosses, RunsStepHooks, LimitsSimulation):
     name = "hf"
     args_cls = HFArgs
     model_cls = staticmethod(causal_lm)  # a builder function: the class is the architecture's
@@ -53,6 +54,13 @@ class HFFamily(ModelFamily, WeighsLosses, RunsStepHooks):
     supports_document_mask = True  # position ids restart per document; transformers masks across them
     # transformers' model base, imported quietly (~1.5 CPU-s; the architecture's own module is ~0.05 s more)
     worker_imports = ("titan_hydra.models.hf.preload",)
+
+    def simulation_refusal(self, args: HFArgs, device: str, mixed_precision: str) -> str | None:
+        if expert_count(args.hf_config) and (device == "cpu" or mixed_precision == "fp32"):
+            return ("dry_run=simulate of a model=hf MoE runs its experts in fp32 here, and transformers' grouped GEMM "
+                    "has a fake-tensor kernel for bf16 only: simulate the GPU cluster the run targets "
+                    "(e.g. cluster=slurm_h100) with training.mixed_precision=bf16")
+        return None
 
     def make_args(self, fields: Mapping[str, Any]) -> HFArgs:
         args = HFArgs(**dict(fields))
