@@ -171,8 +171,15 @@ def test_eval_config_is_checked_before_training():
     from titan_hydra.errors import ConfigError
     from titan_hydra.validate import validate
 
+    with pytest.raises(ConfigError, match=r"eval.freq=-1 must be >= 0"):
+        validate(compose_cfg(["eval.freq=-1"]))
+
+
+@pytest.mark.extended  # indexes lm-eval's whole task registry (~20 s on 2 cores); local tasks' checks stay in the gate
+def test_an_unknown_harness_task_is_refused_before_training():
+    from titan_hydra.errors import ConfigError
+    from titan_hydra.validate import validate
+
     with pytest.raises(ConfigError, match=r"unknown task\(s\) \['nope_task'\]") as err:
         validate(compose_cfg(["eval=builtin_ppl", "eval.tasks=[nope_task]"]))
     assert "\n" not in str(err.value)
-    with pytest.raises(ConfigError, match=r"eval.freq=-1 must be >= 0"):
-        validate(compose_cfg(["eval.freq=-1"]))

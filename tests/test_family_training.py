@@ -139,6 +139,7 @@ def test_exact_resume(singles, tmp_path, capsys, family):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_tp_exact_resume(launched, tmp_path):
     """Qwen3.5 under tp(2): a second tp launch resumed from the first one's step-5 checkpoint (Shard(0)
     convolutions and decays, column-wise projections) logs steps 6-10 with the same losses bit for bit."""

@@ -305,7 +305,7 @@ def test_flavor_parameter_counts_equal_diffusers(flavor):
 # split along the joint sequence, attention as a ring (not causal: any equal split is exact).
 @pytest.mark.parametrize("layout,extra", [("tp", ["parallelism.tp_sequence_parallel=false"]), ("cp", [])])
 @pytest.mark.slow
-@pytest.mark.gate("tp-extra0")
+@pytest.mark.extended
 def test_tensor_and_context_parallel_match_one_process(tmp_path, single, bounds, layout, extra):
     _, rows = launch_layout(tmp_path, layout, 2, extra, dp=1)
     assert_matches(rows, single, layout, bounds)

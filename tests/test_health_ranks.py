@@ -43,6 +43,7 @@ def test_the_rank_reports_are_written_where_the_tests_read_them(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_nan_on_one_rank_is_skipped_by_both_and_the_slow_rank_is_named(tmp_path):
     proc, run_dir = launch(tmp_path, "drill", [
         "training.steps=4", "fault_injection.nan_at_step=2", "fault_injection.fault_rank=1",

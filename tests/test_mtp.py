@@ -204,6 +204,7 @@ def test_import_reads_only_the_depths_the_files_hold(tmp_path):
 
 
 @pytest.mark.slow  # ~15 s: 20 steps of the debug flavor
+@pytest.mark.extended
 def test_debug_flavor_with_mtp_trains_and_logs_mtp_loss(tmp_path):
     from titan_hydra.spec import spec_of
     from titan_hydra.train.pretrain import run

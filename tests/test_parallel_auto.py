@@ -214,6 +214,7 @@ def test_long_sequences_consider_context_parallel():
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_debug_model_trains_with_auto_on_two_cpu_processes(tmp_path, run_cache, record_property):
     run_dir = tmp_path / "run"
     args = BASE + ["parallelism=auto", "cluster.nproc_per_node=2",

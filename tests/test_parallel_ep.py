@@ -298,6 +298,7 @@ def test_ep_loss_and_grad_norm_parity(name, runs, record_property):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 @pytest.mark.slow
+@pytest.mark.gate("efsdp2_ep2")
 def test_compiled_ep_layouts_do_not_recompile(name, runs):
     """Dynamo compiled its graphs in the first step (forward and backward) and none after: the
     experts, whose token counts change every step, stay out of the graphs (compile/graphs, logged

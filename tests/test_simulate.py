@@ -290,6 +290,7 @@ LLAMA31_8B = {  # Llama 3.1 8B's published config.json, cut to 2 of its 32 layer
 
 
 @pytest.mark.slow  # spawns the simulated ranks' processes
+@pytest.mark.extended
 def test_transformers_architecture_from_its_config_at_64_ranks(tmp_path):
     """model=hf from Llama 3.1 8B's config.json: HSDP (2 replicas x fsdp 8) x tp 4 through
     transformers' own TP plan. (Not PP x TP: a real 4-rank run of model=hf with pp 2 x tp 2 fails

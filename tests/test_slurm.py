@@ -36,6 +36,7 @@ def slurm_run(tmp_path: Path, args: list[str], multirun: bool = False):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_two_task_job_matches_local_run(slurm, tmp_path, run_cache):
     run_dir = tmp_path / "slurm_run"
     proc = slurm_run(tmp_path, BASE + [
