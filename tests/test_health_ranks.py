@@ -61,6 +61,7 @@ def test_a_nan_on_one_rank_is_skipped_by_both_and_the_slow_rank_is_named(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_hung_rank_ends_the_attempt_and_the_restart_finishes_the_run(tmp_path, run_cache):
     timeout_s = 8
     started = time.monotonic()

@@ -175,7 +175,7 @@ def singles(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ALL + STACKS)
-@pytest.mark.gate("gpt2", "opt")
+@pytest.mark.gate("opt")
 def test_trains_and_fsdp_equals_one_process(tmp_path, singles, run_cache, arch, record_property):
     _, single = singles(arch)
     assert single[-1] < single[0] - 0.05, single
