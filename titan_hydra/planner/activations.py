@@ -112,12 +112,16 @@ def moe_activation_bytes(args: ModelShape, kind: str, mode: str, tokens: float) 
 # the rule's per-value-head q/k/v copies, solution and outputs, the gated norm's inputs (widths);
 # the [C, C] intra-chunk scores, decays and triangular system per value head (chunk); the per-chunk
 # [dk, dk] transition and [dk, dv] state, scanned and stacked (state / C per token). Bytes per
-# element of that count, net of the attention tensors the block coefficients already hold, fitted
-# with MemTracker on qwen3_5_debug (4 layers, all-linear vs all-full vs 3:1, seq 256 -> 512:
-# 27.4 kB (fp32) and 22.7 kB (bf16) per token and layer over an attention layer). bf16
-# is close to fp32 because the rule runs in fp32 whatever the input. Selective AC is counted as
-# none (an upper bound: its policy saves the rule's matmul outputs); full AC keeps the input only.
-LINEAR_ATTN_COEF = {"fp32": 3.24, "bf16": 2.69, "bf16_params": 2.69}
+# element of that count, net of the attention tensors the block coefficients already hold. fp32 and
+# bf16 without AC: fitted with MemTracker on qwen3_5_debug (4 layers, all-linear vs all-full vs 3:1,
+# seq 256 -> 512: 27.4 kB (fp32) and 22.7 kB (bf16) per token and layer over an attention layer);
+# bf16 is close to fp32 because the rule runs in fp32 whatever the input. bf16 FSDP params and
+# selective AC: simulated at Qwen3.5-9B's widths (4 layers all-linear vs all-full, 8,192 tokens;
+# selective_op saves the rule's matmul outputs and recomputes the rest: 0.41x of none). Full AC
+# keeps the block input only.
+LINEAR_ATTN_COEF = {("fp32", "none"): 3.24, ("bf16", "none"): 2.69, ("bf16_params", "none"): 2.95,
+                    ("fp32", "selective_op"): 1.21, ("bf16", "selective_op"): 1.24,
+                    ("bf16_params", "selective_op"): 1.24}
 
 
 def linear_attention_elements(args: ModelShape) -> float:
@@ -134,7 +138,8 @@ def linear_attention_bytes(args: ModelShape, kind: str, mode: str, tokens: float
     heads per rank, so every term splits by tp, as the block's do."""
     if not args.linear_layers or mode == "full":
         return 0.0
-    return tokens * LINEAR_ATTN_COEF[kind] * linear_attention_elements(args) / tp
+    coef = LINEAR_ATTN_COEF[(kind, "selective_op" if mode == "selective_op" else "none")]
+    return tokens * coef * linear_attention_elements(args) / tp
 
 
 # Loss backward, per logit element: the fp32 log-softmax output kept for backward, its incoming

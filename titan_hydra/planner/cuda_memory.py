@@ -15,7 +15,7 @@ from titan_hydra.models.protocol import ModelShape
 from titan_hydra.planner.activations import block_activation_bytes, loss_bytes_per_token
 from titan_hydra.planner.pipeline import pipeline_order, stage_layer_counts
 from titan_hydra.planner.runtime import Runtime
-from titan_hydra.planner.shape import largest_block_params
+from titan_hydra.planner.shape import largest_block_params, largest_reduce_group_params
 from titan_hydra.spec import RunSpec
 
 
@@ -104,7 +104,7 @@ class StepTerms:
     weight_bytes: int  # per unsharded block weight element (1 under float8 all-gather)
     block_weights: float  # one block as FSDP unshards it (the largest; 0 without FSDP)
     root_weights: float  # embedding + output, unsharded (0 without FSDP)
-    block_grads: float  # one block's unsharded grads: bf16 + the fp32 reduce-scatter input
+    block_grads: float  # one FSDP group's unsharded grads: bf16 + the fp32 reduce-scatter input
     layer_params: float  # parameters of one layer on average (what a pipeline stage holds)
 
 
@@ -132,7 +132,7 @@ def step_terms(spec: RunSpec) -> StepTerms:
         tp=tp, sequence_parallel=bool(dims.tp_sequence_parallel), ac_mode="none" if mode == "selective_layer" else mode,
         sac_policy=ac.policy, compiled=spec.compiler.enabled,
         fsdp=bool(dims.fsdp_enabled), weight_bytes=w_bytes, block_weights=block_w, root_weights=root_w,
-        block_grads=blk / tp * (2 + 4), layer_params=avg_blk,
+        block_grads=largest_reduce_group_params(args, ep) / tp * (2 + 4), layer_params=avg_blk,
     )
 
 

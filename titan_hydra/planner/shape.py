@@ -28,6 +28,18 @@ def largest_block_params(args: ModelShape, ep: int = 1) -> float:
     return dense_avg + expert_layer / max(ep, 1)
 
 
+def largest_reduce_group_params(args: ModelShape, ep: int = 1) -> float:
+    """Parameters of the largest FSDP group of one block, whose unsharded gradients exist at once
+    in backward. Under expert parallelism the routed experts are a group of their own (on the
+    expert mesh), reduce-scattered when their backward ends, before the rest of the block's
+    gradients are made; without it the block is one group."""
+    if not args.moe_layers or ep <= 1:
+        return largest_block_params(args, ep)
+    expert_layer = args.expert_params / args.moe_layers
+    dense_avg = args.block_params - args.expert_params / args.n_layers
+    return max(dense_avg, expert_layer / ep)
+
+
 def expert_shard_padding(args: ModelShape, dims) -> float:
     """Parameters one rank holds beyond its even share because FSDP2 shards the routed experts'
     stacked weights on dim 0 (the experts) and pads it to a multiple of the shard count: with
