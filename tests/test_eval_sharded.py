@@ -3,20 +3,17 @@ data-parallel ranks by the training model itself (titan_hydra/evaluation.py ``Sh
 copy on rank 0. One process: bit for bit the one-copy path's scores. fsdp(2): the one-copy path's
 scores within the run's fp32 parity bound (the two layouts' weights differ by rounding only), and
 its evaluation time (the goodput ledger's ``eval`` seconds) recorded against the one-copy path's,
-not asserted. A pipeline is refused in one line."""
+not asserted. pp(2): the one-copy path's scores, through the pipeline's own stages."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("lm_eval")
-from helpers import compose_cfg, machine_bound, read_metrics, run_layout, run_single  # noqa: E402
-from titan_hydra.errors import ConfigError  # noqa: E402
-from titan_hydra.spec import spec_of  # noqa: E402
+from helpers import machine_bound, read_metrics, run_layout, run_single  # noqa: E402
 
 EVAL = ["eval=builtin_ppl", "eval.freq=10", "eval.limit=3", "eval.batch_size=16"]
 KEY = "eval/builtin_ppl/bits_per_byte"
@@ -52,8 +49,14 @@ def test_fsdp_scores_as_the_full_copy_in_its_share_of_the_time(tmp_path, run_cac
     assert sorted(got["true"]) == [10] and abs(got["true"][10] - got["false"][10]) <= bound, (got, bound)
 
 
-def test_a_pipeline_is_refused_in_one_line():
-    spec = spec_of(compose_cfg(["eval=builtin_ppl", "eval.sharded=true"]))
-    with pytest.raises(ConfigError, match=r"^eval.sharded=true scores through the model's forward, which a pipeline "
-                                          r"\(parallelism.pp=2\) splits into stages; set eval.sharded=false"):
-        spec.eval.check_layout(SimpleNamespace(pp=2))
+@pytest.mark.slow
+def test_a_pipeline_scores_as_the_full_copy(tmp_path, run_cache):
+    """pp(2): the stages walked in order by their own ranks, the last stage's logits sent to the
+    other pipeline rank, every rank's harness given the same scores as the one-copy path."""
+    got = {}
+    for sharded in ("false", "true"):
+        (tmp_path / sharded).mkdir()
+        run_layout(tmp_path / sharded, [*EVAL, "parallelism=pp", f"eval.sharded={sharded}"], nproc=2, dp=1)
+        got[sharded] = scores(tmp_path / sharded / "run")
+    bound = machine_bound(run_cache, got["false"].values())
+    assert sorted(got["true"]) == [10] and abs(got["true"][10] - got["false"][10]) <= bound, (got, bound)

@@ -130,7 +130,6 @@ def _validate_eval(spec: RunSpec) -> None:
     installed and every task known, before any model is built."""
     settings = spec.eval
     settings.check(spec.family)
-    settings.check_layout(spec.dims)
     if settings.freq <= 0:
         return
     if importlib.util.find_spec("lm_eval") is None:

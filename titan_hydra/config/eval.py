@@ -111,12 +111,6 @@ class EvalSettings:
             raise ConfigError(f"eval.freq={self.freq}: the lm-eval harness scores language models, not model family "
                               f"{family.name!r}; set eval.freq=0")
 
-    def check_layout(self, dims: Any) -> None:
-        """``sharded`` scores through the training model's own forward: not a pipeline's stages (one line)."""
-        if self.sharded and self.freq > 0 and dims.pp > 1:
-            raise ConfigError(f"eval.sharded=true scores through the model's forward, which a pipeline (parallelism.pp="
-                              f"{dims.pp}) splits into stages; set eval.sharded=false (one full copy on rank 0)")
-
     def check_data(self, dataset: Any) -> None:
         """Fidelity needs held-out captions and a reader of pictures from the data (one line if not)."""
         if self.fidelity_every > 0:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from titan_hydra.errors import ConfigError
-from titan_hydra.parallel.runner import BatchKwargs, ParallelModel, no_batch_kwargs
+from titan_hydra.parallel.runner import BatchKwargs, ParallelModel, full_logits, no_batch_kwargs
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
@@ -247,8 +247,26 @@ class PipelineRunner:
         in order with blocking P2P between their owners works for every placement, and one
         unsplit batch gives exactly the single-process mean loss.
         """
-        h, loss = None, None
-        extra = self.batch_kwargs(inputs)
+        out = self._through_stages(inputs, self.batch_kwargs(inputs))
+        return None if out is None else self.base_loss_fn(out, labels).detach().float()
+
+    @torch.no_grad()
+    def eval_logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The whole model's output for ``inputs`` (one document each, as ``SingleStageRunner``'s)
+        on every pipeline rank: the stages walked in order, then the last stage's owner sends
+        its logits (full: TP's vocabulary shards gathered) to the other pipeline ranks."""
+        out = self._through_stages(inputs, {})
+        last = self.stage_owner[-1]
+        if last != self.pp_rank:
+            return _recv_tensor(last, self.group, self.device)
+        out = full_logits(out)
+        for rank in sorted(set(self.stage_owner) - {last}):
+            _send_tensor(out, rank, self.group, self.device)
+        return out
+
+    def _through_stages(self, inputs: torch.Tensor, extra: dict[str, Any]) -> torch.Tensor | None:
+        """The last stage's output on its owner (None on the other pipeline ranks)."""
+        h = None
         n = len(self.stage_owner)
         for sid in range(n):
             owner, prev = self.stage_owner[sid], self.stage_owner[sid - 1] if sid else None
@@ -258,11 +276,9 @@ class PipelineRunner:
                 else:
                     x = h if prev == self.pp_rank else _recv_tensor(prev, self.group, self.device)
                 h = self.parts[sid](x, **extra)
-                if sid == n - 1:
-                    loss = self.base_loss_fn(h, labels).detach().float()
             elif prev == self.pp_rank:
                 _send_tensor(h, owner, self.group, self.device)
-        return loss
+        return h if self.stage_owner[-1] == self.pp_rank else None
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from titan_hydra.models.common.masking import document_ids
 
@@ -90,3 +91,14 @@ class SingleStageRunner:
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with self.step_context(inputs, labels):
             return self.loss_fn(call_model(self.model, inputs, self.batch_kwargs(inputs)), labels).detach().float()
+
+    @torch.no_grad()
+    def eval_logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The model's output for ``inputs`` as one sequence each (no document mask: a harness
+        request is one document), full on every rank (TP's vocab-sharded logits gathered)."""
+        return full_logits(self.model(inputs))
+
+
+def full_logits(logits: Any) -> torch.Tensor:
+    """Loss parallel's vocabulary-sharded logits (a DTensor) as one tensor; a tensor as it is."""
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits

@@ -100,7 +100,7 @@ class BoundEval:
 
     def run(self, step: int, last: bool) -> tuple[dict[str, float], dict[str, tuple[np.ndarray, list[str]]]]:
         return self.evaluator.run(self.model.parts, self.model.family, self.model.args, self.dataset, step, last,
-                                  dims=self.dims)
+                                  dims=self.dims, runner=self.model.runner)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from titan_hydra.config.eval import EvalSettings
 from titan_hydra.parallel.full_state import gather_full_state
@@ -56,14 +55,15 @@ class PeriodicEval:
     def due(self, step: int, last: bool) -> bool:
         return self._harness_due(step, last) or self._samples_due(step, last) or self._fidelity_due(step, last)
 
-    def run(self, parts: list[torch.nn.Module], family, args, dataset, step: int, last: bool, dims=None
-            ) -> tuple[dict[str, float], dict[str, tuple[np.ndarray, list[str]]]]:
+    def run(self, parts: list[torch.nn.Module], family, args, dataset, step: int, last: bool, dims=None,
+            runner=None) -> tuple[dict[str, float], dict[str, tuple[np.ndarray, list[str]]]]:
         """(the harness's scores, the same dict on every rank; {key: (uint8 pictures [N, H, W, 3],
         their prompts)} on rank 0, {} elsewhere) of the current weights. ``sharded``: the harness
-        runs on every rank over the training model (``dims``: its data-parallel place), no copy."""
+        runs on every rank through the layout's own forward (``runner.eval_logits``: FSDP, TP and
+        pipeline stages as they train; ``dims``: the rank's data-parallel place), no copy."""
         sharded = {}
         if self.settings.sharded and self._harness_due(step, last):
-            sharded = self._evaluate_sharded(parts, args, dataset.tokenizer, dims)
+            sharded = self._evaluate_sharded(runner, args, dataset.tokenizer, dims)
             if not (self._fidelity_due(step, last) or self._samples_due(step, last)):
                 return sharded, {}
         state = gather_full_state(parts)  # collective inside each rank's sharding groups
@@ -122,20 +122,12 @@ class PeriodicEval:
 
         return self._harness(TitanLM(model, tokenizer, self._window(args), self.settings.batch_size))
 
-    def _evaluate_sharded(self, parts: list[torch.nn.Module], args, tokenizer, dims) -> dict[str, float]:
+    def _evaluate_sharded(self, runner, args, tokenizer, dims) -> dict[str, float]:
         from titan_hydra.evaluation import ShardedLM  # lm-eval (optional extra): see check
 
-        model = parts[0]
-        device = next(model.parameters()).device
-
-        @torch.no_grad()
-        def forward(ids: torch.Tensor) -> torch.Tensor:
-            logits = model(ids.to(device))
-            return logits.full_tensor() if isinstance(logits, DTensor) else logits  # tp: vocab-sharded logits
-
         dp_rank, dp_degree = (dims.dp_rank(), dims.dp_degree) if dims is not None else (0, 1)
-        return self._harness(ShardedLM(forward, tokenizer, self._window(args), self.settings.batch_size, dp_rank,
-                                          dp_degree))
+        return self._harness(ShardedLM(runner.eval_logits, tokenizer, self._window(args), self.settings.batch_size,
+                                          dp_rank, dp_degree))
 
     def _window(self, args) -> int:
         return min(self.settings.max_seq_len or args.max_seq_len, args.max_seq_len)
