@@ -10,7 +10,8 @@ meets two faults, one per attempt: SLURM's USR2 ``cluster.signal_delay_s`` (60 s
 first step, the watchdog of every rank fires after 4 s and rank 0 requeues the job with the hang
 line). sacct lists two REQUEUED attempts; the third resumes from the saved step in the same run
 dir and ends with per-step losses equal, bit for bit, to an uninterrupted local run of the same
-config (the session's shared fsdp(2) reference).
+config (the session's shared fsdp(2) reference), and its goodput ledger counts the three attempts,
+two restarts and the steps trained twice.
 
 Why the first attempt waits in the test: the job must still be training when SLURM signals it
 (~60 s into the attempt: the limit minus the delay; SLURM may send it earlier by up to its
@@ -25,6 +26,7 @@ speed. Waiting changes no number (losses don't depend on time).
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -40,9 +42,10 @@ import torch.distributed as dist
 from submitit.helpers import DelayedSubmission
 
 from helpers import (BASE, GLOBAL_BATCH, STEPS, assert_same_checkpoint, by_step, compose_cfg, fsdp2_reference,
-                     spawn_gloo)
+                     read_metrics, spawn_gloo)
 from slurm_fixtures import slurm  # noqa: F401  (the session fixture)
 from titan_hydra.launch.submitit_jobs import error_line
+from titan_hydra.metrics.goodput import LEDGER, read_records, tally_of
 from titan_hydra.runtime.preemption import (JobRequeued, Preemption, requeue_now, requeue_on_hang, save_step,
                                            watch_for_preemption)
 
@@ -294,3 +297,16 @@ def test_time_limit_signal_then_hang_requeue_and_resume_exactly(slurm, tmp_path,
         f"resumed at step {k}: max |slurm - local| over {STEPS} steps: logged {diff_logged:.3g}, "
         f"carried {diff_carried:.3g} (not bit for bit)")
     assert_same_checkpoint(run_dir, clean_dir, STEPS)
+    # The goodput ledger went on across both requeues: three attempts, two of them restarts, the
+    # steps trained twice those metrics.jsonl got from two attempts, the restarts' start-up lost.
+    records, problem = read_records(run_dir / LEDGER)
+    assert problem is None, problem
+    tally = tally_of(records)
+    rows = collections.Counter(r["step"] for r in read_metrics(run_dir) if "loss" in r)
+    twice = sorted(step for step, n in rows.items() if n > 1)
+    assert len(tally.attempts) == 3 and tally.restarts == 2, tally.attempts
+    assert tally.lost_steps == len(twice) and all(step > k for step in twice), (tally.lost_steps, twice, k)
+    assert tally.totals["lost"] > 0 and tally.totals["productive"] > 0
+    last = [r for r in read_metrics(run_dir) if "goodput/restarts" in r][-1]
+    assert last["step"] == STEPS and last["goodput/restarts"] == 2 and last["goodput/lost_steps"] == len(twice)
+    record_property("goodput of the requeued job", round(tally.goodput, 3))
