@@ -64,7 +64,10 @@ def _allocator_peak(rank: int, overrides: list[str], out_dir: str) -> None:
     for e in events:
         live += e.nbytes()
         peak = max(peak, live)
-    Path(out_dir, f"{rank}.json").write_text(json.dumps({"allocator": peak, "tracker": result.peak_bytes}))
+    # ``live`` at the end: what the allocator still holds after the run's model, optimizer and
+    # batches were freed (they are made inside the profile): caches no tensor of the run is.
+    Path(out_dir, f"{rank}.json").write_text(json.dumps({"allocator": peak, "tracker": result.peak_bytes,
+                                                         "left": live}))
 
 
 @pytest.mark.slow  # spawns the real ranks' processes
@@ -72,11 +75,13 @@ def test_the_tracker_counts_what_the_allocator_holds_under_tp(tmp_path):
     """The live-storage tracker's peak on a real TP(2) step equals the CPU allocator's as
     torch.profiler records it. It missed the temporaries made inside DTensor ops (TP's
     redistributions, loss parallel's log-softmax) until it let DTensor dispatch first: 5% low
-    here. Rank 0's: in some runs the allocator also holds a 1 MiB block no aten op makes (up to 3
-    of them on rank 1), so the tracker may be below it by that much, never above."""
+    here. Rank 0's. The allocator also holds blocks no tensor of the run is, made during the step
+    and still held after the run's model, optimizer and batches are freed (caches: 2.6 to 9.2 MB
+    between identical runs here, 1 MiB and 2 MiB blocks): the tracker may be below the allocator
+    by at most those, measured in the same run, and never above it."""
     spawn_gloo(_allocator_peak, 2, [*DEBUG, "parallelism=tp", "parallelism.tp=2"], str(tmp_path))
     got = json.loads((tmp_path / "0.json").read_text())
-    assert 0 <= got["allocator"] - got["tracker"] <= 2**20 + 0.001 * got["allocator"], got
+    assert 0 <= got["allocator"] - got["tracker"] <= got["left"], got
 
 
 @pytest.mark.slow  # spawns the simulated ranks' processes

@@ -43,11 +43,13 @@ class Simulation:
         return self.usable_bytes is None or self.tightest.peak_bytes <= self.usable_bytes
 
     def estimate(self) -> dict[str, float]:
-        """The planner's per-rank figures in bytes, by the report's column names."""
+        """The planner's per-rank figures in bytes, by the report's column names. Its peak before the
+        CUDA caching allocator's reserve (``mem_allocated_gib``): the simulator counts the bytes
+        tensors hold, as the planner's other columns do; the reserve is what headroom covers."""
         p = self.plan
         return {"params_bytes": p["mem_params_gib"] * GIB, "grads_bytes": p["mem_grads_gib"] * GIB,
                 "optimizer_bytes": p["mem_optimizer_gib"] * GIB, "activations_bytes": p["mem_activations_gib"] * GIB,
-                "transient_bytes": p["mem_transient_gib"] * GIB, "peak_bytes": p["mem_total_gib"] * GIB}
+                "transient_bytes": p["mem_transient_gib"] * GIB, "peak_bytes": p["mem_allocated_gib"] * GIB}
 
     def as_json(self) -> dict:
         est = self.estimate()
@@ -85,7 +87,7 @@ class Simulation:
             rows.append(cells)
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
         lines = [f"simulated {self.flavor} on {self.world_size} ranks ({self.layout}), {self.steps} steps; "
-                 f"{unit} per rank: simulated | planner (difference)"]
+                 f"{unit} per rank: simulated | planner before the allocator's reserve (difference)"]
         lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
         t = self.tightest
         if self.usable_bytes is None:
