@@ -255,7 +255,7 @@ class PipelineRunner:
         """The whole model's output for ``inputs`` (one document each, as ``SingleStageRunner``'s)
         on every pipeline rank: the stages walked in order, then the last stage's owner sends
         its logits (full: TP's vocabulary shards gathered) to the other pipeline ranks."""
-        out = self._through_stages(inputs, {})
+        out = self._through_stages(inputs.to(self.device), {})
         last = self.stage_owner[-1]
         if last != self.pp_rank:
             return _recv_tensor(last, self.group, self.device)

@@ -95,8 +95,9 @@ class SingleStageRunner:
     @torch.no_grad()
     def eval_logits(self, inputs: torch.Tensor) -> torch.Tensor:
         """The model's output for ``inputs`` as one sequence each (no document mask: a harness
-        request is one document), full on every rank (TP's vocab-sharded logits gathered)."""
-        return full_logits(self.model(inputs))
+        request is one document), full on every rank (TP's vocab-sharded logits gathered); the
+        inputs moved to the model's device (a harness makes them on the host)."""
+        return full_logits(self.model(inputs.to(next(self.model.parameters()).device)))
 
 
 def full_logits(logits: Any) -> torch.Tensor:
