@@ -276,8 +276,16 @@ def schedule_peak(dims, runtime: Runtime, rank: int, stages: list[int], sizes: l
                    for n, s in zip(live, stages)) + p2p
         if runtime.pp_keeps_outputs and last in stages:  # outputs kept past their backward
             held += done[stages.index(last)] * mb.logits
-        grads_done = [d > 0 and mb.n_mb > 1 for d in done]
-        acc = sum(accumulated_grad_bytes(args, terms, sizes, s) for g, s in zip(grads_done, stages) if g)
+        # A stage's unsharded fp32 gradients exist from its first backward (made during it) until
+        # its last, after which FSDP reduce-scatters and frees them (``pp_reduces_each_stage``):
+        # the stage in backward now and the others part-way through theirs. Without it, those of
+        # every stage past its first backward, to the step's end (the published-run calibration).
+        # One microbatch: reduce-scattered as made.
+        if runtime.pp_reduces_each_stage:
+            accumulating = [mb.n_mb > 1 and (i == k or 0 < d < mb.n_mb) for i, d in enumerate(done)]
+        else:
+            accumulating = [mb.n_mb > 1 and d > 0 for d in done]
+        acc = sum(accumulated_grad_bytes(args, terms, sizes, s) for g, s in zip(accumulating, stages) if g)
         extra = mb.backward_extra
         if stages[k] == last:
             extra = max(extra, mb.loss_peak)
