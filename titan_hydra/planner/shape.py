@@ -18,14 +18,20 @@ def stage_params(args: ModelShape, pp: int) -> float:
     return math.ceil(args.n_layers / pp) * args.block_params + max(args.embedding_params, args.head_params)
 
 
+def block_split(args: ModelShape) -> tuple[float, float]:
+    """(dense parameters of a block on average, routed experts of one MoE layer): the two parts
+    FSDP shards on different meshes under expert parallelism."""
+    expert_layer = args.expert_params / args.moe_layers
+    return args.block_params - args.expert_params / args.n_layers, expert_layer
+
+
 def largest_block_params(args: ModelShape, ep: int = 1) -> float:
     """Parameters FSDP unshards at once for one block: the dense part plus a MoE layer's routed
     experts, of which expert parallelism keeps only 1/ep on a rank (sharded on their own mesh)."""
     if not args.moe_layers:
         return args.block_params
-    expert_layer = args.expert_params / args.moe_layers
-    dense_avg = args.block_params - args.expert_params / args.n_layers
-    return dense_avg + expert_layer / max(ep, 1)
+    dense, experts = block_split(args)
+    return dense + experts / max(ep, 1)
 
 
 def largest_reduce_group_params(args: ModelShape, ep: int = 1) -> float:
@@ -35,9 +41,8 @@ def largest_reduce_group_params(args: ModelShape, ep: int = 1) -> float:
     gradients are made; without it the block is one group."""
     if not args.moe_layers or ep <= 1:
         return largest_block_params(args, ep)
-    expert_layer = args.expert_params / args.moe_layers
-    dense_avg = args.block_params - args.expert_params / args.n_layers
-    return max(dense_avg, expert_layer / ep)
+    dense, experts = block_split(args)
+    return max(dense, experts / ep)
 
 
 def expert_shard_padding(args: ModelShape, dims) -> float:
